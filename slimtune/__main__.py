@@ -1,0 +1,5 @@
+import sys
+
+from slimtune.cli import main
+
+sys.exit(main())

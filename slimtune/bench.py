@@ -1,0 +1,204 @@
+"""Benchmarks (not tests): `python -m slimtune.bench save --preset NAME --out DIR` prints one JSON line.
+
+The model is synthetic but of the real shape: random NF4 codes and scalers for every projection, random
+bf16 for embeddings and norms, LoRA r=8 on q_proj and v_proj. Figures are measured in this process:
+peak RSS from VmHWM (reset before the save), bytes written from /proc/self/io wchar, and the disk's own
+sequential write speed (with fsync) measured in the same run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig
+
+import slimtune  # noqa: F401  (quiets torchao's import-time warnings)
+from slimtune.checkpoint.save import save_checkpoint
+from slimtune.lora import DEFAULT_TARGETS, LoRAConfig, lora_modules, qlora_linears
+from slimtune.memory import bytes_written_by_process, peak_rss_mb, reset_peak_rss, rss_mb
+from slimtune.model import build_qlora_skeleton, expected_checkpoint_keys, init_lora, set_tensor
+from slimtune.quant.nf4 import BLOCK_SIZE, SCALER_BLOCK_SIZE, nf4_from_parts
+from slimtune.tiny import tiny_config
+
+PRESETS = {
+    "tiny": dict(),
+    "llama3.2-1b": dict(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+    ),
+    "llama3-8b": dict(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+        max_position_embeddings=4096,
+    ),
+}
+BENCH_LORA = LoRAConfig(rank=8, alpha=16, target_modules=["q_proj", "v_proj"], quantize_modules=list(DEFAULT_TARGETS))
+
+
+def preset_config(name: str, **overrides) -> LlamaConfig:
+    if name not in PRESETS:
+        raise SystemExit(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
+    if name == "tiny":
+        return tiny_config(**overrides)
+    return LlamaConfig(
+        **{**PRESETS[name], "dtype": "bfloat16", "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}, **overrides}
+    )
+
+
+def synthetic_nf4(shape: tuple[int, int], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Random codes and scalers with torchao's layout: no slow quantization of a random bf16 weight."""
+    numel = shape[0] * shape[1]
+    n_blocks = numel // BLOCK_SIZE
+    data = torch.randint(0, 256, (numel // 2,), dtype=torch.uint8, generator=gen)
+    scalers = torch.randint(-128, 128, (n_blocks,), dtype=torch.int8, generator=gen)
+    factor = (torch.rand(n_blocks // SCALER_BLOCK_SIZE, generator=gen) * 1000 + 1000).to(dtype)
+    mean = torch.tensor(0.02, dtype=dtype)
+    return nf4_from_parts(shape, dtype, data, scalers, factor, mean)
+
+
+def synthetic_qlora_model(config: LlamaConfig, lora: LoRAConfig = BENCH_LORA, seed: int = 0) -> torch.nn.Module:
+    model = build_qlora_skeleton(config, lora)
+    gen = torch.Generator().manual_seed(seed)
+    nf4_keys = {f"{n}.weight" for n in qlora_linears(model)}
+    for key, (shape, dtype) in expected_checkpoint_keys(model).items():
+        if key in nf4_keys:
+            value = synthetic_nf4(tuple(shape), dtype, gen)
+        elif len(shape) == 1:
+            value = torch.ones(shape, dtype=dtype)
+        else:
+            value = (
+                (torch.randn(shape, generator=gen, dtype=torch.float32) * 0.02).to(dtype)
+                if shape.numel() < 2**26
+                else _random_bf16_rows(shape, dtype, gen)
+            )
+        set_tensor(model, key, value)
+    if getattr(config, "tie_word_embeddings", False):
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    init_lora(model, seed)
+    for m in lora_modules(model).values():  # a trained adapter: B non-zero so the merge does real work
+        torch.nn.init.normal_(m.lora_b.weight, std=0.01, generator=gen)
+    return model
+
+
+def _random_bf16_rows(shape: torch.Size, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Fill a large tensor in row blocks so no fp32 copy of it is ever held."""
+    out = torch.empty(shape, dtype=dtype)
+    step = max(1, 2**24 // shape[1])
+    for i in range(0, shape[0], step):
+        out[i : i + step] = torch.randn((min(step, shape[0] - i), shape[1]), generator=gen) * 0.02
+    return out
+
+
+def write_synthetic_base(config: LlamaConfig, out_dir: Path, max_shard_size: str = "5GB", seed: int = 0) -> Path:
+    """A random bf16 Hugging Face checkpoint of the config's shape, streamed to disk chunk by chunk."""
+    from slimtune.checkpoint.atomic import atomic_directory
+    from slimtune.checkpoint.stream import StreamTensor
+    from slimtune.checkpoint.writer import write_json, write_sharded
+    from slimtune.formats.hf import export_config_dict
+    from slimtune.memory import parse_size
+
+    skeleton = build_qlora_skeleton(config, LoRAConfig(target_modules=[], quantize_modules=[]))
+
+    def random_rows(index: int, shape: torch.Size, dtype: torch.dtype):
+        def rows(start: int, end: int) -> torch.Tensor:
+            if len(shape) == 1:
+                return torch.ones(end - start, dtype=dtype)
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + index * 65_537 + start)
+            return (torch.randn((end - start, *shape[1:]), generator=gen) * 0.02).to(dtype)
+
+        return rows
+
+    stream = [
+        StreamTensor(name, tuple(shape), dtype, random_rows(i, shape, dtype))
+        for i, (name, (shape, dtype)) in enumerate(expected_checkpoint_keys(skeleton).items())
+    ]
+    with atomic_directory(out_dir, overwrite=True) as tmp:
+        write_sharded(tmp, stream, parse_size(max_shard_size))
+        write_json(tmp / "config.json", export_config_dict(config, "bfloat16"))
+    return out_dir
+
+
+def disk_write_mb_s(directory: Path, nbytes: int, block: int = 16 * 1024 * 1024) -> float:
+    """Sequential write of ``nbytes`` with fsync, as the save does: the disk's own speed here."""
+    path = directory / ".slimtune-disk-probe"
+    buf = os.urandom(block)
+    start = time.perf_counter()
+    with open(path, "wb") as f:
+        written = 0
+        while written < nbytes:
+            f.write(buf)
+            written += block
+        f.flush()
+        os.fsync(f.fileno())
+    seconds = time.perf_counter() - start
+    path.unlink()
+    return written / seconds / 1e6
+
+
+def bench_save(preset: str, out: Path, layers: int | None = None) -> dict:
+    overrides = {"num_hidden_layers": layers} if layers else {}
+    config = preset_config(preset, **overrides)
+    model = synthetic_qlora_model(config)
+    params = sum(p.numel() for p in model.parameters())
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / f"save-{preset}"
+    shutil.rmtree(target, ignore_errors=True)
+    merged_bytes = sum(p.numel() for n, p in model.named_parameters() if ".lora_" not in n) * 2
+    disk = disk_write_mb_s(out, min(merged_bytes, 2 * 1024**3))
+    before = rss_mb()
+    reset_peak_rss()
+    wchar0 = bytes_written_by_process()
+    result = save_checkpoint(model, target, progress=True)
+    written = bytes_written_by_process() - wchar0
+    peak = peak_rss_mb()
+    output_bytes = result.total_bytes + (target / "slimtune_manifest.json").stat().st_size
+    write_mb_s = output_bytes / result.seconds / 1e6
+    return {
+        "preset": preset + (f"[{layers} layers]" if layers else ""),
+        "params": params,
+        "output_bytes": output_bytes,
+        "bytes_written": written,
+        "save_s": round(result.seconds, 3),
+        "write_mb_s": round(write_mb_s, 1),
+        "disk_mb_s": round(disk, 1),
+        "ratio": round(write_mb_s / disk, 3),
+        "rss_before_mb": round(before, 1),
+        "peak_rss_mb": round(peak, 1),
+        "overhead_mb": round(peak - before, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m slimtune.bench")
+    sub = parser.add_subparsers(dest="command", required=True)
+    save = sub.add_parser("save", help="merged save of a synthetic QLoRA model")
+    save.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    save.add_argument("--out", type=Path, required=True)
+    save.add_argument("--layers", type=int, default=None, help="override the number of layers")
+    save.add_argument("--keep", action="store_true", help="keep the written checkpoint")
+    args = parser.parse_args(argv)
+    if args.command == "save":
+        result = bench_save(args.preset, args.out, args.layers)
+        if not args.keep:
+            shutil.rmtree(args.out / f"save-{args.preset}", ignore_errors=True)
+        print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""A checkpoint as an ordered stream of named tensors, each produced on demand, rows at a time.
+
+Every writer in slimtune consumes this one type: the in-training save, the offline merge, verification.
+A StreamTensor knows its name, shape and dtype up front (so headers can be written first) and makes any
+row range of itself when asked, so memory holds one chunk, never the model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from slimtune.formats.safetensors import dtype_size
+from slimtune.lora import LoRALinear, lora_modules, merge_lora_rows, qlora_linears
+from slimtune.quant.nf4 import NF4Tensor, dequantize_nf4_rows
+
+PEFT_PREFIX = "base_model.model."
+
+
+@dataclass(frozen=True)
+class StreamTensor:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    rows: Callable[[int, int], torch.Tensor]
+    """rows(start, end) -> contiguous CPU tensor of shape (end - start, *shape[1:]) in ``dtype``."""
+
+    @property
+    def num_rows(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+    @property
+    def row_bytes(self) -> int:
+        n = dtype_size(self.dtype)
+        for d in self.shape[1:]:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_rows * self.row_bytes if self.shape else dtype_size(self.dtype)
+
+
+def row_chunks(t: StreamTensor, chunk_bytes: int) -> Iterator[torch.Tensor]:
+    """The tensor in consecutive row chunks of at most ``chunk_bytes`` (at least one row)."""
+    if not t.shape:
+        yield t.rows(0, 1)
+        return
+    step = max(1, chunk_bytes // max(1, t.row_bytes))
+    for start in range(0, t.num_rows, step):
+        yield t.rows(start, min(start + step, t.num_rows))
+
+
+def _to_host(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x.to(device="cpu", dtype=dtype).contiguous()
+
+
+def base_rows(weight: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Rows of a frozen base weight in its own dtype: NF4 dequantized exactly as torchao does."""
+    if isinstance(weight, NF4Tensor):
+        return dequantize_nf4_rows(weight, start, end)
+    return weight.detach()[start:end]
+
+
+def tensor_source(name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> StreamTensor:
+    """A plain tensor (embedding, norm, bias) as a stream entry, cast per chunk if dtype differs."""
+    out_dtype = dtype or tensor.dtype
+    data = tensor.detach()
+    if data.dim() == 0:
+        return StreamTensor(name, (), out_dtype, lambda s, e: _to_host(data.reshape(1), out_dtype).reshape(()))
+    return StreamTensor(name, tuple(data.shape), out_dtype, lambda s, e: _to_host(data[s:e], out_dtype))
+
+
+def merged_lora_source(name: str, module: LoRALinear, dtype: torch.dtype) -> StreamTensor:
+    """W + scale * B @ A (and DoRA's rescale) for a LoRA linear: fp32 math, one rounding to ``dtype``."""
+    if module.lora_a is None:
+        return StreamTensor(
+            name, (module.out_features, module.in_features), dtype, lambda s, e: _to_host(base_rows(module.weight, s, e), dtype)
+        )
+    a = module.lora_a.weight.detach()
+    b = module.lora_b.weight.detach()
+    magnitude = None if module.magnitude is None else module.magnitude.detach()
+
+    def rows(start: int, end: int) -> torch.Tensor:
+        m = None if magnitude is None else magnitude[start:end]
+        merged = merge_lora_rows(base_rows(module.weight, start, end), a, b[start:end], module.scaling, m)
+        return _to_host(merged, dtype)
+
+    return StreamTensor(name, (module.out_features, module.in_features), dtype, rows)
+
+
+def merged_tensor_stream(model: nn.Module, dtype: torch.dtype | None = None) -> list[StreamTensor]:
+    """The merged model, in Hugging Face names and parameter order; tied weights appear once."""
+    loras = qlora_linears(model)
+    stream: list[StreamTensor] = []
+    adapter_prefixes = tuple(f"{name}.{part}" for name in loras for part in ("lora_a.", "lora_b.", "magnitude"))
+    for name, param in model.named_parameters():
+        if name.startswith(adapter_prefixes):
+            continue  # folded into the merged weight
+        module_name, _, attr = name.rpartition(".")
+        module = loras.get(module_name)
+        if module is not None and attr == "weight":
+            stream.append(merged_lora_source(name, module, dtype or module.weight.dtype))
+        else:
+            stream.append(tensor_source(name, param, dtype))
+    for name, buf in model.named_buffers():
+        module_name, _, attr = name.rpartition(".")
+        owner = model.get_submodule(module_name)
+        if attr not in owner._non_persistent_buffers_set:
+            stream.append(tensor_source(name, buf, dtype))
+    return stream
+
+
+def adapter_tensor_stream(model: nn.Module) -> list[StreamTensor]:
+    """The adapters under PEFT's key names, in their training dtype (fp32)."""
+    stream = []
+    for name, module in lora_modules(model).items():
+        stream.append(tensor_source(f"{PEFT_PREFIX}{name}.lora_A.weight", module.lora_a.weight))
+        stream.append(tensor_source(f"{PEFT_PREFIX}{name}.lora_B.weight", module.lora_b.weight))
+        if module.magnitude is not None:
+            stream.append(tensor_source(f"{PEFT_PREFIX}{name}.lora_magnitude_vector", module.magnitude))
+    return stream

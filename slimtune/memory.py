@@ -1,0 +1,76 @@
+"""Process memory and I/O counters read from /proc, the figures every bound in slimtune is stated in."""
+
+from __future__ import annotations
+
+import os
+
+_MB = 1024 * 1024
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def rss_mb() -> float:
+    """Current resident set size (VmRSS) in MiB."""
+    return _status_kb("VmRSS") / 1024
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size since start or the last reset (VmHWM) in MiB."""
+    return _status_kb("VmHWM") / 1024
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux: write 5 to clear_refs). False where unsupported."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def bytes_written_by_process() -> int:
+    """Bytes this process has passed to write() calls (wchar in /proc/self/io)."""
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("wchar:"):
+                return int(line.split()[1])
+    raise RuntimeError("/proc/self/io has no wchar")
+
+
+def bytes_read_by_process() -> int:
+    """Bytes this process has read through read() calls (rchar in /proc/self/io)."""
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("rchar:"):
+                return int(line.split()[1])
+    raise RuntimeError("/proc/self/io has no rchar")
+
+
+def parse_size(size: str | int) -> int:
+    """'5GB' -> 5_000_000_000 (decimal units, as Hugging Face shards), '512MiB' -> binary units."""
+    if isinstance(size, int):
+        return size
+    text = size.strip().upper()
+    units = {"KIB": 1024, "MIB": _MB, "GIB": 1024**3, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
+    for unit, factor in units.items():
+        if text.endswith(unit):
+            number = text[: -len(unit)].strip()
+            try:
+                return int(float(number) * factor)
+            except ValueError:
+                break
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"cannot read size {size!r}: expected a number with an optional unit like '5GB'") from None
+
+
+def cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

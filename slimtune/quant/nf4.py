@@ -1,0 +1,98 @@
+"""torchao NF4 in one place: the import (its path moved between releases), quantization, and a chunked
+dequantization that is bit-identical to ``NF4Tensor.get_original_weight`` but works on any row range."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+# torchao logs a warning for each optional CUDA extension it cannot load; none matter for NF4.
+logging.getLogger("torchao").setLevel(logging.ERROR)
+logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+
+try:  # torchao >= 0.15
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import (
+        NF4Tensor,
+        SubclassTensorArgs,
+        linear_nf4,
+        to_nf4,
+    )
+except ImportError:  # older torchao
+    from torchao.dtypes.nf4tensor import NF4Tensor, SubclassTensorArgs, linear_nf4, to_nf4  # type: ignore
+
+__all__ = [
+    "BLOCK_SIZE",
+    "SCALER_BLOCK_SIZE",
+    "NF4Tensor",
+    "linear_nf4",
+    "quantize_nf4",
+    "can_quantize",
+    "dequantize_nf4_rows",
+    "nf4_from_parts",
+]
+
+BLOCK_SIZE = 64
+SCALER_BLOCK_SIZE = 256
+
+
+def can_quantize(shape: torch.Size | tuple[int, ...]) -> bool:
+    """NF4 needs a 2-D weight whose element count divides into whole scaler blocks."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    return len(shape) == 2 and numel % (BLOCK_SIZE * SCALER_BLOCK_SIZE) == 0
+
+
+def quantize_nf4(weight: torch.Tensor) -> NF4Tensor:
+    return to_nf4(weight.contiguous(), BLOCK_SIZE, SCALER_BLOCK_SIZE)
+
+
+def _byte_pair_table(w: NF4Tensor) -> torch.Tensor:
+    """table[b] = (nf4[b >> 4], nf4[b & 15]): one gather per byte instead of two per element."""
+    table = getattr(w, "_slimtune_pair_table", None)
+    if table is None or table.device != w.quantized_data.device:
+        codes = torch.arange(256, device=w.nf4.device)
+        table = torch.stack([w.nf4[codes >> 4], w.nf4[codes & 15]], dim=1).contiguous()
+        w._slimtune_pair_table = table
+    return table
+
+
+def dequantize_nf4_rows(w: NF4Tensor, start: int, end: int) -> torch.Tensor:
+    """Rows [start, end) of the weight in its dtype, with the same operations, in the same dtype and order
+    as torchao (scale = q / factor + mean, w = nf4[code] * scale), so the bits are identical."""
+    cols = w.shape[1]
+    bs, sbs = w.block_size, w.scaler_block_size
+    e0, e1 = start * cols, end * cols
+    b0, b1 = e0 // bs, -(-e1 // bs)
+    data = w.quantized_data[b0 * bs // 2 : b1 * bs // 2]
+    block_ids = torch.arange(b0, b1, device=data.device)
+    scalers = (w.quantized_scalers[b0:b1] / w.quantization_factor[block_ids // sbs]).to(w.dtype) + w.scaler_mean
+    values = _byte_pair_table(w)[data.to(torch.int32)].view(b1 - b0, bs)
+    values = values * scalers.unsqueeze(-1)
+    return values.view(-1)[e0 - b0 * bs : e1 - b0 * bs].view(end - start, cols)
+
+
+def nf4_from_parts(
+    shape: tuple[int, int],
+    dtype: torch.dtype,
+    quantized_data: torch.Tensor,
+    quantized_scalers: torch.Tensor,
+    quantization_factor: torch.Tensor,
+    scaler_mean: torch.Tensor,
+) -> NF4Tensor:
+    """Build an NF4Tensor from its inner tensors (synthetic benchmarks, reloading saved NF4 state)."""
+    nf4 = quantize_nf4(torch.zeros(BLOCK_SIZE * SCALER_BLOCK_SIZE, dtype=dtype).view(1, -1)).nf4
+    numel = shape[0] * shape[1]
+    meta = SubclassTensorArgs(torch.Size(shape), (shape[1], 1), 0, dtype, quantized_data.device, False)
+    return NF4Tensor(
+        meta,
+        BLOCK_SIZE,
+        numel // BLOCK_SIZE,
+        SCALER_BLOCK_SIZE,
+        quantized_scalers,
+        quantization_factor,
+        scaler_mean,
+        quantized_data,
+        nf4.to(quantized_data.device),
+    )

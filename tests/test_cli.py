@@ -1,0 +1,62 @@
+"""The CLI on bad input: one clear line naming the file or module, exit code 2, nothing written."""
+
+import shutil
+
+import pytest
+
+from tests.conftest import run_cli
+
+
+def assert_clean_failure(result, *needles, out=None):
+    assert result.returncode == 2, result.stderr
+    message = result.stderr.strip().splitlines()[-1]
+    assert message.startswith("slimtune demo: error:"), result.stderr
+    for needle in needles:
+        assert needle in message, (needle, message)
+    assert "Traceback" not in result.stderr
+    if out is not None:
+        assert not out.exists()
+
+
+def test_missing_directory(tmp_path):
+    out = tmp_path / "out"
+    r = run_cli("demo", "--base", str(tmp_path / "nope"), "--out", str(out), "--steps", "1")
+    assert_clean_failure(r, "nope", "no such model directory", out=out)
+
+
+def test_malformed_config(tmp_path, tiny_base):
+    base = tmp_path / "base"
+    shutil.copytree(tiny_base, base)
+    (base / "config.json").write_text("{ not json")
+    out = tmp_path / "out"
+    r = run_cli("demo", "--base", str(base), "--out", str(out), "--steps", "1")
+    assert_clean_failure(r, "config.json", "not valid JSON", out=out)
+
+
+def test_truncated_safetensors(tmp_path, tiny_base):
+    base = tmp_path / "base"
+    shutil.copytree(tiny_base, base)
+    weights = base / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    out = tmp_path / "out"
+    r = run_cli("demo", "--base", str(base), "--out", str(out), "--steps", "1")
+    assert_clean_failure(r, "model.safetensors", "truncated", out=out)
+
+
+def test_unknown_target_module(tmp_path, tiny_base):
+    out = tmp_path / "out"
+    r = run_cli("demo", "--base", str(tiny_base), "--out", str(out), "--steps", "1", "--targets", "q_proj,qkv_proj")
+    assert_clean_failure(r, "qkv_proj", "not found", "q_proj", out=out)
+
+
+@pytest.mark.parametrize("steps", [30])
+def test_demo_end_to_end(tmp_path, steps):
+    out = tmp_path / "demo"
+    r = run_cli("demo", "--out", str(out), "--steps", str(steps))
+    assert r.returncode == 0, r.stderr
+    text = r.stdout
+    losses = [float(line.split()[-1]) for line in text.splitlines() if line.startswith("step ")]
+    assert losses[-1] < losses[0] - 0.3, losses
+    assert "max |logit diff|" in text and "peak during save" in text and str(out) in text
+    assert (out / "checkpoint" / "slimtune_manifest.json").is_file()

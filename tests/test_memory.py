@@ -1,0 +1,55 @@
+"""Memory bounds, measured in fresh subprocesses from VmHWM (reset before the phase being measured)."""
+
+import json
+
+from tests.conftest import run_python
+
+
+def test_save_overhead_is_bounded_for_a_gigabyte_model(tmp_path):
+    # 6 layers of the Llama-3.2-1B shape: the merged bf16 copy is ~1.25 GB; the save may add <= 256 MB
+    r = run_python(f"from slimtune.bench import main; main(['save', '--preset', 'llama3.2-1b', '--layers', '6', '--out', '{tmp_path}'])")
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["output_bytes"] >= 1_000_000_000
+    assert result["overhead_mb"] < 256, result
+    # one write of every byte: nothing staged in a scratch file, nothing written twice
+    assert abs(result["bytes_written"] - result["output_bytes"]) <= 0.01 * result["output_bytes"], result
+
+
+LOAD_SCRIPT = """
+import json, sys
+from pathlib import Path
+import torch
+from slimtune.bench import preset_config, write_synthetic_base
+from slimtune.lora import LoRAConfig
+from slimtune.memory import peak_rss_mb, reset_peak_rss, rss_mb
+from slimtune.model import load_qlora_model
+from slimtune.quant.nf4 import NF4Tensor
+
+out = Path(sys.argv[1])
+config = preset_config("llama3.2-1b", num_hidden_layers=4, vocab_size=32000, tie_word_embeddings=False)
+write_synthetic_base(config, out / "base", max_shard_size="300MB")
+bf16_bytes = sum(p.stat().st_size for p in (out / "base").glob("*.safetensors"))
+before = rss_mb()
+reset_peak_rss()
+model = load_qlora_model(out / "base", LoRAConfig(), progress=False)
+peak = peak_rss_mb()
+
+def nbytes(p):
+    if isinstance(p, NF4Tensor):
+        return sum(t.numel() * t.element_size() for t in (p.quantized_data, p.quantized_scalers, p.quantization_factor))
+    return p.numel() * p.element_size()
+
+resident = sum(nbytes(p) for p in model.parameters()) / 2**20
+print(json.dumps({"before": before, "peak": peak, "resident_mb": resident, "bf16_mb": bf16_bytes / 2**20}))
+"""
+
+
+def test_streaming_load_holds_nf4_model_plus_bounded_temporaries(tmp_path):
+    script = tmp_path / "load.py"
+    script.write_text(LOAD_SCRIPT)
+    r = run_python(f"import runpy, sys; sys.argv = ['load', '{tmp_path}']; runpy.run_path('{script}', run_name='__main__')")
+    assert r.returncode == 0, r.stderr
+    m = json.loads(r.stdout.strip().splitlines()[-1])
+    assert m["resident_mb"] < 0.6 * m["bf16_mb"], m  # the model really is held quantized
+    assert m["peak"] - m["before"] <= m["resident_mb"] + 512, m

@@ -1,0 +1,79 @@
+import json
+import struct
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from slimtune.errors import SlimtuneError
+from slimtune.formats.safetensors import SafetensorsReader, SafetensorsWriter, read_header
+
+
+def test_streamed_file_reads_back_with_the_reference_library(tmp_path):
+    tensors = {
+        "a": torch.randn(7, 5).to(torch.bfloat16),
+        "b": torch.arange(12, dtype=torch.int64).reshape(3, 4),
+        "c": torch.randn(3),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.empty(0, 4),
+    }
+    path = tmp_path / "x.safetensors"
+    with SafetensorsWriter(path, [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()], {"format": "pt"}) as w:
+        w.write(tensors["a"][:2])
+        w.write(tensors["a"][2:])
+        for k in ("b", "c", "scalar"):
+            w.write(tensors[k])
+    loaded = load_file(path)
+    for k, v in tensors.items():
+        assert torch.equal(loaded[k], v), k
+    assert path.stat().st_size == w.size
+    header_len = struct.unpack("<Q", path.read_bytes()[:8])[0]
+    assert header_len % 8 == 0
+
+
+def test_writer_refuses_wrong_dtype_excess_bytes_and_early_close(tmp_path):
+    path = tmp_path / "x.safetensors"
+    w = SafetensorsWriter(path, [("a", torch.float32, (2, 2))])
+    with pytest.raises(SlimtuneError, match="tensor a"):
+        w.write(torch.zeros(2, 2, dtype=torch.bfloat16))
+    with pytest.raises(SlimtuneError, match="more bytes"):
+        w.write(torch.zeros(3, 2))
+    with pytest.raises(SlimtuneError, match="closed before"):
+        w.close()
+
+
+def test_reader_reads_row_ranges_of_reference_files(tmp_path):
+    t = torch.randn(10, 6)
+    save_file({"w": t, "v": torch.ones(4, dtype=torch.float16)}, tmp_path / "r.safetensors")
+    with SafetensorsReader(tmp_path / "r.safetensors") as r:
+        assert torch.equal(r.read("w", 3, 8), t[3:8])
+        assert torch.equal(r.read("w"), t)
+        buf = torch.empty(2, 6)
+        assert r.read("w", 0, 2, out=buf) is buf
+        with pytest.raises(SlimtuneError, match="no tensor named 'x'"):
+            r.read("x")
+
+
+def test_header_checks_catch_truncation_and_lying_offsets(tmp_path):
+    good = tmp_path / "g.safetensors"
+    save_file({"w": torch.randn(8, 8), "b": torch.randn(8)}, good)
+    raw = good.read_bytes()
+
+    truncated = tmp_path / "t.safetensors"
+    truncated.write_bytes(raw[:-10])
+    with pytest.raises(SlimtuneError, match="t.safetensors.*truncated"):
+        read_header(truncated)
+
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8 : 8 + n])
+    header["w"]["data_offsets"][1] += 4  # claims more bytes than its shape holds
+    body = json.dumps(header).encode()
+    lying = tmp_path / "l.safetensors"
+    lying.write_bytes(struct.pack("<Q", len(body)) + body + raw[8 + n :])
+    with pytest.raises(SlimtuneError, match="tensor w: offsets"):
+        read_header(lying)
+
+    tiny = tmp_path / "n.safetensors"
+    tiny.write_bytes(b"abc")
+    with pytest.raises(SlimtuneError, match="not a safetensors file"):
+        read_header(tiny)

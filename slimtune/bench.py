@@ -184,6 +184,77 @@ def bench_save(preset: str, out: Path, layers: int | None = None) -> dict:
     }
 
 
+def write_synthetic_adapter(config: LlamaConfig, out_dir: Path, rank: int = 8, seed: int = 0) -> Path:
+    """A PEFT-format LoRA adapter (r=8 on q_proj and v_proj, random A and B) for a base of this shape."""
+    from slimtune.checkpoint.atomic import atomic_directory
+    from slimtune.checkpoint.stream import adapter_tensor_stream
+    from slimtune.checkpoint.writer import write_json, write_safetensors
+    from slimtune.formats.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config_dict
+
+    lora = LoRAConfig(rank=rank, alpha=2 * rank, target_modules=["q_proj", "v_proj"])
+    model = build_qlora_skeleton(config, lora)
+    init_lora(model, seed)
+    gen = torch.Generator().manual_seed(seed)
+    for m in lora_modules(model).values():
+        torch.nn.init.normal_(m.lora_b.weight, std=0.01, generator=gen)
+    with atomic_directory(out_dir, overwrite=True) as tmp:
+        write_json(tmp / ADAPTER_CONFIG, adapter_config_dict(model, "synthetic"))
+        write_safetensors(tmp / ADAPTER_WEIGHTS, adapter_tensor_stream(model), {"format": "pt"})
+    return out_dir
+
+
+MERGE_CHILD = """
+import json, sys, time
+from slimtune.memory import bytes_read_by_process, bytes_written_by_process
+from slimtune.merge import merge_from_files
+base, adapter, out = sys.argv[1:4]
+r0, w0, t0 = bytes_read_by_process(), bytes_written_by_process(), time.perf_counter()
+result = merge_from_files(base, adapter, out, overwrite=True, progress=True)
+print(json.dumps({"merge_s": time.perf_counter() - t0, "bytes_read": bytes_read_by_process() - r0,
+                  "bytes_written": bytes_written_by_process() - w0, "output_bytes": result.total_bytes}))
+"""
+
+
+def bench_merge(preset: str, out: Path, layers: int | None = None) -> dict:
+    """Synthetic base + adapter on disk (made once, reused), then the merge in a child process whose
+    peak RSS is the kernel's max RSS for it (what /usr/bin/time -v reports)."""
+    import resource
+    import subprocess
+    import sys
+
+    from slimtune.checkpoint.atomic import is_complete_checkpoint
+
+    overrides = {"num_hidden_layers": layers} if layers else {}
+    config = preset_config(preset, **overrides)
+    tag = preset + (f"-{layers}l" if layers else "")
+    base, adapter, merged = out / f"base-{tag}", out / f"adapter-{tag}", out / f"merged-{tag}"
+    if not is_complete_checkpoint(base):
+        write_synthetic_base(config, base)
+    if not is_complete_checkpoint(adapter):
+        write_synthetic_adapter(config, adapter)
+    base_bytes = sum(p.stat().st_size for p in base.glob("*.safetensors"))
+    disk = disk_write_mb_s(out, min(base_bytes, 2 * 1024**3))
+    child = subprocess.run([sys.executable, "-c", MERGE_CHILD, str(base), str(adapter), str(merged)], stdout=subprocess.PIPE, text=True)
+    if child.returncode:
+        raise SystemExit(f"merge failed with exit code {child.returncode}")
+    stats = json.loads(child.stdout.strip().splitlines()[-1])
+    peak_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    write_mb_s = stats["bytes_written"] / stats["merge_s"] / 1e6
+    shutil.rmtree(merged, ignore_errors=True)
+    return {
+        "preset": preset + (f"[{layers} layers]" if layers else ""),
+        "base_bytes": base_bytes,
+        "output_bytes": stats["output_bytes"],
+        "bytes_read": stats["bytes_read"],
+        "bytes_written": stats["bytes_written"],
+        "merge_s": round(stats["merge_s"], 3),
+        "write_mb_s": round(write_mb_s, 1),
+        "disk_mb_s": round(disk, 1),
+        "ratio": round(write_mb_s / disk, 3),
+        "peak_rss_mb": round(peak_kb / 1024, 1),
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m slimtune.bench")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -192,7 +263,14 @@ def main(argv: list[str] | None = None) -> None:
     save.add_argument("--out", type=Path, required=True)
     save.add_argument("--layers", type=int, default=None, help="override the number of layers")
     save.add_argument("--keep", action="store_true", help="keep the written checkpoint")
+    merge = sub.add_parser("merge", help="offline merge of a synthetic base + adapter written to --out (once)")
+    merge.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    merge.add_argument("--out", type=Path, required=True)
+    merge.add_argument("--layers", type=int, default=None, help="override the number of layers")
     args = parser.parse_args(argv)
+    if args.command == "merge":
+        args.out.mkdir(parents=True, exist_ok=True)
+        print(json.dumps(bench_merge(args.preset, args.out, args.layers)))
     if args.command == "save":
         result = bench_save(args.preset, args.out, args.layers)
         if not args.keep:

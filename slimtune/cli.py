@@ -23,6 +23,56 @@ def cmd_demo(args: argparse.Namespace) -> None:
     run_demo(args.out, args.base, steps=args.steps, targets=targets)
 
 
+def cmd_finetune(args: argparse.Namespace) -> None:
+    from slimtune.config import load_config
+
+    cfg = load_config(args.config, args.overrides)  # every key checked before any work starts
+    from slimtune.recipes.finetune import run_finetune
+
+    run_finetune(cfg)
+
+
+def cmd_merge(args: argparse.Namespace) -> None:
+    from slimtune.merge import merge_from_files
+
+    if args.device == "cuda":
+        raise SlimtuneError("--device cuda: the GPU merge path is not built yet; use --device cpu")
+    result = merge_from_files(
+        args.base,
+        args.adapter,
+        args.out,
+        merge_base=args.merge_base,
+        dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
+        overwrite=args.overwrite,
+    )
+    print(f"merged {args.adapter} into {args.base} ({args.merge_base} base): {result.total_bytes:,d} bytes in {result.seconds:.1f} s")
+    print(f"wrote {result.path}")
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from slimtune.verify import verify_checkpoint
+
+    report = verify_checkpoint(args.path, args.base, args.adapter, args.merge_base, args.ulps)
+    if report.tensor_diffs:
+        worst = sorted(report.tensor_diffs.items(), key=lambda kv: -kv[1])
+        shown = worst if args.all else worst[:10]
+        print(f"max |diff| against the recomputed merge ({len(worst)} tensors{'' if args.all else ', largest first'}):")
+        for name, diff in shown:
+            print(f"  {name:64s} {diff:.3g}")
+    for problem in report.problems:
+        print(f"FAIL {problem}")
+    verdict = "OK" if report.ok else f"FAILED ({len(report.problems)} problems)"
+    print(f"verify {args.path}: {report.files_checked} files checked against the manifest: {verdict}")
+    return 0 if report.ok else 1
+
+
+def cmd_inspect(args: argparse.Namespace) -> None:
+    from slimtune.inspect import inspect_path
+
+    print("\n".join(inspect_path(args.path)))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="slimtune", description="QLoRA fine-tuning with bounded-memory checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -33,6 +83,53 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=60, help="training steps (default: 60)")
     demo.add_argument("--targets", default=None, help="comma-separated LoRA target modules (default: all attention and MLP projections)")
     demo.set_defaults(func=cmd_demo)
+
+    from slimtune.config import schema_help, shipped_configs
+
+    finetune = sub.add_parser(
+        "finetune",
+        help="QLoRA fine-tuning from a YAML config, with periodic bounded-memory checkpoints and exact resume",
+        description="Fine-tune LoRA adapters on an NF4 base from a local JSONL dataset. "
+        f"Shipped configs: {', '.join(shipped_configs())}. Example: slimtune finetune --config tiny optimizer.lr=5e-3",
+        epilog=schema_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    finetune.add_argument("--config", required=True, help="a YAML file, or the name of a shipped config")
+    finetune.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. optimizer.lr=1e-4 resume=true")
+    finetune.set_defaults(func=cmd_finetune)
+
+    merge = sub.add_parser("merge", help="merge a PEFT LoRA adapter into a Hugging Face base, from files, in bounded memory")
+    merge.add_argument(
+        "--base", type=Path, required=True, help="base checkpoint directory (safetensors; bf16/fp16/fp32 or bitsandbytes NF4)"
+    )
+    merge.add_argument("--adapter", type=Path, required=True, help="PEFT adapter directory (or a slimtune checkpoint holding adapter/)")
+    merge.add_argument("--out", type=Path, required=True, help="output directory (must not exist unless --overwrite)")
+    merge.add_argument(
+        "--merge-base",
+        choices=["original", "quantized"],
+        default="original",
+        help="merge into W itself (original, default) or into dequant(NF4(W)), the weights a QLoRA adapter was trained against",
+    )
+    merge.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="output dtype (default: the base's)")
+    merge.add_argument("--max-shard-size", default="5GB", help='largest shard (default "5GB", decimal units)')
+    merge.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the merge math runs (default: cpu)")
+    merge.add_argument("--overwrite", action="store_true", help="replace an existing output directory (atomically, once complete)")
+    merge.set_defaults(func=cmd_merge)
+
+    verify = sub.add_parser("verify", help="check a checkpoint against its manifest, the format rules and (optionally) its sources")
+    verify.add_argument("path", type=Path, help="checkpoint directory")
+    verify.add_argument("--base", type=Path, default=None, help="base checkpoint, to recompute each merged tensor")
+    verify.add_argument("--adapter", type=Path, default=None, help="adapter, to recompute each merged tensor")
+    verify.add_argument("--merge-base", choices=["original", "quantized"], default="original", help="as given to merge")
+    verify.add_argument(
+        "--ulps", type=int, default=0, help="allowed difference in units of the last place (default 0: bit-identical, as slimtune writes)"
+    )
+    verify.add_argument("--all", action="store_true", help="print the max |diff| of every tensor, not the 10 largest")
+    verify.set_defaults(func=cmd_verify)
+
+    inspect = sub.add_parser("inspect", help="list the tensors (and adapter settings) of a checkpoint, shard or adapter")
+    inspect.add_argument("path", type=Path, help="checkpoint directory, adapter directory or .safetensors file")
+    inspect.set_defaults(func=cmd_inspect)
     return parser
 
 
@@ -40,14 +137,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _quiet_transformers()
     try:
-        args.func(args)
+        code = args.func(args) or 0
     except SlimtuneError as e:
         print(f"slimtune {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"slimtune {args.command}: interrupted", file=sys.stderr)
         return 130
-    return 0
+    return code
 
 
 if __name__ == "__main__":

@@ -12,11 +12,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from slimtune.formats.peft import PEFT_PREFIX
 from slimtune.formats.safetensors import dtype_size
 from slimtune.lora import LoRALinear, lora_modules, merge_lora_rows, qlora_linears
 from slimtune.quant.nf4 import NF4Tensor, dequantize_nf4_rows
-
-PEFT_PREFIX = "base_model.model."
 
 
 @dataclass(frozen=True)

@@ -96,3 +96,42 @@ def nf4_from_parts(
         quantized_data,
         nf4.to(quantized_data.device),
     )
+
+
+class NF4RoundTrip:
+    """dequant(to_nf4(W)) by row range, for a W read by rows (the weights a QLoRA adapter was trained
+    against), bit-identical to torchao's, without holding W: a first pass collects the per-block absmax
+    (numel/64 values), which fixes the double-quantized scalers; then each row range is quantized to
+    the nearest NF4 code and dequantized with those scalers, the same elementwise operations as torchao."""
+
+    def __init__(self, read_rows, shape: tuple[int, int], dtype: torch.dtype, chunk_rows: int):
+        self.read_rows, self.shape, self.dtype = read_rows, shape, dtype
+        cols = shape[1]
+        if cols % BLOCK_SIZE:
+            raise ValueError("NF4 round trip by rows needs rows made of whole 64-blocks")
+        absmax = [
+            read_rows(s, min(s + chunk_rows, shape[0])).reshape(-1, BLOCK_SIZE).abs().max(dim=1).values
+            for s in range(0, shape[0], chunk_rows)
+        ]
+        block_absmax = torch.cat(absmax)
+        # torchao's double_quantize_scalers, on the block absmax vector
+        mean = block_absmax.mean()
+        centred = block_absmax - mean
+        scaler_blocks = centred.view(-1, SCALER_BLOCK_SIZE)
+        factor = 256 / (2 * scaler_blocks.abs().max(dim=1).values)
+        quantized = (scaler_blocks * factor.unsqueeze(-1)).round().clamp(-128, 127).flatten().to(torch.int8)
+        # torchao's dequantize_scalers
+        self.scalers = (quantized.view(-1, SCALER_BLOCK_SIZE) / factor.unsqueeze(-1)).flatten().to(dtype) + mean
+        self.block_absmax = block_absmax
+        self.nf4 = quantize_nf4(torch.zeros(1, BLOCK_SIZE * SCALER_BLOCK_SIZE, dtype=dtype)).nf4
+
+    def rows(self, start: int, end: int) -> torch.Tensor:
+        cols = self.shape[1]
+        b0, b1 = start * cols // BLOCK_SIZE, end * cols // BLOCK_SIZE
+        blocks = self.read_rows(start, end).reshape(-1, BLOCK_SIZE)
+        scaled = (blocks / self.block_absmax[b0:b1].unsqueeze(-1)).flatten()
+        codes = torch.empty(scaled.numel(), dtype=torch.long)
+        for i in range(0, scaled.numel(), 2**20):  # torchao's chunking: bounds the [n, 16] distance table
+            codes[i : i + 2**20] = (scaled[i : i + 2**20].unsqueeze(-1) - self.nf4).abs().min(dim=-1).indices
+        values = self.nf4[codes].view(-1, BLOCK_SIZE) * self.scalers[b0:b1].unsqueeze(-1)
+        return values.view(end - start, cols)

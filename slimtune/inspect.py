@@ -1,0 +1,69 @@
+"""`slimtune inspect`: what a checkpoint, shard or adapter holds (tensors, dtypes, shapes, bytes, totals;
+for adapters r, alpha, targets, rsLoRA/DoRA), from headers only: nothing is loaded."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+from slimtune.checkpoint.atomic import MANIFEST_NAME
+from slimtune.errors import SlimtuneError
+from slimtune.formats.peft import ADAPTER_CONFIG
+from slimtune.formats.safetensors import DTYPE_TO_NAME, read_header
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n}"
+
+
+def describe_adapter(directory: Path) -> list[str]:
+    config = json.loads((directory / ADAPTER_CONFIG).read_text())
+    lines = [
+        f"adapter {directory}",
+        f"  peft_type {config.get('peft_type')}  r {config.get('r')}  lora_alpha {config.get('lora_alpha')}  "
+        f"rsLoRA {bool(config.get('use_rslora'))}  DoRA {bool(config.get('use_dora'))}",
+        f"  target_modules {config.get('target_modules')}",
+    ]
+    for key in ("rank_pattern", "alpha_pattern", "modules_to_save", "fan_in_fan_out"):
+        if config.get(key):
+            lines.append(f"  {key} {config[key]}")
+    return lines
+
+
+def describe_files(files: list[Path], root: Path) -> list[str]:
+    lines, dtypes = [], Counter()
+    tensors = params = nbytes = 0
+    for path in files:
+        header = read_header(path)
+        lines.append(f"{path.relative_to(root) if path != root else path.name}  ({_human(path.stat().st_size)})")
+        for name, e in header.tensors.items():
+            lines.append(f"  {name:64s} {DTYPE_TO_NAME[e.dtype]:5s} {str(list(e.shape)):20s} {e.nbytes:>14,d}")
+            tensors, params, nbytes = tensors + 1, params + e.numel, nbytes + e.nbytes
+            dtypes[DTYPE_TO_NAME[e.dtype]] += e.nbytes
+    by_dtype = ", ".join(f"{d} {_human(b)}" for d, b in dtypes.most_common())
+    lines.append(f"total: {tensors} tensors, {params:,d} parameters, {nbytes:,d} bytes ({by_dtype})")
+    return lines
+
+
+def inspect_path(path: str | Path) -> list[str]:
+    path = Path(path)
+    if path.is_file():
+        return describe_files([path], path)
+    if not path.is_dir():
+        raise SlimtuneError(f"{path}: no such file or directory")
+    lines: list[str] = []
+    if (path / MANIFEST_NAME).is_file():
+        manifest = json.loads((path / MANIFEST_NAME).read_text())
+        lines.append(f"slimtune checkpoint {path}: {len(manifest['files'])} files in the manifest ({manifest.get('kind', '?')})")
+    for adapter_dir in (path, path / "adapter"):
+        if (adapter_dir / ADAPTER_CONFIG).is_file():
+            lines += describe_adapter(adapter_dir)
+    files = sorted(path.rglob("*.safetensors"))
+    if not files and not lines:
+        raise SlimtuneError(f"{path}: no safetensors files, adapter or manifest")
+    return lines + describe_files(files, path) if files else lines

@@ -1,0 +1,231 @@
+"""Offline merge straight from files: a Hugging Face base checkpoint (bf16/fp16/fp32, or bitsandbytes
+NF4) plus a PEFT LoRA adapter -> merged sharded safetensors, through the same tensor stream and writer
+as the in-training save. Base tensors are read by row range into small buffers (never whole files),
+so memory is one chunk plus the adapter, whatever the model size."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from slimtune.checkpoint.save import SaveResult, write_checkpoint
+from slimtune.checkpoint.stream import StreamTensor
+from slimtune.checkpoint.writer import DEFAULT_CHUNK_BYTES
+from slimtune.errors import SlimtuneError
+from slimtune.formats.bnb import BnbNF4Weight, is_aux_key, load_bnb_weight
+from slimtune.formats.hf import checkpoint_files
+from slimtune.formats.peft import Adapter, AdapterModule, read_adapter
+from slimtune.formats.safetensors import SafetensorsReader
+from slimtune.lora import merge_lora_rows
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+class BaseCheckpoint:
+    """A base checkpoint on disk: tensor names, shapes and dtypes from the headers, rows on demand."""
+
+    def __init__(self, model_dir: str | Path):
+        self.dir = Path(model_dir)
+        if not self.dir.is_dir():
+            raise SlimtuneError(f"{self.dir}: no such base model directory")
+        config_path = self.dir / "config.json"
+        try:
+            self.config = json.loads(config_path.read_text())
+        except FileNotFoundError:
+            raise SlimtuneError(f"{config_path}: missing (a Hugging Face checkpoint directory needs config.json)") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise SlimtuneError(f"{config_path}: not valid JSON ({e})") from None
+        self.readers = [SafetensorsReader(h.path) for h in checkpoint_files(self.dir)]
+        self.location = {key: r for r in self.readers for key in r.tensors}
+        self.bnb: dict[str, BnbNF4Weight] = {}
+        for key, reader in self.location.items():
+            if key + ".absmax" in self.location and key.endswith(".weight"):
+                self.bnb[key] = load_bnb_weight(key, self._read_whole, self._byte_reader(key), str(reader.path))
+        self.keys = [k for k in self.location if not (is_aux_key(k) and _aux_owner(k) in self.bnb)]
+
+    def _read_whole(self, key: str) -> torch.Tensor:
+        if key not in self.location:
+            raise SlimtuneError(f"{self.dir}: bitsandbytes tensor {key} is missing")
+        return self.location[key].read(key)
+
+    def _byte_reader(self, key: str):
+        reader = self.location[key]
+        entry = reader.entry(key)
+        per_row = entry.nbytes // entry.shape[0] if entry.shape and entry.shape[0] else 1
+        if per_row != 1:
+            raise SlimtuneError(f"{reader.path}: tensor {key}: packed 4-bit weight of shape {list(entry.shape)}, expected [n, 1]")
+        return lambda b0, b1: reader.read(key, b0, b1).view(-1)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self.bnb[key].shape if key in self.bnb else self.location[key].entry(key).shape
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self.bnb[key].dtype if key in self.bnb else self.location[key].entry(key).dtype
+
+    def rows(self, key: str, start: int, end: int) -> torch.Tensor:
+        if key in self.bnb:
+            return self.bnb[key].rows(start, end)
+        return self.location[key].read(key, start, end)
+
+    def close(self) -> None:
+        for r in self.readers:
+            r.close()
+
+
+def _aux_owner(key: str) -> str:
+    for suffix in (".quant_state.bitsandbytes__nf4", ".nested_quant_map", ".nested_absmax", ".quant_map", ".absmax"):
+        if key.endswith(suffix):
+            return key[: -len(suffix)]
+    return key
+
+
+def _base_rows_fn(base: BaseCheckpoint, key: str, merge_base: str, chunk_bytes: int):
+    """Rows of the base weight that the adapter is merged into: W itself, or dequant(NF4(W))."""
+    if merge_base == "original" or key in base.bnb:
+        return lambda s, e: base.rows(key, s, e)
+    from slimtune.quant.nf4 import NF4RoundTrip, can_quantize
+
+    shape = base.shape(key)
+    if not can_quantize(shape) or shape[1] % 64:
+        log.warning("%s: %s %s does not divide into NF4 blocks; merged into the original weight", base.dir, key, list(shape))
+        return lambda s, e: base.rows(key, s, e)
+    state: dict[str, NF4RoundTrip] = {}
+
+    def rows(s: int, e: int) -> torch.Tensor:
+        if "rt" not in state:  # first pass over W only when the tensor's turn comes
+            row_bytes = shape[1] * 2
+            state["rt"] = NF4RoundTrip(lambda a, b: base.rows(key, a, b), shape, base.dtype(key), max(1, chunk_bytes // row_bytes))
+        return state["rt"].rows(s, e)
+
+    return rows
+
+
+def _merged_source(
+    key: str, base: BaseCheckpoint, m: AdapterModule, adapter: Adapter, dtype: torch.dtype, merge_base: str, chunk_bytes: int
+):
+    shape = base.shape(key)
+    where = f"adapter {adapter.path}, module {m.name}"
+    if len(shape) != 2:
+        raise SlimtuneError(f"{where}: base tensor {key} has shape {list(shape)}, a LoRA target must be 2-D")
+    out_f, in_f = (shape[1], shape[0]) if adapter.fan_in_fan_out else shape
+    if tuple(m.lora_a.shape) != (m.rank, in_f) or tuple(m.lora_b.shape) != (out_f, m.rank):
+        raise SlimtuneError(
+            f"{where}: lora_A {list(m.lora_a.shape)} and lora_B {list(m.lora_b.shape)} do not fit base {key} {list(shape)} "
+            f"(expected [{m.rank}, {in_f}] and [{out_f}, {m.rank}])"
+        )
+    if m.magnitude is not None and (adapter.fan_in_fan_out or tuple(m.magnitude.shape) != (out_f,)):
+        raise SlimtuneError(f"{where}: DoRA magnitude {list(m.magnitude.shape)} does not fit base {key} {list(shape)}")
+    base_rows = _base_rows_fn(base, key, merge_base, chunk_bytes)
+    a, b = m.lora_a.float(), m.lora_b.float()
+    if adapter.fan_in_fan_out:  # W is [in, out]: rows of (B @ A)^T are A[:, rows]^T @ B^T
+        bt = b.t().contiguous()
+
+        def rows(s: int, e: int) -> torch.Tensor:
+            return merge_lora_rows(base_rows(s, e), bt, a[:, s:e].t(), m.scaling).to(dtype)
+    else:
+
+        def rows(s: int, e: int) -> torch.Tensor:
+            mag = None if m.magnitude is None else m.magnitude[s:e]
+            return merge_lora_rows(base_rows(s, e), a, b[s:e], m.scaling, mag).to(dtype)
+
+    return StreamTensor(key, tuple(shape), dtype, rows)
+
+
+def merged_file_stream(
+    base: BaseCheckpoint,
+    adapter: Adapter,
+    dtype: torch.dtype | None = None,
+    merge_base: str = "original",
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> list[StreamTensor]:
+    """The merged model as a tensor stream, in the base's tensor order. Every adapter module must land
+    on a base weight of the right shape; errors name the module, the tensor and the shapes."""
+    targets = {f"{name}.weight": m for name, m in adapter.modules.items()}
+    saved = dict(adapter.saved_modules)
+    keys = list(base.keys)
+    tied = base.config.get("tie_word_embeddings", False)
+    wanted_extra = [k for k in list(targets) + list(saved) if k not in base.location and k not in keys]
+    for key in wanted_extra:
+        if tied and key == "lm_head.weight" and "model.embed_tokens.weight" in base.location:
+            keys.append(key)  # untie: the adapter changes lm_head but not the embedding
+        else:
+            raise SlimtuneError(f"adapter {adapter.path}: target module {key.rsplit('.', 1)[0]} is missing from base {base.dir}")
+    stream = []
+    for key in keys:
+        source_key = "model.embed_tokens.weight" if key not in base.location and key not in base.bnb else key
+        is_float = base.dtype(source_key).is_floating_point
+        out_dtype = (dtype or base.dtype(source_key)) if is_float else base.dtype(source_key)
+        if key in saved:
+            t = saved.pop(key)
+            if tuple(t.shape) != tuple(base.shape(source_key)):
+                raise SlimtuneError(
+                    f"adapter {adapter.path}: modules_to_save tensor {key} {list(t.shape)} vs base {list(base.shape(source_key))}"
+                )
+            stream.append(StreamTensor(key, tuple(t.shape), out_dtype, lambda s, e, t=t, d=out_dtype: t.rows(s, e).to(d).contiguous()))
+        elif key in targets:
+            m = targets[key]
+            if source_key != key:
+                raise SlimtuneError(f"adapter {adapter.path}: LoRA on tied {key} is not supported; untie the model first")
+            stream.append(_merged_source(key, base, m, adapter, out_dtype, merge_base, chunk_bytes))
+        else:
+            rows = (
+                (lambda s, e, k=source_key, d=out_dtype: base.rows(k, s, e).to(d))
+                if base.shape(source_key)
+                else (lambda s, e, k=source_key, d=out_dtype: base.rows(k, 0, None).to(d))
+            )
+            stream.append(StreamTensor(key, tuple(base.shape(source_key)), out_dtype, rows))
+    return stream
+
+
+def merge_from_files(
+    base_dir: str | Path,
+    adapter_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    merge_base: str = "original",
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: str | int = "5GB",
+    overwrite: bool = False,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    progress: bool = True,
+) -> SaveResult:
+    """Merge ``adapter_dir`` into ``base_dir`` and write ``out_dir`` as a Hugging Face checkpoint
+    (sharded safetensors, index, config without quantization_config, tokenizer files, manifest)."""
+    if merge_base not in ("original", "quantized"):
+        raise SlimtuneError(f"merge base {merge_base!r}: expected 'original' or 'quantized'")
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise SlimtuneError(f"dtype {dtype!r}: expected one of {sorted(DTYPES)}")
+        dtype = DTYPES[dtype]
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not overwrite:
+        raise SlimtuneError(f"{out_dir} already exists; pass --overwrite to replace it")
+    base = BaseCheckpoint(base_dir)
+    try:
+        adapter = read_adapter(adapter_dir)
+        stream = merged_file_stream(base, adapter, dtype, merge_base, chunk_bytes)
+        config = {k: v for k, v in base.config.items() if k not in ("quantization_config", "_name_or_path")}
+        floats = [t.dtype for t in stream if t.dtype.is_floating_point]
+        if floats:
+            config["torch_dtype"] = config["dtype"] = DTYPE_NAMES.get(dtype or floats[0], str(floats[0]))
+        if "lm_head.weight" in {t.name for t in stream} and config.get("tie_word_embeddings"):
+            config["tie_word_embeddings"] = False
+        return write_checkpoint(
+            out_dir,
+            merged=stream,
+            config=config,
+            tokenizer_dir=base.dir,
+            max_shard_size=max_shard_size,
+            overwrite=overwrite,
+            chunk_bytes=chunk_bytes,
+            progress=progress,
+            manifest_extra={"kind": "merged", "merge_base": merge_base, "base": str(Path(base_dir)), "adapter": str(adapter.path)},
+        )
+    finally:
+        base.close()

@@ -1,0 +1,166 @@
+"""`slimtune verify`: is a checkpoint directory exactly what its manifest says, are its safetensors
+files and index well-formed, and (with base and adapter) does every merged tensor equal a fresh
+recomputation from the sources, streamed chunk by chunk?"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from slimtune.checkpoint.atomic import MANIFEST_NAME, read_manifest, sha256_file
+from slimtune.checkpoint.stream import row_chunks
+from slimtune.checkpoint.writer import DEFAULT_CHUNK_BYTES
+from slimtune.errors import SlimtuneError
+from slimtune.formats.hf import INDEX_NAME
+from slimtune.formats.peft import read_adapter
+from slimtune.formats.safetensors import SafetensorsReader, read_header
+from slimtune.merge import BaseCheckpoint, merged_file_stream
+
+
+@dataclass
+class VerifyReport:
+    problems: list[str] = field(default_factory=list)
+    tensor_diffs: dict[str, float] = field(default_factory=dict)
+    files_checked: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def check_manifest(ckpt: Path, report: VerifyReport, progress: bool) -> None:
+    try:
+        manifest = read_manifest(ckpt)
+    except SlimtuneError as e:
+        report.problems.append(str(e))
+        return
+    listed = {f["path"]: f for f in manifest.get("files", [])}
+    on_disk = {p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file() and p.name != MANIFEST_NAME}
+    for extra in sorted(on_disk - set(listed)):
+        report.problems.append(f"{ckpt / extra}: not listed in the manifest")
+    for rel, entry in tqdm(sorted(listed.items()), desc="sha256", unit="file", disable=not progress):
+        path = ckpt / rel
+        if not path.is_file():
+            report.problems.append(f"{path}: listed in the manifest but missing")
+            continue
+        size = path.stat().st_size
+        if size != entry["size"]:
+            report.problems.append(f"{path}: {size} bytes, the manifest says {entry['size']}")
+        elif sha256_file(path) != entry["sha256"]:
+            report.problems.append(f"{path}: sha256 differs from the manifest (changed or corrupted bytes)")
+        report.files_checked += 1
+
+
+def check_safetensors_and_index(ckpt: Path, report: VerifyReport) -> dict[str, Path]:
+    """Every header against the format rules, and the index against the shards. Returns key -> file."""
+    location: dict[str, Path] = {}
+    for path in sorted(ckpt.rglob("*.safetensors")):
+        try:
+            header = read_header(path)
+        except SlimtuneError as e:
+            report.problems.append(str(e))
+            continue
+        if path.parent == ckpt:
+            location.update({k: path for k in header.tensors})
+    index_path = ckpt / INDEX_NAME
+    if index_path.is_file():
+        try:
+            index = json.loads(index_path.read_text())
+            weight_map, total = index["weight_map"], index["metadata"]["total_size"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            report.problems.append(f"{index_path}: malformed index ({e!r})")
+            return location
+        for key, shard in weight_map.items():
+            if not (ckpt / shard).is_file():
+                report.problems.append(f"{index_path}: tensor {key} is mapped to {shard}, which is missing")
+            elif location.get(key) != ckpt / shard:
+                report.problems.append(f"{index_path}: tensor {key} is mapped to {shard} but is not in it")
+        for key, path in location.items():
+            if key not in weight_map and path.name != "adapter_model.safetensors":
+                report.problems.append(f"{path}: tensor {key} is not in {INDEX_NAME}")
+        data = sum(read_header(p).tensors[k].nbytes for k, p in location.items() if k in weight_map and p.is_file())
+        if data != total and not any("missing" in p for p in report.problems):
+            report.problems.append(f"{index_path}: total_size {total} but the shards hold {data} bytes of tensors")
+    return location
+
+
+def ulp_tolerance(reference: torch.Tensor, dtype: torch.dtype, ulps: int) -> torch.Tensor:
+    """``ulps`` units in the last place of ``dtype`` at each reference value (0: exact)."""
+    if not ulps or not dtype.is_floating_point:
+        return torch.zeros_like(reference)
+    return ulps * (reference.abs() * torch.finfo(dtype).eps + torch.finfo(dtype).tiny)
+
+
+def check_recomputed(
+    ckpt: Path,
+    location: dict[str, Path],
+    base_dir: Path,
+    adapter_dir: Path,
+    merge_base: str,
+    ulps: int,
+    report: VerifyReport,
+    progress: bool,
+) -> None:
+    """slimtune's merge is deterministic (same stream, same chunks), so by default every element must
+    match exactly; ``ulps`` allows merges made by other tools, which may round differently."""
+    base = BaseCheckpoint(base_dir)
+    readers: dict[Path, SafetensorsReader] = {}
+    try:
+        stream = merged_file_stream(base, read_adapter(adapter_dir), None, merge_base)
+        total = sum(t.nbytes for t in stream)
+        with tqdm(total=total, unit="B", unit_scale=True, desc="recompute", disable=not progress) as bar:
+            for t in stream:
+                if t.name not in location:
+                    report.problems.append(f"{ckpt}: tensor {t.name} is missing")
+                    continue
+                path = location[t.name]
+                reader = readers.setdefault(path, SafetensorsReader(path))
+                entry = reader.entry(t.name)
+                if tuple(entry.shape) != tuple(t.shape):
+                    report.problems.append(f"{path}: tensor {t.name} has shape {list(entry.shape)}, recomputed {list(t.shape)}")
+                    continue
+                worst, bad, row = 0.0, False, 0
+                for chunk in row_chunks(t, DEFAULT_CHUNK_BYTES):
+                    n = chunk.shape[0] if chunk.dim() else 1
+                    stored = reader.read(t.name, row, row + n) if chunk.dim() else reader.read(t.name)
+                    row += n
+                    expected = chunk.to(entry.dtype).float() if entry.dtype.is_floating_point else chunk
+                    diff = (stored.float() - expected.float()).abs()
+                    worst = max(worst, diff.max().item() if diff.numel() else 0.0)
+                    bad |= bool((diff > ulp_tolerance(expected.float(), entry.dtype, ulps)).any())
+                    bar.update(chunk.numel() * chunk.element_size())
+                report.tensor_diffs[t.name] = worst
+                if bad:
+                    report.problems.append(
+                        f"{path}: tensor {t.name} differs from the recomputed merge "
+                        f"({f'more than {ulps} ulp' if ulps else 'not bit-identical'}; max |diff| {worst:.3g})"
+                    )
+    finally:
+        base.close()
+        for r in readers.values():
+            r.close()
+
+
+def verify_checkpoint(
+    ckpt: str | Path,
+    base_dir: str | Path | None = None,
+    adapter_dir: str | Path | None = None,
+    merge_base: str = "original",
+    ulps: int = 0,
+    progress: bool = True,
+) -> VerifyReport:
+    ckpt = Path(ckpt)
+    if not ckpt.is_dir():
+        raise SlimtuneError(f"{ckpt}: no such checkpoint directory")
+    if (base_dir is None) != (adapter_dir is None):
+        raise SlimtuneError("recomputing the merge needs both --base and --adapter")
+    report = VerifyReport()
+    check_manifest(ckpt, report, progress)
+    location = check_safetensors_and_index(ckpt, report)
+    if base_dir is not None:
+        check_recomputed(ckpt, location, Path(base_dir), Path(adapter_dir), merge_base, ulps, report, progress)
+    return report

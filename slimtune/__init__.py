@@ -7,9 +7,21 @@ _logging.getLogger("torchao").setLevel(_logging.ERROR)
 _logging.getLogger("torch.utils._pytree").setLevel(_logging.ERROR)
 
 __version__ = "0.1.0"
+__all__ = ["LoRAConfig", "SaveResult", "load_qlora_model", "merge_from_files", "save_checkpoint", "__version__"]
 
-from slimtune.checkpoint.save import SaveResult, save_checkpoint  # noqa: E402
-from slimtune.lora import LoRAConfig  # noqa: E402
-from slimtune.model import load_qlora_model  # noqa: E402
+_EXPORTS = {
+    "LoRAConfig": "slimtune.lora",
+    "SaveResult": "slimtune.checkpoint.save",
+    "save_checkpoint": "slimtune.checkpoint.save",
+    "load_qlora_model": "slimtune.model",
+    "merge_from_files": "slimtune.merge",
+}
 
-__all__ = ["LoRAConfig", "SaveResult", "load_qlora_model", "save_checkpoint", "__version__"]
+
+def __getattr__(name: str):
+    """Imported on first use: the offline merge should not pay for torchao and transformers."""
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'slimtune' has no attribute {name!r}")

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slimtune.quant.nf4 import NF4Tensor, linear_nf4
+from slimtune.quant import is_nf4
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -69,7 +69,9 @@ class LoRALinear(nn.Module):
         nn.init.zeros_(self.lora_b.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.weight, NF4Tensor):
+        if is_nf4(self.weight):
+            from slimtune.quant.nf4 import linear_nf4  # saves the NF4 weight, not a dequantized copy, for backward
+
             out = linear_nf4(x, self.weight)
         else:
             out = F.linear(x, self.weight.to(x.dtype))
@@ -81,7 +83,7 @@ class LoRALinear(nn.Module):
         return out + lora.to(out.dtype)
 
     def extra_repr(self) -> str:
-        kind = "nf4" if isinstance(self.weight, NF4Tensor) else str(self.weight.dtype)
+        kind = "nf4" if is_nf4(self.weight) else str(self.weight.dtype)
         return f"in={self.in_features}, out={self.out_features}, rank={self.rank}, alpha={self.alpha}, base={kind}"
 
 

@@ -35,22 +35,22 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def bytes_written_by_process() -> int:
-    """Bytes this process has passed to write() calls (wchar in /proc/self/io)."""
+def _io_counter(field: str) -> int:
     with open("/proc/self/io") as f:
         for line in f:
-            if line.startswith("wchar:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1])
-    raise RuntimeError("/proc/self/io has no wchar")
+    raise RuntimeError(f"/proc/self/io has no {field}")
+
+
+def bytes_written_by_process() -> int:
+    """Bytes this process has passed to write() calls (wchar in /proc/self/io)."""
+    return _io_counter("wchar")
 
 
 def bytes_read_by_process() -> int:
     """Bytes this process has read through read() calls (rchar in /proc/self/io)."""
-    with open("/proc/self/io") as f:
-        for line in f:
-            if line.startswith("rchar:"):
-                return int(line.split()[1])
-    raise RuntimeError("/proc/self/io has no rchar")
+    return _io_counter("rchar")
 
 
 def parse_size(size: str | int) -> int:

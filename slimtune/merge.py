@@ -12,8 +12,10 @@ from pathlib import Path
 import torch
 
 from slimtune.checkpoint.save import SaveResult, write_checkpoint
-from slimtune.checkpoint.stream import StreamTensor
-from slimtune.checkpoint.writer import DEFAULT_CHUNK_BYTES
+from slimtune.checkpoint.staging import BufferPool, pool_for
+from slimtune.checkpoint.staging import to_host as plain_to_host
+from slimtune.checkpoint.stream import StreamTensor, ToHost
+from slimtune.checkpoint.writer import DEFAULT_CHUNK_BYTES, DEFAULT_INFLIGHT_BYTES
 from slimtune.errors import SlimtuneError
 from slimtune.formats.bnb import BnbNF4Weight, is_aux_key, load_bnb_weight
 from slimtune.formats.hf import checkpoint_files
@@ -30,8 +32,9 @@ DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float
 class BaseCheckpoint:
     """A base checkpoint on disk: tensor names, shapes and dtypes from the headers, rows on demand."""
 
-    def __init__(self, model_dir: str | Path):
+    def __init__(self, model_dir: str | Path, pool: BufferPool | None = None):
         self.dir = Path(model_dir)
+        self.pool = pool
         if not self.dir.is_dir():
             raise SlimtuneError(f"{self.dir}: no such base model directory")
         config_path = self.dir / "config.json"
@@ -71,7 +74,11 @@ class BaseCheckpoint:
     def rows(self, key: str, start: int, end: int) -> torch.Tensor:
         if key in self.bnb:
             return self.bnb[key].rows(start, end)
-        return self.location[key].read(key, start, end)
+        reader = self.location[key]
+        entry = reader.entry(key)
+        if self.pool is None or not entry.shape:
+            return reader.read(key, start, end)
+        return reader.read(key, start, end, out=self.pool.take((end - start, *entry.shape[1:]), entry.dtype))
 
     def close(self) -> None:
         for r in self.readers:
@@ -107,7 +114,15 @@ def _base_rows_fn(base: BaseCheckpoint, key: str, merge_base: str, chunk_bytes: 
 
 
 def _merged_source(
-    key: str, base: BaseCheckpoint, m: AdapterModule, adapter: Adapter, dtype: torch.dtype, merge_base: str, chunk_bytes: int
+    key: str,
+    base: BaseCheckpoint,
+    m: AdapterModule,
+    adapter: Adapter,
+    dtype: torch.dtype,
+    merge_base: str,
+    chunk_bytes: int,
+    device: torch.device,
+    to_host: ToHost,
 ):
     shape = base.shape(key)
     where = f"adapter {adapter.path}, module {m.name}"
@@ -121,18 +136,19 @@ def _merged_source(
         )
     if m.magnitude is not None and (adapter.fan_in_fan_out or tuple(m.magnitude.shape) != (out_f,)):
         raise SlimtuneError(f"{where}: DoRA magnitude {list(m.magnitude.shape)} does not fit base {key} {list(shape)}")
-    base_rows = _base_rows_fn(base, key, merge_base, chunk_bytes)
-    a, b = m.lora_a.float(), m.lora_b.float()
+    read_rows = _base_rows_fn(base, key, merge_base, chunk_bytes)
+    a, b = m.lora_a.float().to(device), m.lora_b.float().to(device)
+    magnitude = None if m.magnitude is None else m.magnitude.to(device)
     if adapter.fan_in_fan_out:  # W is [in, out]: rows of (B @ A)^T are A[:, rows]^T @ B^T
         bt = b.t().contiguous()
 
         def rows(s: int, e: int) -> torch.Tensor:
-            return merge_lora_rows(base_rows(s, e), bt, a[:, s:e].t(), m.scaling).to(dtype)
+            return to_host(merge_lora_rows(read_rows(s, e).to(device), bt, a[:, s:e].t(), m.scaling), dtype)
     else:
 
         def rows(s: int, e: int) -> torch.Tensor:
-            mag = None if m.magnitude is None else m.magnitude[s:e]
-            return merge_lora_rows(base_rows(s, e), a, b[s:e], m.scaling, mag).to(dtype)
+            mag = None if magnitude is None else magnitude[s:e]
+            return to_host(merge_lora_rows(read_rows(s, e).to(device), a, b[s:e], m.scaling, mag), dtype)
 
     return StreamTensor(key, tuple(shape), dtype, rows)
 
@@ -143,9 +159,12 @@ def merged_file_stream(
     dtype: torch.dtype | None = None,
     merge_base: str = "original",
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    device: str | torch.device = "cpu",
+    to_host: ToHost = plain_to_host,
 ) -> list[StreamTensor]:
     """The merged model as a tensor stream, in the base's tensor order. Every adapter module must land
-    on a base weight of the right shape; errors name the module, the tensor and the shapes."""
+    on a base weight of the right shape; errors name the module, the tensor and the shapes. With a CUDA
+    ``device`` the merge math of each chunk runs there (reads and writes stay on the host)."""
     targets = {f"{name}.weight": m for name, m in adapter.modules.items()}
     saved = dict(adapter.saved_modules)
     keys = list(base.keys)
@@ -172,7 +191,7 @@ def merged_file_stream(
             m = targets[key]
             if source_key != key:
                 raise SlimtuneError(f"adapter {adapter.path}: LoRA on tied {key} is not supported; untie the model first")
-            stream.append(_merged_source(key, base, m, adapter, out_dtype, merge_base, chunk_bytes))
+            stream.append(_merged_source(key, base, m, adapter, out_dtype, merge_base, chunk_bytes, torch.device(device), to_host))
         else:
             rows = (
                 (lambda s, e, k=source_key, d=out_dtype: base.rows(k, s, e).to(d))
@@ -193,6 +212,8 @@ def merge_from_files(
     max_shard_size: str | int = "5GB",
     overwrite: bool = False,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    inflight_bytes: int = DEFAULT_INFLIGHT_BYTES,
+    device: str = "cpu",
     progress: bool = True,
 ) -> SaveResult:
     """Merge ``adapter_dir`` into ``base_dir`` and write ``out_dir`` as a Hugging Face checkpoint
@@ -203,13 +224,20 @@ def merge_from_files(
         if dtype not in DTYPES:
             raise SlimtuneError(f"dtype {dtype!r}: expected one of {sorted(DTYPES)}")
         dtype = DTYPES[dtype]
+    to_host = plain_to_host
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise SlimtuneError("--device cuda: no CUDA device is available here; use --device cpu")
+        to_host = pool_for(chunk_bytes, inflight_bytes, pin_memory=True).to_host
+    elif device != "cpu":
+        raise SlimtuneError(f"device {device!r}: expected 'cpu' or 'cuda'")
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite:
         raise SlimtuneError(f"{out_dir} already exists; pass --overwrite to replace it")
-    base = BaseCheckpoint(base_dir)
+    base = BaseCheckpoint(base_dir, pool_for(chunk_bytes, inflight_bytes))
     try:
         adapter = read_adapter(adapter_dir)
-        stream = merged_file_stream(base, adapter, dtype, merge_base, chunk_bytes)
+        stream = merged_file_stream(base, adapter, dtype, merge_base, chunk_bytes, device, to_host)
         config = {k: v for k, v in base.config.items() if k not in ("quantization_config", "_name_or_path")}
         floats = [t.dtype for t in stream if t.dtype.is_floating_point]
         if floats:
@@ -224,6 +252,7 @@ def merge_from_files(
             max_shard_size=max_shard_size,
             overwrite=overwrite,
             chunk_bytes=chunk_bytes,
+            inflight_bytes=inflight_bytes,
             progress=progress,
             manifest_extra={"kind": "merged", "merge_base": merge_base, "base": str(Path(base_dir)), "adapter": str(adapter.path)},
         )

@@ -314,3 +314,9 @@ def test_inspect_checkpoint_and_adapter(tiny_base, tmp_path):
     r = run_cli("inspect", str(tiny_base / "model.safetensors"))
     assert "model.embed_tokens.weight" in r.stdout and "BF16" in r.stdout and "total: 21 tensors" in r.stdout
     assert run_cli("inspect", str(tmp_path / "nothing")).returncode == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on machines without a GPU")
+def test_cuda_merge_without_gpu_is_a_clear_error(tiny_base, adapter_dir, tmp_path):
+    assert_fails(merge_cli(tiny_base, adapter_dir, tmp_path / "o", "--device", "cuda"), "--device cuda", "no CUDA device")
+    assert not (tmp_path / "o").exists()

@@ -77,3 +77,34 @@ def test_header_checks_catch_truncation_and_lying_offsets(tmp_path):
     tiny.write_bytes(b"abc")
     with pytest.raises(SlimtuneError, match="not a safetensors file"):
         read_header(tiny)
+
+
+def test_buffer_pool_reuses_buffers_and_bounds_memory():
+    from slimtune.checkpoint.staging import BufferPool
+
+    pool = BufferPool(1024, 2)
+    a = pool.take((16, 8), torch.float32)  # 512 bytes
+    b = pool.take((256,), torch.int32)  # 1024 bytes
+    assert pool.free.qsize() == 0
+    a.fill_(1.0)
+    del a
+    assert pool.free.qsize() == 1  # returned as soon as nothing views it
+    c = pool.take((4,), torch.bfloat16)
+    assert pool.free.qsize() == 0 and c.is_contiguous()
+    big = pool.take((1025,), torch.uint8)  # larger than a buffer: a fresh allocation, no wait
+    assert big.numel() == 1025
+    del b, c
+    assert pool.free.qsize() == 2
+
+
+def test_pipelined_write_propagates_a_producer_error_and_stops(tmp_path):
+    from slimtune.checkpoint.writer import pipelined_write
+
+    def chunks():
+        yield torch.zeros(4)
+        raise RuntimeError("producer failed")
+
+    w = SafetensorsWriter(tmp_path / "p.safetensors", [("a", torch.float32, (8,))])
+    with pytest.raises(RuntimeError, match="producer failed"):
+        pipelined_write(w, chunks(), inflight_bytes=1)
+    w._file.close()

@@ -15,9 +15,12 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from slimtune.checkpoint.atomic import atomic_directory, check_free_space, sha256_file, write_manifest
+from slimtune.checkpoint.staging import pool_for
+from slimtune.checkpoint.staging import to_host as plain_to_host
 from slimtune.checkpoint.stream import StreamTensor, adapter_tensor_stream, merged_tensor_stream
 from slimtune.checkpoint.writer import (
     DEFAULT_CHUNK_BYTES,
+    DEFAULT_INFLIGHT_BYTES,
     FileRecord,
     file_size,
     sharded_size,
@@ -56,6 +59,7 @@ def write_checkpoint(
     max_shard_size: str | int = "5GB",
     overwrite: bool = False,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    inflight_bytes: int = DEFAULT_INFLIGHT_BYTES,
     progress: bool = True,
     manifest_extra: dict | None = None,
 ) -> SaveResult:
@@ -76,10 +80,10 @@ def write_checkpoint(
         if adapter is not None:
             (tmp / ADAPTER_DIR).mkdir()
             records.append(_prefixed(write_json(tmp / ADAPTER_DIR / ADAPTER_CONFIG, adapter_config or {})))
-            weights = write_safetensors(tmp / ADAPTER_DIR / ADAPTER_WEIGHTS, adapter, {"format": "pt"}, chunk_bytes, bar)
+            weights = write_safetensors(tmp / ADAPTER_DIR / ADAPTER_WEIGHTS, adapter, {"format": "pt"}, chunk_bytes, bar, inflight_bytes)
             records.append(_prefixed(weights))
         if merged:
-            records += write_sharded(tmp, merged, max_shard_bytes, chunk_bytes, bar)
+            records += write_sharded(tmp, merged, max_shard_bytes, chunk_bytes, bar, inflight_bytes)
             if config is not None:
                 records.append(write_json(tmp / "config.json", config))
             if tokenizer_dir is not None:
@@ -99,6 +103,7 @@ def save_checkpoint(
     dtype: torch.dtype | None = None,
     overwrite: bool = False,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    inflight_bytes: int = DEFAULT_INFLIGHT_BYTES,
     extra_files: dict[str, Path] | None = None,
     progress: bool = True,
 ) -> SaveResult:
@@ -106,7 +111,10 @@ def save_checkpoint(
     Hugging Face sharded safetensors with config and tokenizer files, then ``slimtune_manifest.json``.
     ``dtype`` defaults to the base dtype. ``extra_files`` (name -> path) are copied in (recipe state)."""
     source_dir = getattr(model, "slimtune_source_dir", None)
-    merged = [] if adapter_only else merged_tensor_stream(model, dtype)
+    to_host = plain_to_host
+    if any(p.is_cuda for p in model.parameters()):
+        to_host = pool_for(chunk_bytes, inflight_bytes, pin_memory=True).to_host
+    merged = [] if adapter_only else merged_tensor_stream(model, dtype, to_host)
     hf_config = getattr(model, "config", None)
     config = None
     if merged and hf_config is not None:
@@ -122,6 +130,7 @@ def save_checkpoint(
         max_shard_size=max_shard_size,
         overwrite=overwrite,
         chunk_bytes=chunk_bytes,
+        inflight_bytes=inflight_bytes,
         progress=progress,
         manifest_extra={"kind": "adapter" if adapter_only else "adapter+merged"},
     )

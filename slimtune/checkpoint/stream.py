@@ -12,10 +12,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from slimtune.checkpoint.staging import to_host as plain_to_host
 from slimtune.formats.peft import PEFT_PREFIX
 from slimtune.formats.safetensors import dtype_size
 from slimtune.lora import LoRALinear, lora_modules, merge_lora_rows, qlora_linears
-from slimtune.quant.nf4 import NF4Tensor, dequantize_nf4_rows
+from slimtune.quant import is_nf4
 
 
 @dataclass(frozen=True)
@@ -52,31 +53,33 @@ def row_chunks(t: StreamTensor, chunk_bytes: int) -> Iterator[torch.Tensor]:
         yield t.rows(start, min(start + step, t.num_rows))
 
 
-def _to_host(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return x.to(device="cpu", dtype=dtype).contiguous()
+ToHost = Callable[[torch.Tensor, torch.dtype], torch.Tensor]
 
 
 def base_rows(weight: torch.Tensor, start: int, end: int) -> torch.Tensor:
     """Rows of a frozen base weight in its own dtype: NF4 dequantized exactly as torchao does."""
-    if isinstance(weight, NF4Tensor):
+    if is_nf4(weight):
+        from slimtune.quant.nf4 import dequantize_nf4_rows
+
         return dequantize_nf4_rows(weight, start, end)
     return weight.detach()[start:end]
 
 
-def tensor_source(name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> StreamTensor:
+def tensor_source(name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None, to_host: ToHost = plain_to_host) -> StreamTensor:
     """A plain tensor (embedding, norm, bias) as a stream entry, cast per chunk if dtype differs."""
     out_dtype = dtype or tensor.dtype
     data = tensor.detach()
     if data.dim() == 0:
-        return StreamTensor(name, (), out_dtype, lambda s, e: _to_host(data.reshape(1), out_dtype).reshape(()))
-    return StreamTensor(name, tuple(data.shape), out_dtype, lambda s, e: _to_host(data[s:e], out_dtype))
+        return StreamTensor(name, (), out_dtype, lambda s, e: plain_to_host(data.reshape(1), out_dtype).reshape(()))
+    return StreamTensor(name, tuple(data.shape), out_dtype, lambda s, e: to_host(data[s:e], out_dtype))
 
 
-def merged_lora_source(name: str, module: LoRALinear, dtype: torch.dtype) -> StreamTensor:
-    """W + scale * B @ A (and DoRA's rescale) for a LoRA linear: fp32 math, one rounding to ``dtype``."""
+def merged_lora_source(name: str, module: LoRALinear, dtype: torch.dtype, to_host: ToHost = plain_to_host) -> StreamTensor:
+    """W + scale * B @ A (and DoRA's rescale) for a LoRA linear: fp32 math on the weight's device, one
+    rounding to ``dtype``, then to the host."""
     if module.lora_a is None:
         return StreamTensor(
-            name, (module.out_features, module.in_features), dtype, lambda s, e: _to_host(base_rows(module.weight, s, e), dtype)
+            name, (module.out_features, module.in_features), dtype, lambda s, e: to_host(base_rows(module.weight, s, e), dtype)
         )
     a = module.lora_a.weight.detach()
     b = module.lora_b.weight.detach()
@@ -85,13 +88,14 @@ def merged_lora_source(name: str, module: LoRALinear, dtype: torch.dtype) -> Str
     def rows(start: int, end: int) -> torch.Tensor:
         m = None if magnitude is None else magnitude[start:end]
         merged = merge_lora_rows(base_rows(module.weight, start, end), a, b[start:end], module.scaling, m)
-        return _to_host(merged, dtype)
+        return to_host(merged, dtype)
 
     return StreamTensor(name, (module.out_features, module.in_features), dtype, rows)
 
 
-def merged_tensor_stream(model: nn.Module, dtype: torch.dtype | None = None) -> list[StreamTensor]:
-    """The merged model, in Hugging Face names and parameter order; tied weights appear once."""
+def merged_tensor_stream(model: nn.Module, dtype: torch.dtype | None = None, to_host: ToHost = plain_to_host) -> list[StreamTensor]:
+    """The merged model, in Hugging Face names and parameter order; tied weights appear once.
+    Chunks are computed where the model lives (CPU or GPU) and handed to the writer by ``to_host``."""
     loras = qlora_linears(model)
     stream: list[StreamTensor] = []
     adapter_prefixes = tuple(f"{name}.{part}" for name in loras for part in ("lora_a.", "lora_b.", "magnitude"))
@@ -101,14 +105,14 @@ def merged_tensor_stream(model: nn.Module, dtype: torch.dtype | None = None) -> 
         module_name, _, attr = name.rpartition(".")
         module = loras.get(module_name)
         if module is not None and attr == "weight":
-            stream.append(merged_lora_source(name, module, dtype or module.weight.dtype))
+            stream.append(merged_lora_source(name, module, dtype or module.weight.dtype, to_host))
         else:
-            stream.append(tensor_source(name, param, dtype))
+            stream.append(tensor_source(name, param, dtype, to_host))
     for name, buf in model.named_buffers():
         module_name, _, attr = name.rpartition(".")
         owner = model.get_submodule(module_name)
         if attr not in owner._non_persistent_buffers_set:
-            stream.append(tensor_source(name, buf, dtype))
+            stream.append(tensor_source(name, buf, dtype, to_host))
     return stream
 
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-
-from transformers import AutoConfig, PretrainedConfig
+from typing import TYPE_CHECKING
 
 from slimtune.errors import SlimtuneError
 from slimtune.formats.safetensors import SafetensorsHeader, read_header
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 INDEX_NAME = "model.safetensors.index.json"
 TOKENIZER_FILES = (
@@ -36,6 +38,8 @@ def load_config(model_dir: str | Path) -> PretrainedConfig:
         json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise SlimtuneError(f"{path}: not valid JSON ({e})") from None
+    from transformers import AutoConfig
+
     try:
         return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
     except (ValueError, KeyError, OSError) as e:

@@ -1,0 +1,19 @@
+"""Quantized weights. torchao costs ~80 MB of RSS to import, so paths that never meet an NF4 tensor
+(the offline merge of a bf16 base) test for one without importing it."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+_NF4_MODULES = ("torchao.quantization.quantize_.workflows.nf4.nf4_tensor", "torchao.dtypes.nf4tensor")
+
+
+def is_nf4(t: torch.Tensor) -> bool:
+    """True for a torchao NF4Tensor. If torchao's NF4 module was never imported, none can exist."""
+    for name in _NF4_MODULES:
+        module = sys.modules.get(name)
+        if module is not None and isinstance(t, module.NF4Tensor):
+            return True
+    return False

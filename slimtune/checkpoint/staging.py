@@ -1,0 +1,54 @@
+"""Reusable chunk buffers. Chunks read from files or copied off a GPU land in a fixed pool of buffers
+instead of fresh allocations: host memory is bounded by the pool (not by how the allocator fragments),
+and nothing is allocated per chunk. A buffer returns to the pool when the last tensor viewing it is
+dropped, i.e. once the writer thread has written it; a producer that runs ahead waits for one."""
+
+from __future__ import annotations
+
+import queue
+import weakref
+
+import torch
+
+
+def to_host(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The plain path: a contiguous CPU tensor in ``dtype`` (no copy when it already is one)."""
+    return x.to(device="cpu", dtype=dtype).contiguous()
+
+
+class BufferPool:
+    """``count`` buffers of ``buffer_bytes`` (pinned for fast, asynchronous device-to-host copies)."""
+
+    def __init__(self, buffer_bytes: int, count: int, pin_memory: bool = False):
+        self.buffer_bytes = buffer_bytes
+        self.free: queue.Queue[torch.Tensor] = queue.Queue()
+        for _ in range(count):
+            self.free.put(torch.empty(buffer_bytes, dtype=torch.uint8, pin_memory=pin_memory))
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised contiguous tensor backed by a pooled buffer (a fresh one if it is larger)."""
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if nbytes > self.buffer_bytes:
+            return torch.empty(shape, dtype=dtype)
+        buffer = self.free.get()
+        view = buffer[:nbytes].view(dtype).view(shape)
+        weakref.finalize(view, self.free.put, buffer)
+        return view
+
+    def to_host(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Copy a GPU chunk into a pooled (pinned) buffer; CPU chunks take the plain path."""
+        if not x.is_cuda:
+            return to_host(x, dtype)
+        x = x.to(dtype).contiguous()
+        chunk = self.take(tuple(x.shape), dtype)
+        chunk.copy_(x, non_blocking=True)
+        torch.cuda.current_stream(x.device).synchronize()
+        return chunk
+
+
+def pool_for(chunk_bytes: int, inflight_bytes: int, pin_memory: bool = False) -> BufferPool:
+    """Enough buffers for every chunk the writer may hold, the one it writes and the one being made."""
+    return BufferPool(chunk_bytes, inflight_bytes // chunk_bytes + 3, pin_memory)

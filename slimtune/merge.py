@@ -194,7 +194,7 @@ def merged_file_stream(
             stream.append(_merged_source(key, base, m, adapter, out_dtype, merge_base, chunk_bytes, torch.device(device), to_host))
         else:
             rows = (
-                (lambda s, e, k=source_key, d=out_dtype: base.rows(k, s, e).to(d))
+                (lambda s, e, k=source_key, d=out_dtype: to_host(base.rows(k, s, e), d))
                 if base.shape(source_key)
                 else (lambda s, e, k=source_key, d=out_dtype: base.rows(k, 0, None).to(d))
             )
@@ -224,20 +224,18 @@ def merge_from_files(
         if dtype not in DTYPES:
             raise SlimtuneError(f"dtype {dtype!r}: expected one of {sorted(DTYPES)}")
         dtype = DTYPES[dtype]
-    to_host = plain_to_host
-    if device == "cuda":
-        if not torch.cuda.is_available():
-            raise SlimtuneError("--device cuda: no CUDA device is available here; use --device cpu")
-        to_host = pool_for(chunk_bytes, inflight_bytes, pin_memory=True).to_host
-    elif device != "cpu":
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SlimtuneError("--device cuda: no CUDA device is available here; use --device cpu")
+    if device not in ("cpu", "cuda"):
         raise SlimtuneError(f"device {device!r}: expected 'cpu' or 'cuda'")
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite:
         raise SlimtuneError(f"{out_dir} already exists; pass --overwrite to replace it")
-    base = BaseCheckpoint(base_dir, pool_for(chunk_bytes, inflight_bytes))
+    pool = pool_for(chunk_bytes, inflight_bytes, pin_memory=device == "cuda")
+    base = BaseCheckpoint(base_dir, pool)
     try:
         adapter = read_adapter(adapter_dir)
-        stream = merged_file_stream(base, adapter, dtype, merge_base, chunk_bytes, device, to_host)
+        stream = merged_file_stream(base, adapter, dtype, merge_base, chunk_bytes, device, pool.to_host)
         config = {k: v for k, v in base.config.items() if k not in ("quantization_config", "_name_or_path")}
         floats = [t.dtype for t in stream if t.dtype.is_floating_point]
         if floats:

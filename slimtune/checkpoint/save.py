@@ -16,7 +16,6 @@ from tqdm.auto import tqdm
 
 from slimtune.checkpoint.atomic import atomic_directory, check_free_space, sha256_file, write_manifest
 from slimtune.checkpoint.staging import pool_for
-from slimtune.checkpoint.staging import to_host as plain_to_host
 from slimtune.checkpoint.stream import StreamTensor, adapter_tensor_stream, merged_tensor_stream
 from slimtune.checkpoint.writer import (
     DEFAULT_CHUNK_BYTES,
@@ -111,9 +110,8 @@ def save_checkpoint(
     Hugging Face sharded safetensors with config and tokenizer files, then ``slimtune_manifest.json``.
     ``dtype`` defaults to the base dtype. ``extra_files`` (name -> path) are copied in (recipe state)."""
     source_dir = getattr(model, "slimtune_source_dir", None)
-    to_host = plain_to_host
-    if any(p.is_cuda for p in model.parameters()):
-        to_host = pool_for(chunk_bytes, inflight_bytes, pin_memory=True).to_host
+    on_gpu = any(p.is_cuda for p in model.parameters())
+    to_host = pool_for(chunk_bytes, inflight_bytes, pin_memory=on_gpu).to_host
     merged = [] if adapter_only else merged_tensor_stream(model, dtype, to_host)
     hf_config = getattr(model, "config", None)
     config = None

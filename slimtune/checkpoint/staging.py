@@ -39,13 +39,15 @@ class BufferPool:
         return view
 
     def to_host(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Copy a GPU chunk into a pooled (pinned) buffer; CPU chunks take the plain path."""
-        if not x.is_cuda:
-            return to_host(x, dtype)
-        x = x.to(dtype).contiguous()
+        """A finished chunk as the writer wants it: CPU, contiguous, ``dtype``. A CPU tensor that already
+        is one (a view of a parameter) passes as it is; anything else is cast or copied into a pooled
+        buffer (a GPU chunk by asynchronous DMA into pinned memory, then one wait)."""
+        if not x.is_cuda and x.dtype == dtype and x.is_contiguous():
+            return x
         chunk = self.take(tuple(x.shape), dtype)
-        chunk.copy_(x, non_blocking=True)
-        torch.cuda.current_stream(x.device).synchronize()
+        chunk.copy_(x, non_blocking=x.is_cuda)  # copy_ casts with the same rounding as .to(dtype)
+        if x.is_cuda:
+            torch.cuda.current_stream(x.device).synchronize()
         return chunk
 
 

@@ -49,11 +49,13 @@ def quantize_nf4(weight: torch.Tensor) -> NF4Tensor:
 
 
 def _byte_pair_table(w: NF4Tensor) -> torch.Tensor:
-    """table[b] = (nf4[b >> 4], nf4[b & 15]): one gather per byte instead of two per element."""
+    """int32[256]: entry b packs the two code values (nf4[b >> 4], nf4[b & 15]) of byte b, so one
+    1-D gather per byte replaces two int64 gathers per element (only bits move: nothing is rounded)."""
     table = getattr(w, "_slimtune_pair_table", None)
     if table is None or table.device != w.quantized_data.device:
         codes = torch.arange(256, device=w.nf4.device)
-        table = torch.stack([w.nf4[codes >> 4], w.nf4[codes & 15]], dim=1).contiguous()
+        pairs = torch.stack([w.nf4[codes >> 4], w.nf4[codes & 15]], dim=1).contiguous()
+        table = pairs.view(torch.int32).view(256) if pairs.element_size() == 2 else pairs
         w._slimtune_pair_table = table
     return table
 
@@ -65,11 +67,15 @@ def dequantize_nf4_rows(w: NF4Tensor, start: int, end: int) -> torch.Tensor:
     bs, sbs = w.block_size, w.scaler_block_size
     e0, e1 = start * cols, end * cols
     b0, b1 = e0 // bs, -(-e1 // bs)
-    data = w.quantized_data[b0 * bs // 2 : b1 * bs // 2]
-    block_ids = torch.arange(b0, b1, device=data.device)
-    scalers = (w.quantized_scalers[b0:b1] / w.quantization_factor[block_ids // sbs]).to(w.dtype) + w.scaler_mean
-    values = _byte_pair_table(w)[data.to(torch.int32)].view(b1 - b0, bs)
-    values = values * scalers.unsqueeze(-1)
+    data = w.quantized_data[b0 * bs // 2 : b1 * bs // 2].to(torch.int32)
+    factors = w.quantization_factor[b0 // sbs : -(-b1 // sbs)].repeat_interleave(sbs)[b0 % sbs : b0 % sbs + b1 - b0]
+    scalers = (w.quantized_scalers[b0:b1] / factors).to(w.dtype) + w.scaler_mean
+    table = _byte_pair_table(w)
+    if table.dim() == 1:  # 16-bit weights: two values per int32 entry
+        values = table.index_select(0, data).view(w.dtype)
+    else:
+        values = table.index_select(0, data).view(-1)
+    values = values.view(b1 - b0, bs) * scalers.unsqueeze(-1)
     return values.view(-1)[e0 - b0 * bs : e1 - b0 * bs].view(end - start, cols)
 
 

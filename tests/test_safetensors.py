@@ -83,9 +83,10 @@ def test_buffer_pool_reuses_buffers_and_bounds_memory():
     from slimtune.checkpoint.staging import BufferPool
 
     pool = BufferPool(1024, 2)
+    assert pool.free.qsize() == 0 and pool.unallocated == 2  # nothing allocated before first use
     a = pool.take((16, 8), torch.float32)  # 512 bytes
     b = pool.take((256,), torch.int32)  # 1024 bytes
-    assert pool.free.qsize() == 0
+    assert pool.free.qsize() == 0 and pool.unallocated == 0
     a.fill_(1.0)
     del a
     assert pool.free.qsize() == 1  # returned as soon as nothing views it

@@ -6,6 +6,7 @@ dropped, i.e. once the writer thread has written it; a producer that runs ahead 
 from __future__ import annotations
 
 import queue
+import threading
 import weakref
 
 import torch
@@ -20,10 +21,10 @@ class BufferPool:
     """``count`` buffers of ``buffer_bytes`` (pinned for fast, asynchronous device-to-host copies)."""
 
     def __init__(self, buffer_bytes: int, count: int, pin_memory: bool = False):
-        self.buffer_bytes = buffer_bytes
+        self.buffer_bytes, self.pin_memory = buffer_bytes, pin_memory
         self.free: queue.Queue[torch.Tensor] = queue.Queue()
-        for _ in range(count):
-            self.free.put(torch.empty(buffer_bytes, dtype=torch.uint8, pin_memory=pin_memory))
+        self.unallocated = count  # buffers are made on first need: a pool nobody draws on costs nothing
+        self._lock = threading.Lock()
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised contiguous tensor backed by a pooled buffer (a fresh one if it is larger)."""
@@ -33,10 +34,21 @@ class BufferPool:
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         if nbytes > self.buffer_bytes:
             return torch.empty(shape, dtype=dtype)
-        buffer = self.free.get()
+        buffer = self._get()
         view = buffer[:nbytes].view(dtype).view(shape)
         weakref.finalize(view, self.free.put, buffer)
         return view
+
+    def _get(self) -> torch.Tensor:
+        try:
+            return self.free.get_nowait()
+        except queue.Empty:
+            with self._lock:
+                make = self.unallocated > 0
+                self.unallocated -= make
+            if make:
+                return torch.empty(self.buffer_bytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+            return self.free.get()
 
     def to_host(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A finished chunk as the writer wants it: CPU, contiguous, ``dtype``. A CPU tensor that already

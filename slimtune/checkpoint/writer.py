@@ -19,7 +19,7 @@ from slimtune.formats.hf import INDEX_NAME, index_dict, shard_name
 from slimtune.formats.safetensors import SafetensorsWriter, build_header
 
 DEFAULT_CHUNK_BYTES = 8 * 1024 * 1024  # output bytes per chunk; fp32 temporaries make the peak ~8x this
-DEFAULT_INFLIGHT_BYTES = 64 * 1024 * 1024  # chunks computed but not yet written
+DEFAULT_INFLIGHT_BYTES = 16 * 1024 * 1024  # finished chunks waiting for the writer: two suffice to overlap
 
 
 @dataclass(frozen=True)

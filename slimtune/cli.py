@@ -35,8 +35,6 @@ def cmd_finetune(args: argparse.Namespace) -> None:
 def cmd_merge(args: argparse.Namespace) -> None:
     from slimtune.merge import merge_from_files
 
-    if args.device == "cuda":
-        raise SlimtuneError("--device cuda: the GPU merge path is not built yet; use --device cpu")
     result = merge_from_files(
         args.base,
         args.adapter,
@@ -45,6 +43,7 @@ def cmd_merge(args: argparse.Namespace) -> None:
         dtype=args.dtype,
         max_shard_size=args.max_shard_size,
         overwrite=args.overwrite,
+        device=args.device,
     )
     print(f"merged {args.adapter} into {args.base} ({args.merge_base} base): {result.total_bytes:,d} bytes in {result.seconds:.1f} s")
     print(f"wrote {result.path}")

@@ -1,20 +1,23 @@
-"""`slimtune demo`: the whole job on the embedded tiny model, offline: make a base checkpoint, load it as
-QLoRA, train the adapters briefly, save (adapter + merged), reload with transformers and PEFT, report."""
+"""`slimtune demo`: the whole job on the embedded tiny model, offline: the fine-tuning recipe with the
+shipped ``tiny`` config (base checkpoint and built-in data made under the output directory, QLoRA load,
+training with periodic checkpoints), then reload the merged model with transformers and the adapter
+with PEFT, and report."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 import warnings
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
-from slimtune.checkpoint.save import ADAPTER_DIR, save_checkpoint
-from slimtune.lora import LoRAConfig, lora_parameters
-from slimtune.memory import peak_rss_mb, reset_peak_rss, rss_mb
-from slimtune.model import load_qlora_model
-from slimtune.tiny import DEMO_TEXTS, make_tiny_checkpoint
+from slimtune.checkpoint.save import ADAPTER_DIR
+from slimtune.config import load_config
+from slimtune.recipes.finetune import run_finetune
+from slimtune.tiny import DEMO_TEXTS
 
 
 def demo_batch(tokenizer, texts: list[str]) -> dict[str, torch.Tensor]:
@@ -28,70 +31,79 @@ def run_demo(
     out_dir: str | Path = "slimtune-demo",
     base_dir: str | Path | None = None,
     steps: int = 60,
-    lr: float = 1e-2,
+    lr: float | None = None,
     seed: int = 0,
     targets: list[str] | None = None,
 ) -> dict:
+    """The fine-tuning recipe with the shipped ``tiny`` config (tiny base and built-in data created under
+    ``out_dir``), then the checks: reload the merged model with transformers, the adapter with PEFT."""
     out_dir = Path(out_dir).resolve()
     t0 = time.perf_counter()
-    if base_dir is None:
-        base_dir = out_dir / "base"
-        if not (base_dir / "config.json").is_file():
-            make_tiny_checkpoint(base_dir, seed=seed)
-        print(f"embedded tiny Llama base written to {base_dir}")
-    lora = LoRAConfig(rank=8, alpha=16) if targets is None else LoRAConfig(rank=8, alpha=16, target_modules=targets)
-    model = load_qlora_model(base_dir, lora, seed=seed, progress=False)
-    tokenizer = AutoTokenizer.from_pretrained(str(base_dir), local_files_only=True)
+    values = {"output_dir": str(out_dir), "training.max_steps": steps, "training.total_epochs": 10**6, "seed": seed, "overwrite": True}
+    if base_dir is not None:
+        values.update({"model.path": str(Path(base_dir).resolve()), "model.create_tiny": False})
+    if targets is not None:
+        values["lora.target_modules"] = targets
+    if lr is not None:
+        values["optimizer.lr"] = lr
+    cfg = load_config("tiny", values=values)
+
+    def report(record: dict) -> None:
+        if record["step"] == 1 or record["step"] % 5 == 0 or record["step"] == steps:
+            print(f"step {record['step']:3d}  loss {record['loss']:.4f}", flush=True)
+
+    run = run_finetune(cfg, on_step=report)
+    model, tokenizer, result = run.model, run.tokenizer, run.last_save
+    base_dir = Path(cfg.model.path)
+    ckpt = out_dir / "checkpoint"
+    _link(ckpt, run.checkpoint)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     batch = demo_batch(tokenizer, DEMO_TEXTS)
 
-    torch.manual_seed(seed)
-    optimizer = torch.optim.AdamW(lora_parameters(model), lr=lr)
-    model.train()
-    losses = []
-    for step in range(1, steps + 1):
-        loss = model(**batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        if step == 1 or step % 5 == 0 or step == steps:
-            print(f"step {step:3d}  loss {losses[-1]:.4f}")
-    model.eval()
-
-    ckpt = out_dir / "checkpoint"
-    before = rss_mb()
-    reset_peak_rss()
-    result = save_checkpoint(model, ckpt, overwrite=True, progress=False)
-    save_peak = peak_rss_mb()
-
+    device = next(p.device for p in model.parameters() if p.requires_grad)
     with torch.no_grad():
-        qlora_logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+        qlora_logits = (
+            model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device)).logits.float().cpu()
+        )
         merged = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.bfloat16, local_files_only=True)
         merged_logits = merged(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
     mask = batch["attention_mask"].bool()
     merged_diff = (qlora_logits - merged_logits)[mask].abs().max().item()
     peft_line = _peft_reload(base_dir, ckpt / ADAPTER_DIR)
 
-    print(f"\ncheckpoint written to {ckpt}")
+    before, save_peak = run.rss_before_last_save_mb, run.peak_rss_last_save_mb
+    print(f"\ncheckpoint written to {run.checkpoint} (linked as {ckpt})")
     for record in result.files:
         print(f"  {record.path:48s} {record.size:>12,d} bytes")
     print(f"  {'total':48s} {result.total_bytes:>12,d} bytes")
     summary = {
-        "loss_first": losses[0],
-        "loss_last": losses[-1],
+        "loss_first": run.losses[0],
+        "loss_last": run.losses[-1],
         "save_s": result.seconds,
         "rss_before_save_mb": before,
         "peak_rss_during_save_mb": save_peak,
         "max_abs_logit_diff_merged": merged_diff,
+        "peak_rss_mb": run.peak_rss_mb,
     }
-    print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {steps} steps")
+    print(f"loss {run.losses[0]:.4f} -> {run.losses[-1]:.4f} over {steps} steps")
     print(f"save: {result.seconds:.2f} s, RSS before {before:.0f} MB, peak during save {save_peak:.0f} MB (+{save_peak - before:.0f} MB)")
     print(f"reloaded merged model with transformers: max |logit diff| vs in-memory QLoRA model = {merged_diff:.4f} (bf16)")
     print(peft_line)
+    print(f"peak RSS of the whole run: {run.peak_rss_mb:.0f} MB")
     print(f"demo finished in {time.perf_counter() - t0:.1f} s; outputs under {out_dir}")
     return summary
+
+
+def _link(link: Path, target: Path) -> None:
+    """``out/checkpoint`` -> the newest ``step-N`` (relative, replaced atomically); an older demo's
+    real ``checkpoint`` directory is removed first."""
+    if link.is_dir() and not link.is_symlink():
+        shutil.rmtree(link)
+    tmp = link.with_name(f".{link.name}.link-{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(target.name, target_is_directory=True)
+    os.replace(tmp, link)
 
 
 def _peft_reload(base_dir: Path, adapter_dir: Path) -> str:

@@ -1,0 +1,644 @@
+"""QLoRA fine-tuning on a local JSONL dataset: `slimtune finetune --config NAME_OR_PATH [key=value ...]`.
+
+Read top to bottom: ``run_finetune`` is the whole recipe (set-up, training loop, checkpointing); the
+helpers below it follow in the order it uses them.
+
+Set-up checks everything cheap before anything slow or anything written: the config (already
+validated), what output_dir holds (resume point and its compatibility), the data (parsed and
+tokenized), then loads the model as NF4 + LoRA. Training is AdamW on the adapters only, linear warmup
+then cosine decay, gradient accumulation with the loss averaged over every trained token of the
+optimizer step, gradient clipping. Checkpoints (``step-NNNNNN``) are written by ``save_checkpoint`` in
+bounded memory and atomically, with the recipe state inside them (optimizer, scheduler, loss scaler,
+data position, RNG states, config), so ``resume=true`` continues bit-exactly where a checkpoint was
+taken, in a new process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import shutil
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from torch import nn
+from tqdm.auto import tqdm
+
+from slimtune.checkpoint.atomic import MANIFEST_NAME, is_complete_checkpoint, read_manifest, sha256_file
+from slimtune.checkpoint.save import ADAPTER_DIR, SaveResult, save_checkpoint
+from slimtune.config import KEYS, Config
+from slimtune.data import (
+    IGNORE_INDEX,
+    Record,
+    builtin_tiny_records,
+    collate,
+    epoch_order,
+    epoch_steps,
+    file_sha256,
+    jsonl_text,
+    load_dataset,
+    read_jsonl,
+    write_jsonl,
+)
+from slimtune.errors import SlimtuneError
+from slimtune.formats.hf import load_config as load_hf_config
+from slimtune.formats.peft import ADAPTER_WEIGHTS, PEFT_PREFIX
+from slimtune.lora import LoRAConfig, lora_modules, lora_parameters
+from slimtune.memory import peak_rss_mb, reset_peak_rss, rss_mb
+from slimtune.model import config_dtype, load_qlora_model
+from slimtune.quant import is_nf4
+from slimtune.tiny import make_tiny_checkpoint
+
+STATE_NAME = "recipe_state.pt"
+STATE_FORMAT = "slimtune-recipe-state/1"
+METRICS_NAME = "metrics.jsonl"
+PLOT_NAME = "loss.png"
+STEP_DIR = re.compile(r"^step-(\d+)$")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class FinetuneResult:
+    """What a run leaves behind, for the CLI summary and the demo's checks."""
+
+    model: nn.Module
+    tokenizer: object
+    output_dir: Path
+    global_step: int
+    losses: list[float] = field(default_factory=list)  # this invocation's steps
+    checkpoint: Path | None = None  # the newest checkpoint written by this invocation
+    last_save: SaveResult | None = None
+    rss_before_last_save_mb: float = 0.0
+    peak_rss_last_save_mb: float = 0.0
+    peak_rss_mb: float = 0.0  # the whole process, loading included
+    peak_gpu_mb: float | None = None
+    metrics_path: Path | None = None
+    plot_path: Path | None = None
+
+
+def run_finetune(cfg: Config, on_step: Callable[[dict], None] | None = None) -> FinetuneResult:
+    """Train LoRA adapters on a QLoRA model as ``cfg`` says; ``on_step`` sees each step's metrics record."""
+    out = Path(cfg.output_dir)
+    device = pick_device(cfg.device)
+    dtype = pick_dtype(cfg.dtype, device)
+
+    # --- Set-up 1: output_dir. Resume from its newest complete checkpoint, or refuse to mix two runs. ---
+    resume_dir, saved = find_resume_point(out, cfg.resume, cfg.overwrite)
+    if saved is not None:
+        check_resumable(cfg, saved, resume_dir)
+
+    # --- Set-up 2: the data, parsed before the model is loaded (a bad line fails in seconds, not minutes). ---
+    dataset_path = Path(cfg.dataset.path)
+    if dataset_path.is_file():
+        records, dataset_sha, builtin_rows = read_jsonl(dataset_path), file_sha256(dataset_path), None
+    elif cfg.dataset.create_builtin:
+        builtin_rows = builtin_tiny_records()  # written once the model has loaded: nothing is written before the checks
+        records = [Record(row, f"built-in dataset:{i + 1}") for i, row in enumerate(builtin_rows)]
+        dataset_sha = file_sha256_of_text(jsonl_text(builtin_rows))
+    else:
+        raise SlimtuneError(f"{dataset_path}: no such dataset file (dataset.path)")
+    if saved is not None and saved["dataset_sha256"] != dataset_sha:
+        raise SlimtuneError(f"cannot resume from {resume_dir}: the content of {dataset_path} changed since the checkpoint was taken")
+
+    # --- Set-up 3: tokenizer, tokenized examples, the step arithmetic. ---
+    model_dir = Path(cfg.model.path)
+    if not model_dir.exists() and cfg.model.create_tiny:
+        make_tiny_checkpoint(model_dir, seed=cfg.seed)
+        say(f"embedded tiny Llama base written to {model_dir}")
+    load_hf_config(model_dir)  # a missing or malformed model directory fails here, before the tokenizer
+    tokenizer = load_tokenizer(model_dir)
+    examples, dropped = load_dataset(records, tokenizer, cfg.dataset.format, cfg.dataset.max_seq_len)
+    if dropped:
+        say(f"data: {dropped} example(s) have no trained token within max_seq_len={cfg.dataset.max_seq_len}; skipped")
+    pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
+    steps_per_epoch = len(epoch_steps(list(range(len(examples))), cfg.training.batch_size, cfg.training.gradient_accumulation_steps))
+    total_steps = cfg.training.total_epochs * steps_per_epoch
+    if cfg.training.max_steps is not None:
+        total_steps = min(total_steps, cfg.training.max_steps)
+    if saved is not None and saved["num_examples"] != len(examples):
+        raise SlimtuneError(
+            f"cannot resume from {resume_dir}: the data tokenizes to {len(examples)} examples now, {saved['num_examples']} then"
+        )
+
+    # --- Set-up 4: the model, NF4 base + fp32 adapters, in the compute dtype, on the device. ---
+    lora = LoRAConfig(cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.use_rslora, list(cfg.lora.target_modules))
+    model = load_qlora_model(model_dir, lora, seed=cfg.seed, progress=cfg.logging.progress_bar)
+    base_dtype = config_dtype(model.config)
+    cast_frozen(model, dtype)
+    model.to(device)
+    if cfg.training.activation_checkpointing:
+        enable_activation_checkpointing(model)
+    model.config.use_cache = False
+    params = lora_parameters(model)
+    say(
+        f"model: {model_dir.name}, {sum(p.numel() for p in params):,} trainable adapter parameters, {device.type}, "
+        f"{str(dtype).removeprefix('torch.')}; data: {len(examples)} examples, {steps_per_epoch} steps/epoch, {total_steps} steps"
+    )
+
+    # --- Set-up 5: optimizer (adapters only), warmup + cosine schedule, loss scaler (fp16 only). ---
+    optimizer = torch.optim.AdamW(params, lr=cfg.optimizer.lr, weight_decay=cfg.optimizer.weight_decay)
+    lr_factor = partial(warmup_cosine, warmup=cfg.scheduler.warmup_steps, total=total_steps, min_ratio=cfg.scheduler.min_lr_ratio)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+
+    # --- Set-up 6: a fresh output_dir, or everything restored from the checkpoint. Writing starts here. ---
+    out.mkdir(parents=True, exist_ok=True)
+    remove_leftovers(out)
+    if builtin_rows is not None:
+        write_jsonl(dataset_path, builtin_rows)
+        say(f"built-in dataset written to {dataset_path}")
+    if saved is None:
+        if cfg.overwrite:
+            clear_previous_run(out)
+        global_step, epoch, step_in_epoch = 0, 0, 0
+        seed_everything(cfg.seed)
+    else:
+        load_adapter_weights(model, resume_dir / ADAPTER_DIR / ADAPTER_WEIGHTS)
+        optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["scheduler"])
+        for group in optimizer.param_groups:  # hyperparameters that may change on resume come from the config
+            group["weight_decay"] = cfg.optimizer.weight_decay
+        scheduler.base_lrs = [cfg.optimizer.lr] * len(optimizer.param_groups)
+        for group in optimizer.param_groups:
+            group["lr"] = cfg.optimizer.lr * lr_factor(scheduler.last_epoch)
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+        if scaler.is_enabled() and saved["grad_scaler"]:
+            scaler.load_state_dict(saved["grad_scaler"])
+        global_step, epoch, step_in_epoch = saved["global_step"], saved["epoch"], saved["step_in_epoch"]
+        set_rng_state(saved["rng"])  # last: nothing may draw random numbers between here and the next step
+        say(f"resumed from {resume_dir.name}: step {global_step}, epoch {epoch + 1}, step {step_in_epoch + 1} of the epoch next")
+    metrics = MetricsLog(out / METRICS_NAME, keep_through_step=global_step)
+    memory = PeakMemory(device)
+    result = FinetuneResult(model, tokenizer, out, global_step, metrics_path=metrics.path)
+
+    # --- Training loop. ---
+    stop_at = total_steps if cfg.training.stop_after_steps is None else min(total_steps, cfg.training.stop_after_steps)
+    if global_step >= stop_at:
+        say(f"nothing to train: the run is at step {global_step} and stops at step {stop_at}")
+    model.train()
+    bar = tqdm(total=total_steps, initial=global_step, desc="train", unit="step", dynamic_ncols=True, disable=not cfg.logging.progress_bar)
+    position = (epoch, step_in_epoch)
+    while global_step < stop_at:
+        plan = epoch_steps(
+            epoch_order(len(examples), cfg.seed, epoch, cfg.dataset.shuffle),
+            cfg.training.batch_size,
+            cfg.training.gradient_accumulation_steps,
+        )
+        for index in range(step_in_epoch, len(plan)):
+            started = time.perf_counter()
+            micro_batches = [collate([examples[i] for i in batch], pad_id) for batch in plan[index]]
+            trained_tokens = sum(int((mb["labels"][:, 1:] != IGNORE_INDEX).sum()) for mb in micro_batches)
+            loss_sum = torch.zeros((), device=device)
+            tokens = 0
+            for mb in micro_batches:
+                mb = {k: v.to(device) for k, v in mb.items()}
+                logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], use_cache=False).logits
+                loss = token_loss_sum(logits, mb["labels"]) / trained_tokens  # summed over micro-batches: the step's token mean
+                scaler.scale(loss).backward()
+                loss_sum += loss.detach()
+                tokens += int(mb["attention_mask"].sum())
+                del logits, loss
+            lr = optimizer.param_groups[0]["lr"]
+            scaler.unscale_(optimizer)
+            if cfg.training.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(params, cfg.training.max_grad_norm)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            global_step += 1
+            step_loss = loss_sum.item()
+            if not math.isfinite(step_loss) and not scaler.is_enabled():
+                raise SlimtuneError(f"the loss is {step_loss} at step {global_step}; lower optimizer.lr or check the data")
+            seconds = time.perf_counter() - started
+            epoch_end = index + 1 == len(plan)
+            position = (epoch + 1, 0) if epoch_end else (epoch, index + 1)
+            record = {"step": global_step, "epoch": epoch + 1, "loss": step_loss, "lr": lr, "tokens_per_s": tokens / seconds}
+
+            # --- Checkpointing: each epoch end, every save_every_n_steps, and where this invocation stops. ---
+            every = cfg.checkpoint.save_every_n_steps
+            if epoch_end or (every is not None and global_step % every == 0) or global_step == stop_at:
+                state = recipe_state(cfg, global_step, position, optimizer, scheduler, scaler, dataset_sha, len(examples), total_steps)
+                adapter_only = cfg.checkpoint.merged == "never" or (cfg.checkpoint.merged == "final" and global_step < total_steps)
+                ckpt = out / f"step-{global_step:06d}"
+                saved_result, before, save_peak = memory.around_save(
+                    lambda ckpt=ckpt, state=state, adapter_only=adapter_only: save_recipe_checkpoint(
+                        model, ckpt, state, adapter_only, cfg, dtype, base_dtype
+                    )
+                )
+                removed = prune_checkpoints(out, cfg.checkpoint.keep_last_n)
+                record.update(checkpoint=ckpt.name, checkpoint_save_s=saved_result.seconds, checkpoint_bytes=saved_result.total_bytes)
+                record.update(checkpoint_peak_rss_mb=save_peak)
+                kind = "adapter" if adapter_only else "adapter + merged"
+                say(
+                    f"saved {ckpt.name} ({kind}, {saved_result.total_bytes:,} bytes, {saved_result.seconds:.2f} s, "
+                    f"peak RSS during save {save_peak:.0f} MB)" + (f"; removed {', '.join(removed)}" if removed else "")
+                )
+                result.checkpoint, result.last_save = ckpt, saved_result
+                result.rss_before_last_save_mb, result.peak_rss_last_save_mb = before, save_peak
+            record.update(memory.snapshot())
+            metrics.write(record)
+            result.losses.append(step_loss)
+            bar.update(1)
+            bar.set_postfix(loss=f"{step_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
+            if on_step is not None:
+                on_step(record)
+            if global_step >= stop_at:
+                break
+        epoch, step_in_epoch = position
+    bar.close()
+    model.eval()
+
+    # --- The end: loss curve, summary. ---
+    result.global_step = global_step
+    result.plot_path = plot_losses(metrics.path, out / PLOT_NAME)
+    snapshot = memory.snapshot()
+    result.peak_rss_mb, result.peak_gpu_mb = snapshot["peak_rss_mb"], snapshot.get("peak_gpu_mb")
+    if result.losses:
+        first_step = global_step - len(result.losses) + 1
+        say(f"trained steps {first_step}-{global_step} of {total_steps}: loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
+    if global_step < total_steps:
+        say(f"stopped at step {global_step} (training.stop_after_steps); continue with resume=true")
+    say(f"metrics: {metrics.path}" + (f"; loss curve: {result.plot_path}" if result.plot_path else ""))
+    if result.checkpoint is not None:
+        say(f"newest checkpoint: {result.checkpoint}")
+    gpu = f"; peak GPU memory {result.peak_gpu_mb:.0f} MB" if result.peak_gpu_mb is not None else ""
+    say(f"peak RSS of the run: {result.peak_rss_mb:.0f} MB{gpu}")
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------
+# Set-up helpers
+
+
+def say(message: str) -> None:
+    """A log line on stdout that does not tear the progress bar."""
+    tqdm.write(message, file=sys.stdout)
+    sys.stdout.flush()
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SlimtuneError("device is cuda but torch sees no CUDA GPU (use device=cpu or device=auto)")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    """bf16 where the hardware has it, fp16 (with loss scaling) on GPUs without it."""
+    if name == "auto":
+        if device.type != "cuda":
+            return torch.bfloat16
+        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
+    if name == "fp16" and device.type != "cuda":
+        raise SlimtuneError("dtype fp16 is for GPUs without bf16; on the CPU use bf16 or fp32")
+    return DTYPES[name]
+
+
+def step_dirs(out: Path) -> list[tuple[int, Path]]:
+    """Checkpoint directories step-N under out, newest first."""
+    if not out.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in out.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
+    return sorted(found, reverse=True)
+
+
+def find_resume_point(out: Path, resume: bool, overwrite: bool) -> tuple[Path | None, dict | None]:
+    """The newest complete checkpoint with recipe state and its state, skipping incomplete ones."""
+    existing = step_dirs(out)
+    if not resume:
+        if existing and not overwrite:
+            names = ", ".join(p.name for _, p in existing[:3]) + (" ..." if len(existing) > 3 else "")
+            raise SlimtuneError(
+                f"{out} already holds checkpoints ({names}); pass resume=true to continue that run or overwrite=true to start over"
+            )
+        return None, None
+    for _, path in existing:
+        problem = checkpoint_problem(path)
+        if problem:
+            say(f"resume: skipping {path.name}: {problem}")
+            continue
+        try:
+            state = torch.load(path / STATE_NAME, map_location="cpu", weights_only=True)
+        except Exception as e:  # a damaged file is skipped like an incomplete checkpoint
+            say(f"resume: skipping {path.name}: cannot read {STATE_NAME} ({e})")
+            continue
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            say(f"resume: skipping {path.name}: {STATE_NAME} is not {STATE_FORMAT}")
+            continue
+        return path, state
+    say(f"resume: no complete checkpoint under {out}; starting from step 0")
+    return None, None
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why a checkpoint cannot be resumed from (None if it can): it needs its manifest, and the recipe
+    state and adapter must match the sizes and hashes the manifest recorded."""
+    if not is_complete_checkpoint(path):
+        return f"incomplete (no {MANIFEST_NAME})"
+    files = {f["path"]: f for f in read_manifest(path)["files"]}
+    for name in (STATE_NAME, f"{ADAPTER_DIR}/{ADAPTER_WEIGHTS}"):
+        entry, file = files.get(name), path / name
+        if entry is None or not file.is_file():
+            return f"no {name}"
+        if file.stat().st_size != entry["size"] or sha256_file(file) != entry["sha256"]:
+            return f"{name} does not match its manifest entry"
+    return None
+
+
+def check_resumable(cfg: Config, saved: dict, resume_dir: Path) -> None:
+    """Fields that define the model, the data order or the step arithmetic must match the checkpoint's;
+    the others may change (each change is logged)."""
+    then = saved["config"]
+    fixed = [k for k, key in KEYS.items() if key.fixed and k in then and then[k] != cfg.values[k]]
+    if fixed:
+        changes = "; ".join(f"{k} is {cfg.values[k]!r}, the checkpoint has {then[k]!r}" for k in fixed)
+        raise SlimtuneError(f"cannot resume from {resume_dir}: {changes} (these must not change on resume)")
+    for k, key in KEYS.items():
+        if not key.fixed and k not in ("resume", "overwrite") and k in then and then[k] != cfg.values[k]:
+            say(f"resume: {k} changed from {then[k]!r} to {cfg.values[k]!r} (allowed)")
+
+
+def file_sha256_of_text(text: str) -> str:
+    """The sha256 the text will have once written as UTF-8 (the built-in dataset before it is written)."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except (OSError, ValueError, TypeError) as e:
+        raise SlimtuneError(f"{model_dir}: no usable tokenizer files ({e})") from None
+
+
+def cast_frozen(model: nn.Module, dtype: torch.dtype) -> None:
+    """Frozen non-NF4 weights (embeddings, norms) to the compute dtype; NF4 weights stay NF4 (they are
+    dequantized to the activations' dtype in each matmul) and the adapters stay fp32. Tied weights are
+    one Parameter, cast once."""
+    for p in model.parameters():
+        if not p.requires_grad and not is_nf4(p) and p.dtype.is_floating_point and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Non-reentrant checkpointing per decoder layer: works with frozen inputs and restores the RNG for
+    the recomputation, so dropout masks (and exact resume) are unchanged. transformers 5 renamed the call."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """LR factor for optimizer step ``step`` (0-based): linear warmup to 1, then cosine to min_ratio."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # CUDA generators too
+
+
+def remove_leftovers(out: Path) -> None:
+    """Temporary directories of saves or deletions a killed process left behind (never checkpoints)."""
+    for path in out.iterdir():
+        if re.match(r"^\.step-\d+\.(tmp|old|deleting)-", path.name) or path.name.startswith(".recipe_state-"):
+            say(f"removing {path.name}, left by an interrupted save")
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def clear_previous_run(out: Path) -> None:
+    """overwrite=true: the previous run's checkpoints, metrics and plot go (nothing else in out)."""
+    doomed = [path for _, path in step_dirs(out)]
+    for path in doomed:
+        delete_checkpoint(path)
+    for name in (METRICS_NAME, PLOT_NAME):
+        (out / name).unlink(missing_ok=True)
+    if doomed:
+        say(f"overwrite: {len(doomed)} checkpoint(s) of the previous run in {out} removed")
+
+
+def load_adapter_weights(model: nn.Module, path: Path) -> None:
+    """The fp32 adapters from the checkpoint's PEFT file, bit for bit."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path))
+    with torch.no_grad():
+        for name, module in lora_modules(model).items():
+            for attr, peft_name in (("lora_a", "lora_A"), ("lora_b", "lora_B")):
+                key = f"{PEFT_PREFIX}{name}.{peft_name}.weight"
+                if key not in tensors:
+                    raise SlimtuneError(f"{path}: no tensor {key}")
+                getattr(module, attr).weight.copy_(tensors[key])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Training-loop helpers
+
+
+LOSS_CHUNK_BYTES = 64 * 2**20
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of next-token cross-entropy over the trained (non -100) labels, in fp32, in chunks of positions
+    that are recomputed in the backward pass: with a 128k vocabulary the fp32 logits of one 2048-token
+    sequence are 1 GB, and their log-softmax and gradient as much again; here only one 64 MB chunk of
+    fp32 exists at a time beside the model-dtype logits."""
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # position t predicts token t + 1; the last predicts nothing
+    per_chunk = max(1, LOSS_CHUNK_BYTES // (4 * logits.shape[-1] * logits.shape[0]))
+    total = torch.zeros((), dtype=torch.float32, device=logits.device)
+    for chunk, target in zip(logits.split(per_chunk, dim=1), targets.split(per_chunk, dim=1), strict=True):
+        total = total + torch.utils.checkpoint.checkpoint(_chunk_loss_sum, chunk, target, use_reentrant=False, preserve_rng_state=False)
+    return total
+
+
+def _chunk_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    return F.cross_entropy(logits.float().reshape(-1, vocab), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+class PeakMemory:
+    """Peak RSS of the whole run, and of each save on its own (VmHWM is reset around a save, so the run's
+    peak is carried across the reset). Peak GPU memory where there is a GPU."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.run_peak = peak_rss_mb()
+
+    def around_save(self, save: Callable[[], SaveResult]) -> tuple[SaveResult, float, float]:
+        self.run_peak = max(self.run_peak, peak_rss_mb())
+        before = rss_mb()
+        reset_peak_rss()
+        result = save()
+        save_peak = peak_rss_mb()
+        self.run_peak = max(self.run_peak, save_peak)
+        return result, before, save_peak
+
+    def snapshot(self) -> dict:
+        figures = {"peak_rss_mb": max(self.run_peak, peak_rss_mb())}
+        if self.device.type == "cuda":
+            figures["peak_gpu_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
+        return figures
+
+
+class MetricsLog:
+    """metrics.jsonl, one line per optimizer step. On resume, lines past the checkpoint's step (written
+    before the previous process stopped) are dropped, so the file describes one continuous run."""
+
+    def __init__(self, path: Path, keep_through_step: int):
+        self.path = path
+        kept = []
+        if keep_through_step and path.is_file():
+            for line in path.read_text().splitlines():
+                try:
+                    if json.loads(line)["step"] <= keep_through_step:
+                        kept.append(line)
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    continue  # a line cut short by a kill
+        tmp = path.with_name(path.name + ".partial")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.replace(path)
+
+    def write(self, record: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checkpointing helpers
+
+
+def recipe_state(
+    cfg: Config,
+    global_step: int,
+    position: tuple[int, int],
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    scaler: torch.amp.GradScaler,
+    dataset_sha: str,
+    num_examples: int,
+    total_steps: int,
+) -> dict:
+    """Everything beyond the adapter weights that the next step depends on. Plain containers and
+    tensors only, so it loads with ``torch.load(weights_only=True)``."""
+    return {
+        "format": STATE_FORMAT,
+        "global_step": global_step,
+        "epoch": position[0],  # the data position of the next step: epoch (0-based) and step within it
+        "step_in_epoch": position[1],
+        "total_steps": total_steps,
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "grad_scaler": scaler.state_dict(),
+        "rng": rng_state(),
+        "config": dict(cfg.values),
+        "dataset_sha256": dataset_sha,
+        "num_examples": num_examples,
+    }
+
+
+def rng_state() -> dict:
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_recipe_checkpoint(
+    model: nn.Module, ckpt: Path, state: dict, adapter_only: bool, cfg: Config, dtype: torch.dtype, base_dtype: torch.dtype
+) -> SaveResult:
+    """save_checkpoint with the recipe state inside (copied in before the manifest, so a checkpoint
+    that has a manifest has its state). The merged model is written in the base checkpoint's dtype."""
+    state_file = ckpt.parent / f".recipe_state-{os.getpid()}-{uuid.uuid4().hex[:8]}.pt"
+    torch.save(state, state_file)
+    try:
+        return save_checkpoint(
+            model,
+            ckpt,
+            adapter_only=adapter_only,
+            max_shard_size=cfg.checkpoint.max_shard_size,
+            dtype=None if dtype == base_dtype else base_dtype,
+            extra_files={STATE_NAME: state_file},
+            progress=False,
+        )
+    finally:
+        state_file.unlink(missing_ok=True)
+
+
+def prune_checkpoints(out: Path, keep_last_n: int | None) -> list[str]:
+    """Delete complete checkpoints beyond the newest ``keep_last_n``; the newest complete one always stays."""
+    if keep_last_n is None:
+        return []
+    complete = [p for _, p in step_dirs(out) if is_complete_checkpoint(p)]
+    removed = []
+    for path in complete[max(1, keep_last_n) :]:
+        delete_checkpoint(path)
+        removed.append(path.name)
+    return removed
+
+
+def delete_checkpoint(path: Path) -> None:
+    """Rename to a hidden name first: a kill during the deletion leaves no half-deleted step-N."""
+    doomed = path.with_name(f".{path.name}.deleting-{uuid.uuid4().hex[:8]}")
+    os.rename(path, doomed)
+    shutil.rmtree(doomed)
+
+
+def plot_losses(metrics_path: Path, png_path: Path) -> Path | None:
+    """The loss curve (and the learning rate) of the whole run, from metrics.jsonl, as a PNG."""
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    if not rows:
+        return None
+    from matplotlib.figure import Figure  # no pyplot: no global backend state
+
+    fig = Figure(figsize=(7, 4), dpi=100)
+    ax = fig.add_subplot()
+    steps = [r["step"] for r in rows]
+    ax.plot(steps, [r["loss"] for r in rows], color="tab:blue", linewidth=1.2, label="loss")
+    for r in rows:
+        if "checkpoint" in r:
+            ax.axvline(r["step"], color="0.8", linewidth=0.8, linestyle=":")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss", color="tab:blue")
+    lr_ax = ax.twinx()
+    lr_ax.plot(steps, [r["lr"] for r in rows], color="tab:orange", linewidth=1.0, alpha=0.7)
+    lr_ax.set_ylabel("learning rate", color="tab:orange")
+    ax.set_title(f"{metrics_path.parent.name}: loss per step (dotted: checkpoints)")
+    fig.tight_layout()
+    tmp = png_path.with_name(png_path.name + ".partial.png")
+    fig.savefig(tmp)
+    tmp.replace(png_path)
+    return png_path

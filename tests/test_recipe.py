@@ -1,0 +1,324 @@
+"""The fine-tuning recipe as a user runs it (`slimtune finetune` in its own process): exact resume in a new
+process, SIGKILL during a save, the errors that must stop a run, and the shipped tiny config."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from slimtune.checkpoint.atomic import is_complete_checkpoint
+from slimtune.cli import main
+from slimtune.tiny import DEMO_TEXTS, byte_tokenizer
+from tests.conftest import ROOT, run_cli
+
+TRAIN_LINES = [
+    {"text": "alpha beta gamma delta"},
+    {"instruction": "Say hi.", "output": "Hi there."},
+    {"messages": [{"role": "user", "content": "Ping?"}, {"role": "assistant", "content": "Pong."}]},
+    {"text": "The quick brown fox jumps over the lazy dog."},
+    {"instruction": "Add.", "input": "2+2", "output": "4"},
+    {"text": "Checkpoints are atomic."},
+    {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Name?"},
+            {"role": "assistant", "content": "Tiny."},
+        ]
+    },
+    {"text": "Resume is exact."},
+    {"text": "Loss goes down."},
+    {"instruction": "Echo x.", "output": "x"},
+]
+ADAPTER = "adapter/adapter_model.safetensors"
+
+
+@pytest.fixture(scope="module")
+def train_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "train.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in TRAIN_LINES))
+    return path
+
+
+@pytest.fixture(scope="module")
+def settings(tiny_base, train_file) -> list[str]:
+    """10 examples, batch 2, accumulation 2: 3 optimizer steps per epoch (the last with one micro-batch),
+    2 epochs, a checkpoint every step, dropout on (so the RNG restore matters)."""
+    return [
+        f"model.path={tiny_base}",
+        "model.create_tiny=false",
+        f"dataset.path={train_file}",
+        "dataset.create_builtin=false",
+        "training.batch_size=2",
+        "training.gradient_accumulation_steps=2",
+        "training.total_epochs=2",
+        "lora.dropout=0.1",
+        "checkpoint.save_every_n_steps=1",
+        "checkpoint.keep_last_n=null",
+        "logging.progress_bar=false",
+    ]
+
+
+def finetune(out: Path, settings: list[str], *extra: str) -> subprocess.CompletedProcess:
+    r = run_cli("finetune", "--config", "tiny", f"output_dir={out}", *settings, *extra)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r
+
+
+def run_main(capsys, *args: str) -> tuple[int, str, str]:
+    """The CLI in this process (for steps whose speed matters more than a fresh interpreter)."""
+    code = main(["finetune", "--config", "tiny", *args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_adapters(a: Path, b: Path) -> None:
+    ta, tb = load_file(str(a / ADAPTER)), load_file(str(b / ADAPTER))
+    assert ta.keys() == tb.keys()
+    for key in ta:
+        assert torch.equal(ta[key], tb[key]), key
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory, settings) -> Path:
+    """All 6 steps in one process: the reference."""
+    out = tmp_path_factory.mktemp("straight") / "run"
+    finetune(out, settings)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_step_run(tmp_path_factory, settings) -> Path:
+    """Stopped after step 2 (mid-epoch); tests copy it before resuming."""
+    out = tmp_path_factory.mktemp("two") / "run"
+    r = finetune(out, settings, "training.stop_after_steps=2")
+    assert "stopped at step 2" in r.stdout
+    return out
+
+
+def test_resume_is_exact(straight_run, two_step_run, settings, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(two_step_run, out)
+    mid_epoch = finetune(out, settings, "resume=true", "training.stop_after_steps=3")  # a new process
+    assert "resumed from step-000002: step 2, epoch 1, step 3 of the epoch next" in mid_epoch.stdout
+    boundary = finetune(out, settings, "resume=true")
+    assert "resumed from step-000003: step 3, epoch 2, step 1 of the epoch next" in boundary.stdout
+
+    reference, resumed = metrics(straight_run), metrics(out)
+    assert [m["step"] for m in resumed] == [1, 2, 3, 4, 5, 6]
+    assert [m["loss"] for m in resumed] == [m["loss"] for m in reference]  # bit-identical floats
+    assert [m["lr"] for m in resumed] == [m["lr"] for m in reference]
+    assert len({m["loss"] for m in reference}) == 6  # the steps really differ
+    for step in (3, 6):
+        assert_same_adapters(straight_run / f"step-{step:06d}", out / f"step-{step:06d}")
+    first, last = load_file(str(straight_run / "step-000001" / ADAPTER)), load_file(str(straight_run / "step-000006" / ADAPTER))
+    assert any(not torch.equal(first[k], last[k]) for k in first)  # training moved the adapters
+
+
+KILL_POINTS = {
+    # fsync of a file inside the temporary directory of the step-2 save: the adapter (nothing merged yet),
+    # the manifest (written, not yet renamed into place), the directory itself just before the rename
+    "adapter-written": (r"/\.step-000002\.tmp-[0-9a-f]+/adapter/adapter_model\.safetensors$", 1),
+    "manifest-written": (r"/\.step-000002\.tmp-[0-9a-f]+/slimtune_manifest\.json\.partial$", 1),
+    "before-rename": (r"/\.step-000002\.tmp-[0-9a-f]+$", 2),
+}
+CHILD = """
+import os, re, sys, time
+pattern, nth, marker = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+real_fsync, seen = os.fsync, [0]
+def fsync(fd):
+    real_fsync(fd)
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return
+    if re.search(pattern, target):
+        seen[0] += 1
+        if seen[0] == nth:
+            open(marker, "w").write(target)
+            time.sleep(600)  # the test kills the process here, inside the save
+os.fsync = fsync
+from slimtune.cli import main
+sys.exit(main(sys.argv[4:]))
+"""
+
+
+@pytest.mark.parametrize("point", list(KILL_POINTS))
+def test_sigkill_during_save_keeps_previous_checkpoint(point, straight_run, settings, tmp_path, capsys):
+    pattern, nth = KILL_POINTS[point]
+    out, marker = tmp_path / "run", tmp_path / "inside-save"
+    args = ["finetune", "--config", "tiny", f"output_dir={out}", *settings, "checkpoint.keep_last_n=1"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, pattern, str(nth), str(marker), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not marker.exists():
+            assert child.poll() is None, child.stdout.read().decode()
+            assert time.monotonic() < deadline, "the save never reached the kill point"
+            time.sleep(0.05)
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == -signal.SIGKILL
+
+    # The interrupted save is a hidden temporary directory; the previous checkpoint is whole.
+    assert [p.name for p in out.glob("step-*")] == ["step-000001"]
+    assert is_complete_checkpoint(out / "step-000001") and (out / "step-000001" / "recipe_state.pt").is_file()
+    assert list(out.glob(".step-000002.tmp-*"))
+    (out / "step-000009").mkdir()  # a newer directory without a manifest: resume must pass it over
+    (out / "step-000009" / "junk").write_text("x")
+
+    # Resume (in this process, to keep the test short) and train steps 2 and 3 as the straight run did.
+    code, stdout, stderr = run_main(
+        capsys, f"output_dir={out}", *settings, "checkpoint.keep_last_n=1", "resume=true", "training.stop_after_steps=3"
+    )
+    assert code == 0, stdout + stderr
+    assert "resume: skipping step-000009: incomplete (no slimtune_manifest.json)" in stdout
+    assert "removing .step-000002.tmp-" in stdout
+    assert "resumed from step-000001" in stdout
+    assert not list(out.glob(".step-*"))
+    assert is_complete_checkpoint(out / "step-000003") and not (out / "step-000001").exists()  # keep_last_n=1
+    assert [m["loss"] for m in metrics(out)] == [m["loss"] for m in metrics(straight_run)][:3]
+    assert_same_adapters(straight_run / "step-000003", out / "step-000003")
+
+
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        ("lora.rank=16", "lora.rank is 16, the checkpoint has 8"),
+        ("training.batch_size=4", "training.batch_size is 4, the checkpoint has 2"),
+        ("training.gradient_accumulation_steps=1", "training.gradient_accumulation_steps is 1"),
+        ("seed=1", "seed is 1, the checkpoint has 0"),
+        ("dataset.max_seq_len=64", "dataset.max_seq_len is 64"),
+        ("lora.target_modules=[q_proj]", "lora.target_modules is ['q_proj']"),
+    ],
+)
+def test_incompatible_resume_fails(change, needle, two_step_run, settings, tmp_path, capsys):
+    out = tmp_path / "run"
+    shutil.copytree(two_step_run, out)
+    code, _, err = run_main(capsys, f"output_dir={out}", *settings, "resume=true", change)
+    assert code == 2
+    message = err.strip().splitlines()[-1]
+    assert message.startswith(f"slimtune finetune: error: cannot resume from {out / 'step-000002'}:") and needle in message, message
+    assert sorted(p.name for p in out.glob("step-*")) == ["step-000001", "step-000002"]
+
+
+def test_resume_refuses_changed_data_and_allows_schedule_changes(two_step_run, settings, train_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    shutil.copytree(two_step_run, out)
+    changed = tmp_path / "train.jsonl"
+    changed.write_text(train_file.read_text().replace("alpha", "omega"))
+    moved = [s if not s.startswith("dataset.path=") else f"dataset.path={changed}" for s in settings]
+    code, _, err = run_main(capsys, f"output_dir={out}", *moved, "resume=true")
+    assert code == 2 and "dataset.path is" in err  # a different path is a fixed-field change
+
+    code, out_text, err = run_main(
+        capsys, f"output_dir={out}", *settings, "resume=true", "training.total_epochs=3", "training.stop_after_steps=2"
+    )
+    assert code == 0, err
+    assert "resume: training.total_epochs changed from 2 to 3 (allowed)" in out_text
+    assert "nothing to train" in out_text
+
+    original = train_file.read_text()
+    try:
+        train_file.write_text(original.replace("alpha", "omega"))
+        code, _, err = run_main(capsys, f"output_dir={out}", *settings, "resume=true")
+    finally:
+        train_file.write_text(original)
+    assert code == 2 and "changed since the checkpoint was taken" in err
+
+    code, _, err = run_main(capsys, f"output_dir={out}", *settings)  # neither resume nor overwrite
+    assert code == 2 and "already holds checkpoints" in err and "resume=true" in err
+
+
+def test_config_and_data_errors_exit_2_before_any_work(tmp_path, settings, capsys):
+    out = tmp_path / "run"
+    r = run_cli("finetune", "--config", "tiny", f"output_dir={out}", "optimizer.lrr=1e-4")
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1] == (
+        "slimtune finetune: error: override 'optimizer.lrr=1e-4': unknown config key 'optimizer.lrr' (did you mean 'optimizer.lr'?)"
+    )
+    code, _, err = run_main(capsys, f"output_dir={out}", "training.batch_size=two")
+    assert code == 2 and "'training.batch_size' must be an integer, got 'two'" in err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": "fine"}\n{"text": oops}\n')
+    code, _, err = run_main(capsys, f"output_dir={out}", f"dataset.path={bad}")  # tiny defaults: the model would be made under out
+    assert code == 2 and f"{bad}:3: not valid JSON" in err
+    assert not out.exists()
+
+
+def test_tiny_config_trains_and_its_merged_model_reloads(tmp_path):
+    out = tmp_path / "tiny"
+    r = run_cli("finetune", "--config", "tiny", f"output_dir={out}", "training.total_epochs=3")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "peak RSS of the run:" in r.stdout
+    rows = metrics(out)
+    assert [m["step"] for m in rows] == list(range(1, 16))
+    assert {"step", "epoch", "loss", "lr", "tokens_per_s", "peak_rss_mb"} <= rows[0].keys()
+    saves = [m for m in rows if "checkpoint" in m]
+    assert [m["step"] for m in saves] == [5, 10, 15]  # epoch ends: 18 built-in examples, batch 4
+    assert all(m["checkpoint_save_s"] > 0 and m["checkpoint_peak_rss_mb"] > 0 for m in saves)
+    losses = [m["loss"] for m in rows]
+    assert sum(losses[-5:]) / 5 < losses[0] - 0.3, losses
+    assert sorted(p.name for p in out.glob("step-*")) == ["step-000010", "step-000015"]  # keep_last_n: 2
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    tok = byte_tokenizer()
+    batch = tok(DEMO_TEXTS, padding=True, return_tensors="pt")
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(str(out / "step-000015"), dtype=torch.bfloat16, local_files_only=True)
+        base = AutoModelForCausalLM.from_pretrained(str(out / "base"), dtype=torch.bfloat16, local_files_only=True)
+        trained_loss = merged(**batch, labels=labels).loss.item()
+        base_loss = base(**batch, labels=labels).loss.item()
+    assert trained_loss < base_loss - 0.3, (trained_loss, base_loss)
+
+
+def test_metrics_past_the_resumed_checkpoint_are_dropped(tmp_path):
+    from slimtune.recipes.finetune import MetricsLog
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 6)) + '{"step": 6, "lo')  # cut by a kill
+    log = MetricsLog(path, keep_through_step=3)
+    log.write({"step": 4, "loss": 0.5})
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4]
+    MetricsLog(path, keep_through_step=0)  # a fresh run starts an empty file
+    assert path.read_text() == ""
+
+
+def test_chunked_loss_equals_the_plain_one(monkeypatch):
+    import torch.nn.functional as F
+
+    from slimtune.recipes import finetune
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 70, 300, generator=gen).to(torch.bfloat16).requires_grad_()
+    labels = torch.randint(0, 300, (3, 70), generator=gen)
+    labels[0, :20] = -100
+    labels[2, 50:] = -100
+    plain = F.cross_entropy(logits[:, :-1].float().reshape(-1, 300), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum")
+    (plain_grad,) = torch.autograd.grad(plain, logits)
+    monkeypatch.setattr(finetune, "LOSS_CHUNK_BYTES", 4 * 300 * 3 * 16)  # chunks of 16 positions
+    chunked = finetune.token_loss_sum(logits, labels)
+    (chunked_grad,) = torch.autograd.grad(chunked, logits)
+    assert torch.allclose(chunked, plain, rtol=1e-6)
+    assert torch.equal(chunked_grad, plain_grad)

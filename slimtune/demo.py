@@ -46,13 +46,23 @@ def run_demo(
         values["lora.target_modules"] = targets
     if lr is not None:
         values["optimizer.lr"] = lr
-    cfg = load_config("tiny", values=values)
+    half = max(1, steps // 2)
 
     def report(record: dict) -> None:
-        if record["step"] == 1 or record["step"] % 5 == 0 or record["step"] == steps:
+        if record["step"] == 1 or record["step"] % 5 == 0 or record["step"] in (half, steps):
             print(f"step {record['step']:3d}  loss {record['loss']:.4f}", flush=True)
 
-    run = run_finetune(cfg, on_step=report)
+    # First half, stopped with a checkpoint as if the session had ended; then a second run resumes from
+    # the newest complete checkpoint and continues exactly where the first stopped.
+    first = run_finetune(load_config("tiny", values={**values, "training.stop_after_steps": half}), on_step=report)
+    if half < steps:
+        print(f"stopped after step {first.global_step}; resuming from {first.checkpoint.name} in a new recipe run", flush=True)
+        cfg = load_config("tiny", values={**values, "overwrite": False, "resume": True})
+        run = run_finetune(cfg, on_step=report)
+        run.losses = first.losses + run.losses
+        run.peak_rss_mb = max(run.peak_rss_mb, first.peak_rss_mb)
+    else:
+        cfg, run = load_config("tiny", values=values), first
     model, tokenizer, result = run.model, run.tokenizer, run.last_save
     base_dir = Path(cfg.model.path)
     ckpt = out_dir / "checkpoint"

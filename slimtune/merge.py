@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from slimtune.checkpoint.save import SaveResult, write_checkpoint
+from slimtune.checkpoint.save import DTYPE_NAMES, DTYPES, SaveResult, write_checkpoint
 from slimtune.checkpoint.staging import BufferPool, pool_for
 from slimtune.checkpoint.staging import to_host as plain_to_host
 from slimtune.checkpoint.stream import StreamTensor, ToHost
@@ -24,9 +24,6 @@ from slimtune.formats.safetensors import SafetensorsReader
 from slimtune.lora import merge_lora_rows
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
 class BaseCheckpoint:

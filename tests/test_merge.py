@@ -320,3 +320,13 @@ def test_inspect_checkpoint_and_adapter(tiny_base, tmp_path):
 def test_cuda_merge_without_gpu_is_a_clear_error(tiny_base, adapter_dir, tmp_path):
     assert_fails(merge_cli(tiny_base, adapter_dir, tmp_path / "o", "--device", "cuda"), "--device cuda", "no CUDA device")
     assert not (tmp_path / "o").exists()
+
+
+def test_bin_adapter_merges_like_safetensors(tiny_base, tmp_path):
+    model = make_peft_adapter(tiny_base, tmp_path / "st", r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"])
+    model.save_pretrained(str(tmp_path / "bin"), safe_serialization=False)
+    assert (tmp_path / "bin" / "adapter_model.bin").is_file() and not (tmp_path / "bin" / "adapter_model.safetensors").exists()
+    merge_from_files(tiny_base, tmp_path / "st", tmp_path / "m1", progress=False)
+    merge_from_files(tiny_base, tmp_path / "bin", tmp_path / "m2", progress=False)
+    a, b = read_dir(tmp_path / "m1"), read_dir(tmp_path / "m2")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -32,7 +32,8 @@ from slimtune.formats.peft import ADAPTER_CONFIG, ADAPTER_DIR_NAME, ADAPTER_WEIG
 from slimtune.memory import parse_size
 
 ADAPTER_DIR = ADAPTER_DIR_NAME
-DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # as the CLI and configs spell them
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}  # as config.json does
 
 
 @dataclass

@@ -38,7 +38,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from slimtune.checkpoint.atomic import MANIFEST_NAME, is_complete_checkpoint, read_manifest, sha256_file
-from slimtune.checkpoint.save import ADAPTER_DIR, SaveResult, save_checkpoint
+from slimtune.checkpoint.save import ADAPTER_DIR, DTYPES, SaveResult, save_checkpoint
 from slimtune.config import KEYS, Config
 from slimtune.data import (
     IGNORE_INDEX,
@@ -67,7 +67,6 @@ STATE_FORMAT = "slimtune-recipe-state/1"
 METRICS_NAME = "metrics.jsonl"
 PLOT_NAME = "loss.png"
 STEP_DIR = re.compile(r"^step-(\d+)$")
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass

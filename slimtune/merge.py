@@ -25,6 +25,10 @@ from slimtune.lora import merge_lora_rows
 
 log = logging.getLogger(__name__)
 
+# Tied checkpoints store only the input embedding (Llama, Mistral, Qwen2 names); an adapter that changes
+# lm_head unties them, and lm_head is then written from the embedding's rows.
+INPUT_EMBEDDING, OUTPUT_EMBEDDING = "model.embed_tokens.weight", "lm_head.weight"
+
 
 class BaseCheckpoint:
     """A base checkpoint on disk: tensor names, shapes and dtypes from the headers, rows on demand."""
@@ -168,13 +172,13 @@ def merged_file_stream(
     tied = base.config.get("tie_word_embeddings", False)
     wanted_extra = [k for k in list(targets) + list(saved) if k not in base.location and k not in keys]
     for key in wanted_extra:
-        if tied and key == "lm_head.weight" and "model.embed_tokens.weight" in base.location:
+        if tied and key == OUTPUT_EMBEDDING and INPUT_EMBEDDING in base.location:
             keys.append(key)  # untie: the adapter changes lm_head but not the embedding
         else:
             raise SlimtuneError(f"adapter {adapter.path}: target module {key.rsplit('.', 1)[0]} is missing from base {base.dir}")
     stream = []
     for key in keys:
-        source_key = "model.embed_tokens.weight" if key not in base.location and key not in base.bnb else key
+        source_key = INPUT_EMBEDDING if key not in base.location and key not in base.bnb else key
         is_float = base.dtype(source_key).is_floating_point
         out_dtype = (dtype or base.dtype(source_key)) if is_float else base.dtype(source_key)
         if key in saved:
@@ -237,7 +241,7 @@ def merge_from_files(
         floats = [t.dtype for t in stream if t.dtype.is_floating_point]
         if floats:
             config["torch_dtype"] = config["dtype"] = DTYPE_NAMES.get(dtype or floats[0], str(floats[0]))
-        if "lm_head.weight" in {t.name for t in stream} and config.get("tie_word_embeddings"):
+        if OUTPUT_EMBEDDING in {t.name for t in stream} and config.get("tie_word_embeddings"):
             config["tie_word_embeddings"] = False
         return write_checkpoint(
             out_dir,

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # One short GPU check for the device machine (torch with CUDA preinstalled, no network):
 #   1. the CUDA tests (save and merge on the GPU equal the CPU results; VRAM overhead of the save),
-#   2. the save bench on the GPU for the llama3.2-1b shape, and the NF4 dequantization bench.
+#   2. the save and merge benches on the GPU for the llama3.2-1b shape, the NF4 dequantization bench,
+#   3. a tiny fine-tune on the GPU through the recipe (train, periodic save, resume), then its merged
+#      output reloaded and compared, and the multi-GPU (NCCL) path where the machine has 2+ GPUs.
 # torchao is not on that image: carry its wheel in bench/wheels/ (gitignored), e.g.
 #   pip download --no-deps -d bench/wheels torchao==0.18.0
-# and pass carry=["bench/wheels"] to the device run.
-set -euo pipefail
+# and pass carry=["bench/wheels"] to the device run. Every step runs even if an earlier one failed;
+# the script exits non-zero if any did.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 if ! $PY -c "import torchao" 2>/dev/null; then
@@ -13,9 +16,28 @@ if ! $PY -c "import torchao" 2>/dev/null; then
   $PY -m pip install -q --no-deps --no-index --target /tmp/slimtune-site bench/wheels/*.whl
   export PYTHONPATH="/tmp/slimtune-site:${PYTHONPATH:-}"
 fi
-export PYTHONPATH="$PWD:${PYTHONPATH:-}"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-$PY -c "import torch, torchao, transformers; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'torchao', torchao.__version__, 'transformers', transformers.__version__)"
-$PY -m pytest -q -s tests/test_gpu.py -p no:cacheprovider
-$PY -m slimtune.bench save --preset llama3.2-1b --out /tmp/slimtune-gpu-bench --device cuda
-$PY -m slimtune.bench nf4 --device cuda
+export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 TQDM_DISABLE=1
+FAILED=0
+step() {  # step NAME SECONDS CMD...: run with a time limit, print its status and wall time
+  local name=$1 limit=$2; shift 2
+  echo "== $name"
+  local t0=$SECONDS
+  timeout "$limit" "$@"; local rc=$?
+  echo "== $name: rc=$rc, $((SECONDS - t0)) s"
+  [ $rc -eq 0 ] || FAILED=1
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+$PY -c "import torch, torchao, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available(), 'torchao', torchao.__version__, 'transformers', transformers.__version__)"
+step "CUDA tests" 150 $PY -m pytest -q -s tests/test_gpu.py -p no:cacheprovider
+step "save bench llama3.2-1b cuda" 120 $PY -m slimtune.bench save --preset llama3.2-1b --out /tmp/slimtune-gpu-bench --device cuda
+step "merge bench llama3.2-1b cuda" 150 $PY -m slimtune.bench merge --preset llama3.2-1b --out /tmp/slimtune-gpu-merge --device cuda
+step "nf4 bench cuda" 60 $PY -m slimtune.bench nf4 --device cuda
+step "tiny fine-tune cuda" 120 $PY -m slimtune finetune --config tiny output_dir=/tmp/slimtune-gpu-tiny device=cuda
+if [ -f /tmp/slimtune-gpu-tiny/metrics.jsonl ]; then tail -n 2 /tmp/slimtune-gpu-tiny/metrics.jsonl; fi
+NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
+if [ "$NGPU" -ge 2 ]; then
+  step "torchrun NCCL tiny fine-tune" 120 $PY -m torch.distributed.run --standalone --nproc-per-node 2 -m slimtune finetune --config tiny output_dir=/tmp/slimtune-gpu-ddp device=cuda
+else
+  echo "== torchrun NCCL: skipped, $NGPU GPU on this machine"
+fi
+exit $FAILED

@@ -215,16 +215,16 @@ MERGE_CHILD = """
 import json, sys, time
 from slimtune.memory import bytes_read_by_process, bytes_written_by_process, peak_rss_mb
 from slimtune.merge import merge_from_files
-base, adapter, out = sys.argv[1:4]
+base, adapter, out, device = sys.argv[1:5]
 r0, w0, t0 = bytes_read_by_process(), bytes_written_by_process(), time.perf_counter()
-result = merge_from_files(base, adapter, out, overwrite=True, progress=True)
+result = merge_from_files(base, adapter, out, overwrite=True, progress=True, device=device)
 print(json.dumps({"merge_s": time.perf_counter() - t0, "bytes_read": bytes_read_by_process() - r0,
                   "bytes_written": bytes_written_by_process() - w0, "output_bytes": result.total_bytes,
                   "peak_rss_mb": peak_rss_mb()}))
 """
 
 
-def bench_merge(preset: str, out: Path, layers: int | None = None) -> dict:
+def bench_merge(preset: str, out: Path, layers: int | None = None, device: str = "cpu") -> dict:
     """Synthetic base + adapter on disk (made once, reused), then the merge in a fresh child process,
     which reports its own peak RSS (VmHWM of its whole life: interpreter, imports, merge), the figure
     /usr/bin/time -v reports. (The parent's ru_maxrss for children is not used: the kernel folds the
@@ -244,7 +244,7 @@ def bench_merge(preset: str, out: Path, layers: int | None = None) -> dict:
         write_synthetic_adapter(config, adapter)
     base_bytes = sum(p.stat().st_size for p in base.glob("*.safetensors"))
     disk = disk_write_mb_s(out, min(base_bytes, 2 * 1024**3))
-    child = subprocess.run([sys.executable, "-c", MERGE_CHILD, str(base), str(adapter), str(merged)], stdout=subprocess.PIPE, text=True)
+    child = subprocess.run([sys.executable, "-c", MERGE_CHILD, str(base), str(adapter), str(merged), device], stdout=subprocess.PIPE, text=True)
     if child.returncode:
         raise SystemExit(f"merge failed with exit code {child.returncode}")
     stats = json.loads(child.stdout.strip().splitlines()[-1])
@@ -261,6 +261,7 @@ def bench_merge(preset: str, out: Path, layers: int | None = None) -> dict:
         "disk_mb_s": round(disk, 1),
         "ratio": round(write_mb_s / disk, 3),
         "peak_rss_mb": round(stats["peak_rss_mb"], 1),
+        "device": device,
     }
 
 
@@ -317,6 +318,7 @@ def main(argv: list[str] | None = None) -> None:
     merge.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     merge.add_argument("--out", type=Path, required=True)
     merge.add_argument("--layers", type=int, default=None, help="override the number of layers")
+    merge.add_argument("--device", default="cpu", help="where the merge math runs (cpu or cuda)")
     nf4 = sub.add_parser("nf4", help="NF4 dequantization throughput vs torchao on a 4096x14336 weight")
     nf4.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
@@ -324,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(bench_nf4(device=args.device)))
     if args.command == "merge":
         args.out.mkdir(parents=True, exist_ok=True)
-        print(json.dumps(bench_merge(args.preset, args.out, args.layers)))
+        print(json.dumps(bench_merge(args.preset, args.out, args.layers, args.device)))
     if args.command == "save":
         result = bench_save(args.preset, args.out, args.layers, args.device)
         if not args.keep:

@@ -10,7 +10,8 @@ then cosine decay, gradient accumulation with the loss averaged over every train
 optimizer step, gradient clipping. Checkpoints (``step-NNNNNN``) are written by ``save_checkpoint`` in
 bounded memory and atomically, with the recipe state inside them (optimizer, scheduler, loss scaler,
 data position, RNG states, config), so ``resume=true`` continues bit-exactly where a checkpoint was
-taken, in a new process.
+taken, in a new process. The run directory itself (step directories, resume point, pruning, leftovers,
+metrics.jsonl) belongs to ``CheckpointManager``.
 """
 
 from __future__ import annotations
@@ -18,13 +19,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import random
-import re
-import shutil
 import sys
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -37,9 +34,9 @@ import torch.utils.checkpoint
 from torch import nn
 from tqdm.auto import tqdm
 
-from slimtune.checkpoint.atomic import MANIFEST_NAME, is_complete_checkpoint, read_manifest, sha256_file
-from slimtune.checkpoint.save import ADAPTER_DIR, DTYPES, SaveResult, save_checkpoint
-from slimtune.config import KEYS, Config
+from slimtune.checkpoint.manager import STATE_FORMAT, CheckpointManager, MetricsLog, SaveOptions, rng_state, set_rng_state
+from slimtune.checkpoint.save import ADAPTER_DIR, DTYPES, SaveResult
+from slimtune.config import Config
 from slimtune.data import (
     IGNORE_INDEX,
     Record,
@@ -61,12 +58,6 @@ from slimtune.memory import peak_rss_mb, reset_peak_rss, rss_mb
 from slimtune.model import config_dtype, load_qlora_model
 from slimtune.quant import is_nf4
 from slimtune.tiny import make_tiny_checkpoint
-
-STATE_NAME = "recipe_state.pt"
-STATE_FORMAT = "slimtune-recipe-state/1"
-METRICS_NAME = "metrics.jsonl"
-PLOT_NAME = "loss.png"
-STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 @dataclass
@@ -95,9 +86,11 @@ def run_finetune(cfg: Config, on_step: Callable[[dict], None] | None = None) -> 
     dtype = pick_dtype(cfg.dtype, device)
 
     # --- Set-up 1: output_dir. Resume from its newest complete checkpoint, or refuse to mix two runs. ---
-    resume_dir, saved = find_resume_point(out, cfg.resume, cfg.overwrite)
-    if saved is not None:
-        check_resumable(cfg, saved, resume_dir)
+    manager = CheckpointManager(out, cfg.checkpoint.keep_last_n, log=say)
+    resume = manager.find_resume_point(cfg.resume, cfg.overwrite)
+    resume_dir, saved = (resume.path, resume.state) if resume is not None else (None, None)
+    if resume is not None:
+        manager.check_resumable(cfg, resume)
 
     # --- Set-up 2: the data, parsed before the model is loaded (a bad line fails in seconds, not minutes). ---
     dataset_path = Path(cfg.dataset.path)
@@ -154,14 +147,11 @@ def run_finetune(cfg: Config, on_step: Callable[[dict], None] | None = None) -> 
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
 
     # --- Set-up 6: a fresh output_dir, or everything restored from the checkpoint. Writing starts here. ---
-    out.mkdir(parents=True, exist_ok=True)
-    remove_leftovers(out)
+    manager.prepare(fresh_start=saved is None, overwrite=cfg.overwrite)
     if builtin_rows is not None:
         write_jsonl(dataset_path, builtin_rows)
         say(f"built-in dataset written to {dataset_path}")
     if saved is None:
-        if cfg.overwrite:
-            clear_previous_run(out)
         global_step, epoch, step_in_epoch = 0, 0, 0
         seed_everything(cfg.seed)
     else:
@@ -179,7 +169,7 @@ def run_finetune(cfg: Config, on_step: Callable[[dict], None] | None = None) -> 
         global_step, epoch, step_in_epoch = saved["global_step"], saved["epoch"], saved["step_in_epoch"]
         set_rng_state(saved["rng"])  # last: nothing may draw random numbers between here and the next step
         say(f"resumed from {resume_dir.name}: step {global_step}, epoch {epoch + 1}, step {step_in_epoch + 1} of the epoch next")
-    metrics = MetricsLog(out / METRICS_NAME, keep_through_step=global_step)
+    metrics = MetricsLog(manager.metrics_path, keep_through_step=global_step)
     memory = PeakMemory(device)
     result = FinetuneResult(model, tokenizer, out, global_step, metrics_path=metrics.path)
 
@@ -232,13 +222,12 @@ def run_finetune(cfg: Config, on_step: Callable[[dict], None] | None = None) -> 
             if epoch_end or (every is not None and global_step % every == 0) or global_step == stop_at:
                 state = recipe_state(cfg, global_step, position, optimizer, scheduler, scaler, dataset_sha, len(examples), total_steps)
                 adapter_only = cfg.checkpoint.merged == "never" or (cfg.checkpoint.merged == "final" and global_step < total_steps)
-                ckpt = out / f"step-{global_step:06d}"
+                options = SaveOptions(adapter_only, cfg.checkpoint.max_shard_size, None if dtype == base_dtype else base_dtype)
+                ckpt = manager.step_path(global_step)
                 saved_result, before, save_peak = memory.around_save(
-                    lambda ckpt=ckpt, state=state, adapter_only=adapter_only: save_recipe_checkpoint(
-                        model, ckpt, state, adapter_only, cfg, dtype, base_dtype
-                    )
+                    lambda step=global_step, state=state, options=options: manager.save(model, step, state, options)
                 )
-                removed = prune_checkpoints(out, cfg.checkpoint.keep_last_n)
+                removed = manager.prune()
                 record.update(checkpoint=ckpt.name, checkpoint_save_s=saved_result.seconds, checkpoint_bytes=saved_result.total_bytes)
                 record.update(checkpoint_peak_rss_mb=save_peak)
                 kind = "adapter" if adapter_only else "adapter + merged"
@@ -263,7 +252,7 @@ def run_finetune(cfg: Config, on_step: Callable[[dict], None] | None = None) -> 
 
     # --- The end: loss curve, summary. ---
     result.global_step = global_step
-    result.plot_path = plot_losses(metrics.path, out / PLOT_NAME)
+    result.plot_path = plot_losses(metrics.path, manager.plot_path)
     snapshot = memory.snapshot()
     result.peak_rss_mb, result.peak_gpu_mb = snapshot["peak_rss_mb"], snapshot.get("peak_gpu_mb")
     if result.losses:
@@ -306,70 +295,6 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "fp16" and device.type != "cuda":
         raise SlimtuneError("dtype fp16 is for GPUs without bf16; on the CPU use bf16 or fp32")
     return DTYPES[name]
-
-
-def step_dirs(out: Path) -> list[tuple[int, Path]]:
-    """Checkpoint directories step-N under out, newest first."""
-    if not out.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in out.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
-    return sorted(found, reverse=True)
-
-
-def find_resume_point(out: Path, resume: bool, overwrite: bool) -> tuple[Path | None, dict | None]:
-    """The newest complete checkpoint with recipe state and its state, skipping incomplete ones."""
-    existing = step_dirs(out)
-    if not resume:
-        if existing and not overwrite:
-            names = ", ".join(p.name for _, p in existing[:3]) + (" ..." if len(existing) > 3 else "")
-            raise SlimtuneError(
-                f"{out} already holds checkpoints ({names}); pass resume=true to continue that run or overwrite=true to start over"
-            )
-        return None, None
-    for _, path in existing:
-        problem = checkpoint_problem(path)
-        if problem:
-            say(f"resume: skipping {path.name}: {problem}")
-            continue
-        try:
-            state = torch.load(path / STATE_NAME, map_location="cpu", weights_only=True)
-        except Exception as e:  # a damaged file is skipped like an incomplete checkpoint
-            say(f"resume: skipping {path.name}: cannot read {STATE_NAME} ({e})")
-            continue
-        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            say(f"resume: skipping {path.name}: {STATE_NAME} is not {STATE_FORMAT}")
-            continue
-        return path, state
-    say(f"resume: no complete checkpoint under {out}; starting from step 0")
-    return None, None
-
-
-def checkpoint_problem(path: Path) -> str | None:
-    """Why a checkpoint cannot be resumed from (None if it can): it needs its manifest, and the recipe
-    state and adapter must match the sizes and hashes the manifest recorded."""
-    if not is_complete_checkpoint(path):
-        return f"incomplete (no {MANIFEST_NAME})"
-    files = {f["path"]: f for f in read_manifest(path)["files"]}
-    for name in (STATE_NAME, f"{ADAPTER_DIR}/{ADAPTER_WEIGHTS}"):
-        entry, file = files.get(name), path / name
-        if entry is None or not file.is_file():
-            return f"no {name}"
-        if file.stat().st_size != entry["size"] or sha256_file(file) != entry["sha256"]:
-            return f"{name} does not match its manifest entry"
-    return None
-
-
-def check_resumable(cfg: Config, saved: dict, resume_dir: Path) -> None:
-    """Fields that define the model, the data order or the step arithmetic must match the checkpoint's;
-    the others may change (each change is logged)."""
-    then = saved["config"]
-    fixed = [k for k, key in KEYS.items() if key.fixed and k in then and then[k] != cfg.values[k]]
-    if fixed:
-        changes = "; ".join(f"{k} is {cfg.values[k]!r}, the checkpoint has {then[k]!r}" for k in fixed)
-        raise SlimtuneError(f"cannot resume from {resume_dir}: {changes} (these must not change on resume)")
-    for k, key in KEYS.items():
-        if not key.fixed and k not in ("resume", "overwrite") and k in then and then[k] != cfg.values[k]:
-            say(f"resume: {k} changed from {then[k]!r} to {cfg.values[k]!r} (allowed)")
 
 
 def file_sha256_of_text(text: str) -> str:
@@ -417,25 +342,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)  # CUDA generators too
-
-
-def remove_leftovers(out: Path) -> None:
-    """Temporary directories of saves or deletions a killed process left behind (never checkpoints)."""
-    for path in out.iterdir():
-        if re.match(r"^\.step-\d+\.(tmp|old|deleting)-", path.name) or path.name.startswith(".recipe_state-"):
-            say(f"removing {path.name}, left by an interrupted save")
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-
-
-def clear_previous_run(out: Path) -> None:
-    """overwrite=true: the previous run's checkpoints, metrics and plot go (nothing else in out)."""
-    doomed = [path for _, path in step_dirs(out)]
-    for path in doomed:
-        delete_checkpoint(path)
-    for name in (METRICS_NAME, PLOT_NAME):
-        (out / name).unlink(missing_ok=True)
-    if doomed:
-        say(f"overwrite: {len(doomed)} checkpoint(s) of the previous run in {out} removed")
 
 
 def load_adapter_weights(model: nn.Module, path: Path) -> None:
@@ -501,29 +407,6 @@ class PeakMemory:
         return figures
 
 
-class MetricsLog:
-    """metrics.jsonl, one line per optimizer step. On resume, lines past the checkpoint's step (written
-    before the previous process stopped) are dropped, so the file describes one continuous run."""
-
-    def __init__(self, path: Path, keep_through_step: int):
-        self.path = path
-        kept = []
-        if keep_through_step and path.is_file():
-            for line in path.read_text().splitlines():
-                try:
-                    if json.loads(line)["step"] <= keep_through_step:
-                        kept.append(line)
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    continue  # a line cut short by a kill
-        tmp = path.with_name(path.name + ".partial")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        tmp.replace(path)
-
-    def write(self, record: dict) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-
-
 # ---------------------------------------------------------------------------------------------------
 # Checkpointing helpers
 
@@ -555,65 +438,6 @@ def recipe_state(
         "dataset_sha256": dataset_sha,
         "num_examples": num_examples,
     }
-
-
-def rng_state() -> dict:
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    return {
-        "python": random.getstate(),
-        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def save_recipe_checkpoint(
-    model: nn.Module, ckpt: Path, state: dict, adapter_only: bool, cfg: Config, dtype: torch.dtype, base_dtype: torch.dtype
-) -> SaveResult:
-    """save_checkpoint with the recipe state inside (copied in before the manifest, so a checkpoint
-    that has a manifest has its state). The merged model is written in the base checkpoint's dtype."""
-    state_file = ckpt.parent / f".recipe_state-{os.getpid()}-{uuid.uuid4().hex[:8]}.pt"
-    torch.save(state, state_file)
-    try:
-        return save_checkpoint(
-            model,
-            ckpt,
-            adapter_only=adapter_only,
-            max_shard_size=cfg.checkpoint.max_shard_size,
-            dtype=None if dtype == base_dtype else base_dtype,
-            extra_files={STATE_NAME: state_file},
-            progress=False,
-        )
-    finally:
-        state_file.unlink(missing_ok=True)
-
-
-def prune_checkpoints(out: Path, keep_last_n: int | None) -> list[str]:
-    """Delete complete checkpoints beyond the newest ``keep_last_n``; the newest complete one always stays."""
-    if keep_last_n is None:
-        return []
-    complete = [p for _, p in step_dirs(out) if is_complete_checkpoint(p)]
-    removed = []
-    for path in complete[max(1, keep_last_n) :]:
-        delete_checkpoint(path)
-        removed.append(path.name)
-    return removed
-
-
-def delete_checkpoint(path: Path) -> None:
-    """Rename to a hidden name first: a kill during the deletion leaves no half-deleted step-N."""
-    doomed = path.with_name(f".{path.name}.deleting-{uuid.uuid4().hex[:8]}")
-    os.rename(path, doomed)
-    shutil.rmtree(doomed)
 
 
 def plot_losses(metrics_path: Path, png_path: Path) -> Path | None:

@@ -1,0 +1,247 @@
+"""The run directory of a fine-tuning run, as torchtitan's CheckpointManager owns it: ``step-NNNNNN``
+checkpoints (each written atomically by ``save_checkpoint``, with the recipe state inside), the resume
+point, what may change on resume, pruning (``keep_last_n``), leftovers of killed processes, damaged
+checkpoints, and ``metrics.jsonl``.
+
+Example::
+
+    manager = CheckpointManager(out, keep_last_n=2)
+    resume = manager.find_resume_point(resume=True, overwrite=False)   # None: start at step 0
+    manager.prepare(fresh_start=resume is None, overwrite=False)        # mkdir, leftovers, overwrite
+    result = manager.save(model, step, state, SaveOptions(adapter_only=True))
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from slimtune.checkpoint.atomic import MANIFEST_NAME, is_complete_checkpoint, read_manifest, sha256_file
+from slimtune.checkpoint.save import ADAPTER_DIR, SaveResult, save_checkpoint
+from slimtune.config import KEYS, Config
+from slimtune.errors import SlimtuneError
+from slimtune.formats.peft import ADAPTER_WEIGHTS
+
+STATE_NAME = "recipe_state.pt"
+STATE_FORMAT = "slimtune-recipe-state/1"
+METRICS_NAME = "metrics.jsonl"
+PLOT_NAME = "loss.png"
+STEP_DIR = re.compile(r"^step-(\d+)$")
+_LEFTOVER = re.compile(r"^\.step-\d+\.(tmp|old|deleting)-|^\.recipe_state-")
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """The newest complete checkpoint of a run and the recipe state saved in it."""
+
+    path: Path
+    state: dict
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """How a step checkpoint is written: adapter only or also the merged model, its shard size, and the
+    merged model's dtype (None: the base checkpoint's)."""
+
+    adapter_only: bool = False
+    max_shard_size: str | int = "5GB"
+    dtype: torch.dtype | None = None
+
+
+class CheckpointManager:
+    """Owns ``out``: which step directories exist, which one a run resumes from, writing and pruning them."""
+
+    def __init__(self, out: str | Path, keep_last_n: int | None = None, log: Callable[[str], None] = print):
+        self.out = Path(out)
+        self.keep_last_n = keep_last_n
+        self.log = log
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.out / METRICS_NAME
+
+    @property
+    def plot_path(self) -> Path:
+        return self.out / PLOT_NAME
+
+    def step_path(self, step: int) -> Path:
+        return self.out / f"step-{step:06d}"
+
+    def step_dirs(self) -> list[tuple[int, Path]]:
+        """Checkpoint directories step-N under out, newest first (complete or not)."""
+        if not self.out.is_dir():
+            return []
+        found = [(int(m.group(1)), p) for p in self.out.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
+        return sorted(found, reverse=True)
+
+    def find_resume_point(self, resume: bool, overwrite: bool) -> ResumePoint | None:
+        """The newest complete checkpoint with recipe state, skipping incomplete or damaged ones; None
+        for a fresh start. Without resume, existing checkpoints are an error unless ``overwrite``."""
+        existing = self.step_dirs()
+        if not resume:
+            if existing and not overwrite:
+                names = ", ".join(p.name for _, p in existing[:3]) + (" ..." if len(existing) > 3 else "")
+                raise SlimtuneError(
+                    f"{self.out} already holds checkpoints ({names}); pass resume=true to continue that run or overwrite=true to start over"
+                )
+            return None
+        for _, path in existing:
+            problem = checkpoint_problem(path)
+            if problem:
+                self.log(f"resume: skipping {path.name}: {problem}")
+                continue
+            try:
+                state = torch.load(path / STATE_NAME, map_location="cpu", weights_only=True)
+            except Exception as e:  # a damaged file is skipped like an incomplete checkpoint
+                self.log(f"resume: skipping {path.name}: cannot read {STATE_NAME} ({e})")
+                continue
+            if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+                self.log(f"resume: skipping {path.name}: {STATE_NAME} is not {STATE_FORMAT}")
+                continue
+            return ResumePoint(path, state)
+        self.log(f"resume: no complete checkpoint under {self.out}; starting from step 0")
+        return None
+
+    def check_resumable(self, cfg: Config, point: ResumePoint) -> None:
+        """Fields that define the model, the data order or the step arithmetic must match the checkpoint's;
+        the others may change (each change is logged)."""
+        then = point.state["config"]
+        fixed = [k for k, key in KEYS.items() if key.fixed and k in then and then[k] != cfg.values[k]]
+        if fixed:
+            changes = "; ".join(f"{k} is {cfg.values[k]!r}, the checkpoint has {then[k]!r}" for k in fixed)
+            raise SlimtuneError(f"cannot resume from {point.path}: {changes} (these must not change on resume)")
+        for k, key in KEYS.items():
+            if not key.fixed and k not in ("resume", "overwrite") and k in then and then[k] != cfg.values[k]:
+                self.log(f"resume: {k} changed from {then[k]!r} to {cfg.values[k]!r} (allowed)")
+
+    def prepare(self, fresh_start: bool, overwrite: bool) -> None:
+        """Create out, remove leftovers of interrupted saves and, for a fresh start with ``overwrite``,
+        the previous run's checkpoints, metrics and plot. Nothing is written before this."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.remove_leftovers()
+        if fresh_start and overwrite:
+            self.clear_previous_run()
+
+    def remove_leftovers(self) -> None:
+        """Temporary directories of saves or deletions a killed process left behind (never checkpoints)."""
+        for path in self.out.iterdir():
+            if _LEFTOVER.match(path.name):
+                self.log(f"removing {path.name}, left by an interrupted save")
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+    def clear_previous_run(self) -> None:
+        """overwrite=true: the previous run's checkpoints, metrics and plot go (nothing else in out)."""
+        doomed = [path for _, path in self.step_dirs()]
+        for path in doomed:
+            delete_checkpoint(path)
+        for path in (self.metrics_path, self.plot_path):
+            path.unlink(missing_ok=True)
+        if doomed:
+            self.log(f"overwrite: {len(doomed)} checkpoint(s) of the previous run in {self.out} removed")
+
+    def save(self, model: nn.Module, step: int, state: dict, options: SaveOptions) -> SaveResult:
+        """Write ``step-N`` with the recipe state inside (copied in before the manifest, so a checkpoint
+        that has a manifest has its state)."""
+        ckpt = self.step_path(step)
+        state_file = self.out / f".recipe_state-{os.getpid()}-{uuid.uuid4().hex[:8]}.pt"
+        torch.save(state, state_file)
+        try:
+            return save_checkpoint(
+                model,
+                ckpt,
+                adapter_only=options.adapter_only,
+                max_shard_size=options.max_shard_size,
+                dtype=options.dtype,
+                extra_files={STATE_NAME: state_file},
+                progress=False,
+            )
+        finally:
+            state_file.unlink(missing_ok=True)
+
+    def prune(self) -> list[str]:
+        """Delete complete checkpoints beyond the newest ``keep_last_n``; the newest complete one always stays."""
+        if self.keep_last_n is None:
+            return []
+        complete = [p for _, p in self.step_dirs() if is_complete_checkpoint(p)]
+        removed = []
+        for path in complete[max(1, self.keep_last_n) :]:
+            delete_checkpoint(path)
+            removed.append(path.name)
+        return removed
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why a checkpoint cannot be resumed from (None if it can): it needs its manifest, and the recipe
+    state and adapter must match the sizes and hashes the manifest recorded."""
+    if not is_complete_checkpoint(path):
+        return f"incomplete (no {MANIFEST_NAME})"
+    files = {f["path"]: f for f in read_manifest(path)["files"]}
+    for name in (STATE_NAME, f"{ADAPTER_DIR}/{ADAPTER_WEIGHTS}"):
+        entry, file = files.get(name), path / name
+        if entry is None or not file.is_file():
+            return f"no {name}"
+        if file.stat().st_size != entry["size"] or sha256_file(file) != entry["sha256"]:
+            return f"{name} does not match its manifest entry"
+    return None
+
+
+def delete_checkpoint(path: Path) -> None:
+    """Rename to a hidden name first: a kill during the deletion leaves no half-deleted step-N."""
+    doomed = path.with_name(f".{path.name}.deleting-{uuid.uuid4().hex[:8]}")
+    os.rename(path, doomed)
+    shutil.rmtree(doomed)
+
+
+class MetricsLog:
+    """metrics.jsonl, one line per optimizer step. On resume, lines past the checkpoint's step (written
+    before the previous process stopped) are dropped, so the file describes one continuous run."""
+
+    def __init__(self, path: Path, keep_through_step: int):
+        self.path = path
+        kept = []
+        if keep_through_step and path.is_file():
+            for line in path.read_text().splitlines():
+                try:
+                    if json.loads(line)["step"] <= keep_through_step:
+                        kept.append(line)
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    continue  # a line cut short by a kill
+        tmp = path.with_name(path.name + ".partial")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.replace(path)
+
+    def write(self, record: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def rng_state() -> dict:
+    """Python, NumPy, torch and CUDA generator states, as plain containers and tensors."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what ``rng_state`` captured."""
+    random.setstate(state["python"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

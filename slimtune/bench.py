@@ -244,7 +244,9 @@ def bench_merge(preset: str, out: Path, layers: int | None = None, device: str =
         write_synthetic_adapter(config, adapter)
     base_bytes = sum(p.stat().st_size for p in base.glob("*.safetensors"))
     disk = disk_write_mb_s(out, min(base_bytes, 2 * 1024**3))
-    child = subprocess.run([sys.executable, "-c", MERGE_CHILD, str(base), str(adapter), str(merged), device], stdout=subprocess.PIPE, text=True)
+    child = subprocess.run(
+        [sys.executable, "-c", MERGE_CHILD, str(base), str(adapter), str(merged), device], stdout=subprocess.PIPE, text=True
+    )
     if child.returncode:
         raise SystemExit(f"merge failed with exit code {child.returncode}")
     stats = json.loads(child.stdout.strip().splitlines()[-1])
@@ -288,6 +290,7 @@ def bench_nf4(rows: int = 4096, cols: int = 14336, chunk_rows: int = 256, repeat
     identical = torch.equal(torch.cat(chunks).view(torch.int16), reference.view(torch.int16))
     del reference, chunks
     torchao_s = best(weight.get_original_weight)
+
     def chunked() -> None:  # as the save consumes it: one chunk at a time
         for s in range(0, rows, chunk_rows):
             dequantize_nf4_rows(weight, s, min(s + chunk_rows, rows))

@@ -10,7 +10,7 @@ from pathlib import Path
 from slimtune.checkpoint.atomic import MANIFEST_NAME
 from slimtune.errors import SlimtuneError
 from slimtune.formats.peft import ADAPTER_CONFIG
-from slimtune.formats.safetensors import DTYPE_TO_NAME, read_header
+from slimtune.formats.safetensors import read_header
 
 
 def _human(n: float) -> str:
@@ -42,9 +42,9 @@ def describe_files(files: list[Path], root: Path) -> list[str]:
         header = read_header(path)
         lines.append(f"{path.relative_to(root) if path != root else path.name}  ({_human(path.stat().st_size)})")
         for name, e in header.tensors.items():
-            lines.append(f"  {name:64s} {DTYPE_TO_NAME[e.dtype]:5s} {str(list(e.shape)):20s} {e.nbytes:>14,d}")
+            lines.append(f"  {name:64s} {e.type_name:5s} {str(list(e.shape)):20s} {e.nbytes:>14,d}")
             tensors, params, nbytes = tensors + 1, params + e.numel, nbytes + e.nbytes
-            dtypes[DTYPE_TO_NAME[e.dtype]] += e.nbytes
+            dtypes[e.type_name] += e.nbytes
     by_dtype = ", ".join(f"{d} {_human(b)}" for d, b in dtypes.most_common())
     lines.append(f"total: {tensors} tensors, {params:,d} parameters, {nbytes:,d} bytes ({by_dtype})")
     return lines

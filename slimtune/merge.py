@@ -20,7 +20,8 @@ from slimtune.errors import SlimtuneError
 from slimtune.formats.bnb import BnbNF4Weight, is_aux_key, load_bnb_weight
 from slimtune.formats.hf import checkpoint_files
 from slimtune.formats.peft import Adapter, AdapterModule, read_adapter
-from slimtune.formats.safetensors import SafetensorsReader
+from slimtune.formats.safetensors import COMPUTE_DTYPES, SafetensorsReader
+from slimtune.formats.strict_json import safe_name
 from slimtune.lora import merge_lora_rows
 
 log = logging.getLogger(__name__)
@@ -179,8 +180,12 @@ def merged_file_stream(
     stream = []
     for key in keys:
         source_key = INPUT_EMBEDDING if key not in base.location and key not in base.bnb else key
-        is_float = base.dtype(source_key).is_floating_point
-        out_dtype = (dtype or base.dtype(source_key)) if is_float else base.dtype(source_key)
+        src_dtype = base.dtype(source_key)
+        if src_dtype is None:
+            name = base.location[source_key].entry(source_key).dtype_name
+            raise SlimtuneError(f"{base.dir}: tensor {safe_name(source_key)} has dtype {name}, which slimtune cannot pass through a merge")
+        # only the float formats a merge computes in are cast; int, fp8 and complex tensors pass through unchanged
+        out_dtype = (dtype or src_dtype) if src_dtype in COMPUTE_DTYPES else src_dtype
         if key in saved:
             t = saved.pop(key)
             if tuple(t.shape) != tuple(base.shape(source_key)):
@@ -238,7 +243,7 @@ def merge_from_files(
         adapter = read_adapter(adapter_dir)
         stream = merged_file_stream(base, adapter, dtype, merge_base, chunk_bytes, device, pool.to_host)
         config = {k: v for k, v in base.config.items() if k not in ("quantization_config", "_name_or_path")}
-        floats = [t.dtype for t in stream if t.dtype.is_floating_point]
+        floats = [t.dtype for t in stream if t.dtype in COMPUTE_DTYPES]
         if floats:
             config["torch_dtype"] = config["dtype"] = DTYPE_NAMES.get(dtype or floats[0], str(floats[0]))
         if OUTPUT_EMBEDDING in {t.name for t in stream} and config.get("tie_word_embeddings"):

@@ -17,7 +17,7 @@ from slimtune.checkpoint.writer import DEFAULT_CHUNK_BYTES
 from slimtune.errors import SlimtuneError
 from slimtune.formats.hf import INDEX_NAME
 from slimtune.formats.peft import read_adapter
-from slimtune.formats.safetensors import SafetensorsReader, read_header
+from slimtune.formats.safetensors import COMPUTE_DTYPES, SafetensorsReader, read_header
 from slimtune.merge import BaseCheckpoint, merged_file_stream
 
 
@@ -110,7 +110,10 @@ def check_recomputed(
     base = BaseCheckpoint(base_dir)
     readers: dict[Path, SafetensorsReader] = {}
     try:
-        stream = merged_file_stream(base, read_adapter(adapter_dir), None, merge_base)
+        # a merge casts every float tensor to one dtype: recompute in the dtype the checkpoint holds
+        stored = {e.dtype for p in set(location.values()) if p.is_file() for e in read_header(p).tensors.values()}
+        floats = [d for d in COMPUTE_DTYPES if d in stored]
+        stream = merged_file_stream(base, read_adapter(adapter_dir), floats[0] if len(floats) == 1 else None, merge_base)
         total = sum(t.nbytes for t in stream)
         with tqdm(total=total, unit="B", unit_scale=True, desc="recompute", disable=not progress) as bar:
             for t in stream:
@@ -128,6 +131,11 @@ def check_recomputed(
                     n = chunk.shape[0] if chunk.dim() else 1
                     stored = reader.read(t.name, row, row + n) if chunk.dim() else reader.read(t.name)
                     row += n
+                    if entry.dtype not in COMPUTE_DTYPES:  # passed through: the very same bytes
+                        as_bytes = chunk.contiguous().reshape(-1).view(torch.uint8)
+                        bad |= entry.dtype != chunk.dtype or not torch.equal(stored.reshape(-1).view(torch.uint8), as_bytes)
+                        bar.update(chunk.numel() * chunk.element_size())
+                        continue
                     expected = chunk.to(entry.dtype).float() if entry.dtype.is_floating_point else chunk
                     diff = (stored.float() - expected.float()).abs()
                     worst = max(worst, diff.max().item() if diff.numel() else 0.0)

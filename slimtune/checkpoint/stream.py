@@ -48,6 +48,9 @@ def row_chunks(t: StreamTensor, chunk_bytes: int) -> Iterator[torch.Tensor]:
     if not t.shape:
         yield t.rows(0, 1)
         return
+    if t.row_bytes == 0:  # an empty tensor ([2**62, 0] is valid): one chunk, never 2**62 of them
+        yield t.rows(0, t.num_rows)
+        return
     step = max(1, chunk_bytes // max(1, t.row_bytes))
     for start in range(0, t.num_rows, step):
         yield t.rows(start, min(start + step, t.num_rows))

@@ -1,0 +1,215 @@
+"""The validated readers: strict JSON everywhere, the safetensors header by the reference library's rules
+(differentially, against the reference itself), and the files slimtune writes read back by both."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import struct
+
+import pytest
+import safetensors
+import torch
+from safetensors.torch import load_file, save_file
+
+from slimtune.errors import SlimtuneError
+from slimtune.formats.safetensors import SafetensorsReader, SafetensorsWriter, read_header
+from slimtune.formats.strict_json import MAX_DEPTH, loads_json, safe_name
+from tests.mutate import mutated_safetensors, safetensors_file
+
+
+def _verdict_slimtune(path) -> bool:
+    try:
+        read_header(path)
+        return True
+    except SlimtuneError:
+        return False
+
+
+def _verdict_reference(data: bytes) -> bool:
+    try:
+        safetensors.deserialize(data)
+        return True
+    except Exception:  # noqa: BLE001 - the reference's refusal, whatever its type
+        return False
+
+
+def test_safetensors_reader_agrees_with_the_reference_on_mutated_headers(tmp_path):
+    """Differential: 2,000 seeded mutations of valid headers (wrong types, negative/float/huge/-0 dims,
+    duplicate keys, deep nesting, lone surrogates, byte damage); accept <=> the reference accepts."""
+    rng = random.Random(20261130)
+    path = tmp_path / "m.safetensors"
+    counts = {"both_accept": 0, "both_refuse": 0, "only_slimtune": 0, "only_reference": 0}
+    disagreements = []
+    for _ in range(2000):
+        data = mutated_safetensors(rng)
+        path.write_bytes(data)
+        mine, ref = _verdict_slimtune(path), _verdict_reference(data)
+        key = "both_accept" if mine and ref else "both_refuse" if not (mine or ref) else "only_slimtune" if mine else "only_reference"
+        counts[key] += 1
+        if mine != ref:
+            disagreements.append(data[:200])
+        if mine and ref:  # same tensors, shapes and offsets as the reference sees
+            ours = read_header(path).tensors
+            theirs = {name: info for name, info in safetensors.deserialize(data)}
+            assert sorted(ours) == sorted(theirs)
+            for name, info in theirs.items():
+                assert list(ours[name].shape) == list(info["shape"]) and ours[name].type_name == _ref_dtype(info["dtype"])
+    print(f"safetensors differential: {counts}")
+    assert not disagreements, disagreements[:5]
+    assert counts["both_accept"] > 100 and counts["both_refuse"] > 100  # the corpus exercises both sides
+
+
+def _ref_dtype(name: str) -> str:
+    return {"float32": "F32"}.get(name, name.upper()) if name.islower() else name
+
+
+@pytest.mark.parametrize(
+    "body, expected",
+    [
+        ('{"a":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}}', "shape must be a list of integers"),
+        ('{"a":{"dtype":"F32","shape":[1.0],"data_offsets":[0,4]}}', "shape must be"),
+        ('{"a":{"dtype":"F32","shape":["1"],"data_offsets":[0,4]}}', "shape must be"),
+        ('{"a":{"dtype":"F32","shape":[true],"data_offsets":[0,4]}}', "shape must be"),
+        ('{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,1e400]}}', "out of range"),
+        ('{"a":{"dtype":"F32","shape":[NaN],"data_offsets":[0,4]}}', "NaN"),
+        ('{"a":{"dtype":"F32","dtype":"F32","shape":[1],"data_offsets":[0,4]}}', "twice"),
+        ('{"__metadata__":5,"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}', "__metadata__ must be"),
+        ('{"__metadata__":{"k":1},"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}', "__metadata__ must be"),
+        ('{"\\ud800":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}', "surrogate"),
+        ('{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"x":' + "[" * 1000 + "]" * 1000 + "}}", "nested deeper"),
+        ('{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,0]}}', "contiguous"),
+        ('{"a":{"dtype":"F32","shape":[4611686018427387904,4,0],"data_offsets":[0,0]},"b":{"dtype":"F32","shape":[1],'
+         '"data_offsets":[0,4]}}', "overflows"),  # fmt: skip
+        ('{"a":{"dtype":"Q4","shape":[1],"data_offsets":[0,4]}}', "unknown dtype"),
+    ],
+)
+def test_header_faults_are_one_clear_error(tmp_path, body, expected):
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(safetensors_file(body, 4))
+    with pytest.raises(SlimtuneError, match=expected) as info:
+        read_header(path)
+    assert str(path) in str(info.value) and "\n" not in str(info.value)
+    assert not _verdict_reference(path.read_bytes())
+
+
+def test_reference_dtypes_and_empty_tensors_are_read_written_and_read_back(tmp_path):
+    tensors = {
+        "u16": torch.tensor([[1, 2, 3], [4, 5, 65535]], dtype=torch.uint16),
+        "u32": torch.tensor([1, 2, 3, 2**32 - 1], dtype=torch.uint32),
+        "u64": torch.tensor([2**63 + 5], dtype=torch.uint64),
+        "f8a": torch.randn(3, 2).to(torch.float8_e4m3fn),
+        "f8b": torch.randn(5).to(torch.float8_e5m2),
+        "c64": torch.randn(2, 2, dtype=torch.complex64),
+        "huge_empty": torch.empty(2**62, 0),  # valid, holds no bytes; must not be iterated row by row
+        "w": torch.randn(3, 4),
+        "last_empty": torch.empty(4, 0),
+    }
+    ref = tmp_path / "ref.safetensors"
+    save_file(tensors, ref)
+    header = read_header(ref)
+    assert header.tensors["huge_empty"].shape == (2**62, 0) and header.tensors["c64"].type_name == "C64"
+    ours = tmp_path / "ours.safetensors"
+    with SafetensorsReader(ref) as r, SafetensorsWriter(ours, [(k, e.dtype, e.shape) for k, e in r.tensors.items()]) as w:
+        for k in r.tensors:
+            w.write(r.read(k))
+    back = load_file(ours)
+    for k, v in tensors.items():
+        assert back[k].dtype == v.dtype and back[k].shape == v.shape
+        assert torch.equal(back[k].reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)), k
+
+
+def test_writer_never_writes_what_a_reader_would_refuse(tmp_path):
+    with pytest.raises(SlimtuneError, match="surrogate"):
+        SafetensorsWriter(tmp_path / "s.safetensors", [("bad\ud800", torch.float32, (1,))])
+    with pytest.raises(SlimtuneError, match="surrogate"):
+        SafetensorsWriter(tmp_path / "m.safetensors", [("a", torch.float32, (1,))], {"k": "\udc00"})
+    with pytest.raises(SlimtuneError, match="cannot be stored"):
+        SafetensorsWriter(tmp_path / "n.safetensors", [("__metadata__", torch.float32, (1,))])
+    path = tmp_path / "u.safetensors"
+    with SafetensorsWriter(path, [("é\U0001f600", torch.float32, (2,))], {"naïve": "ü"}) as w:
+        w.write(torch.ones(2))
+    assert _verdict_reference(path.read_bytes()) and list(load_file(path)) == ["é\U0001f600"]
+
+
+def test_strict_json_refuses_what_serde_json_refuses():
+    for text, expected in [
+        ('{"a":1,"a":2}', "duplicate key"),
+        ("[NaN]", "NaN"),
+        ("[Infinity]", "Infinity"),
+        ("[1e400]", "out of range"),
+        ("[" + "9" * 5000 + "]", "out of range"),
+        ("[" * (MAX_DEPTH + 1) + "]" * (MAX_DEPTH + 1), "nested deeper"),
+        ('["\\ud800"]', "surrogate"),
+        (b'["\xff"]', "not UTF-8"),
+    ]:
+        with pytest.raises(SlimtuneError, match=expected):
+            loads_json(text, "f.json")
+    assert loads_json("[" * MAX_DEPTH + "]" * MAX_DEPTH, "f.json") is not None
+    assert loads_json('{"n": 18446744073709551615, "m": -0}', "f.json") == {"n": 2**64 - 1, "m": 0.0}
+    with pytest.raises(SlimtuneError, match="expected a JSON object, found array"):
+        loads_json("[]", "f.json", expect=dict)
+
+
+def test_safe_name_prints_anything():
+    assert safe_name("model.w") == "model.w"
+    assert safe_name("a\ud800b") == "a\\ud800b"
+    assert safe_name("a\nb") == "a\\nb"
+    safe_name("x\udc00").encode("utf-8")
+
+
+def _with_extra_tensors(src, dst, extra):
+    shutil.copytree(src, dst)
+    (weights,) = list(dst.glob("*.safetensors"))
+    tensors = load_file(weights)
+    save_file({**tensors, **extra}, weights, metadata={"format": "pt"})
+    return dst
+
+
+def test_merge_passes_reference_dtypes_and_empty_tensors_through(tiny_base, tmp_path):
+    """A base with U16/U64/fp8/complex tensors and a [2**62, 0] tensor merges (no cast, no hang) and the
+    output opens with the reference library."""
+    from slimtune.merge import merge_from_files
+    from slimtune.verify import verify_checkpoint
+
+    extra = {
+        "extra.u16": torch.tensor([[1, 2, 3], [4, 5, 65535]], dtype=torch.uint16),
+        "extra.u64": torch.tensor([2**63 + 1], dtype=torch.uint64),
+        "extra.f8": torch.randn(4, 2).to(torch.float8_e4m3fn),
+        "extra.c64": torch.randn(3, dtype=torch.complex64),
+        "extra.huge_empty": torch.empty(2**62, 0, dtype=torch.bfloat16),
+        "extra.last_empty": torch.empty(4, 0, dtype=torch.bfloat16),
+    }
+    base = _with_extra_tensors(tiny_base, tmp_path / "base", extra)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}))
+    q = load_file(next(base.glob("*.safetensors")))["model.layers.0.self_attn.q_proj.weight"]
+    save_file(
+        {
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(2, q.shape[1]),
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.randn(q.shape[0], 2),
+        },
+        adapter / "adapter_model.safetensors",
+    )
+    out = tmp_path / "merged"
+    merge_from_files(base, adapter, out, dtype="fp32", progress=False)
+    merged = {}
+    for f in sorted(out.glob("model-*.safetensors")):
+        assert _verdict_reference(f.read_bytes())
+        merged.update(load_file(f))
+    for k, v in extra.items():
+        expected = torch.float32 if v.dtype == torch.bfloat16 else v.dtype  # only compute floats are cast
+        assert merged[k].dtype == expected and merged[k].shape == v.shape, k
+        assert torch.equal(merged[k].reshape(-1).view(torch.uint8), v.to(expected).reshape(-1).view(torch.uint8)), k
+    assert merged["model.norm.weight"].dtype == torch.float32
+    report = verify_checkpoint(out, base, adapter, progress=False)
+    assert report.ok, report.problems
+
+
+def test_header_length_limit_is_the_references(tmp_path):
+    path = tmp_path / "big.safetensors"
+    path.write_bytes(struct.pack("<Q", 100_000_001) + b"{}")
+    with pytest.raises(SlimtuneError, match="over the format's limit"):
+        read_header(path)

@@ -109,9 +109,8 @@ def write_synthetic_base(config: LlamaConfig, out_dir: Path, max_shard_size: str
     """A random bf16 Hugging Face checkpoint of the config's shape, streamed to disk chunk by chunk."""
     from slimtune.checkpoint.atomic import atomic_directory
     from slimtune.checkpoint.stream import StreamTensor
-    from slimtune.checkpoint.writer import write_json, write_sharded
+    from slimtune.checkpoint.writer import WriteOptions, write_json, write_sharded
     from slimtune.formats.hf import export_config_dict
-    from slimtune.memory import parse_size
 
     skeleton = build_qlora_skeleton(config, LoRAConfig(target_modules=[], quantize_modules=[]))
 
@@ -129,7 +128,7 @@ def write_synthetic_base(config: LlamaConfig, out_dir: Path, max_shard_size: str
         for i, (name, (shape, dtype)) in enumerate(expected_checkpoint_keys(skeleton).items())
     ]
     with atomic_directory(out_dir, overwrite=True) as tmp:
-        write_sharded(tmp, stream, parse_size(max_shard_size))
+        write_sharded(tmp, stream, WriteOptions(max_shard_size=max_shard_size))
         write_json(tmp / "config.json", export_config_dict(config, "bfloat16"))
     return out_dir
 
@@ -207,7 +206,7 @@ def write_synthetic_adapter(config: LlamaConfig, out_dir: Path, rank: int = 8, s
         torch.nn.init.normal_(m.lora_b.weight, std=0.01, generator=gen)
     with atomic_directory(out_dir, overwrite=True) as tmp:
         write_json(tmp / ADAPTER_CONFIG, adapter_config_dict(model, "synthetic"))
-        write_safetensors(tmp / ADAPTER_WEIGHTS, adapter_tensor_stream(model), {"format": "pt"})
+        write_safetensors(tmp / ADAPTER_WEIGHTS, adapter_tensor_stream(model))
     return out_dir
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -32,21 +33,39 @@ def cmd_finetune(args: argparse.Namespace) -> None:
     run_finetune(cfg)
 
 
-def cmd_merge(args: argparse.Namespace) -> None:
+def cmd_merge(args: argparse.Namespace) -> int:
+    from slimtune.distributed import init_distributed, launched_by_torchrun, run_ranks, shutdown
+
+    if args.nproc < 1:
+        raise SlimtuneError(f"--nproc {args.nproc}: expected 1 or more processes")
+    if args.nproc > 1 and not launched_by_torchrun():
+        forwarded = ["merge", "--base", str(args.base), "--adapter", str(args.adapter), "--out", str(args.out)]
+        forwarded += ["--merge-base", args.merge_base, "--max-shard-size", args.max_shard_size, "--device", args.device]
+        forwarded += (["--dtype", args.dtype] if args.dtype else []) + (["--overwrite"] if args.overwrite else [])
+        return run_ranks(args.nproc, forwarded)
     from slimtune.merge import merge_from_files
 
-    result = merge_from_files(
-        args.base,
-        args.adapter,
-        args.out,
-        merge_base=args.merge_base,
-        dtype=args.dtype,
-        max_shard_size=args.max_shard_size,
-        overwrite=args.overwrite,
-        device=args.device,
-    )
-    print(f"merged {args.adapter} into {args.base} ({args.merge_base} base): {result.total_bytes:,d} bytes in {result.seconds:.1f} s")
-    print(f"wrote {result.path}")
+    ranks = init_distributed("cpu")  # the ranks exchange only small control messages: gloo
+    try:
+        result = merge_from_files(
+            args.base,
+            args.adapter,
+            args.out,
+            merge_base=args.merge_base,
+            dtype=args.dtype,
+            max_shard_size=args.max_shard_size,
+            overwrite=args.overwrite,
+            device=args.device,
+            ranks=ranks,
+        )
+    finally:
+        shutdown()
+    if ranks.is_coordinator:
+        procs = f" by {ranks.world_size} processes" if ranks.world_size > 1 else ""
+        what = f"merged {args.adapter} into {args.base} ({args.merge_base} base){procs}"
+        print(f"{what}: {result.total_bytes:,d} bytes in {result.seconds:.1f} s")
+        print(f"wrote {result.path}")
+    return 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -113,6 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--max-shard-size", default="5GB", help='largest shard (default "5GB", decimal units)')
     merge.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the merge math runs (default: cpu)")
     merge.add_argument("--overwrite", action="store_true", help="replace an existing output directory (atomically, once complete)")
+    merge.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="processes that each merge their row range of every tensor into the same files (default 1; under torchrun: its world)",
+    )
     merge.set_defaults(func=cmd_merge)
 
     verify = sub.add_parser("verify", help="check a checkpoint against its manifest, the format rules and (optionally) its sources")
@@ -138,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = args.func(args) or 0
     except SlimtuneError as e:
-        print(f"slimtune {args.command}: error: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # one line per job: the coordinator speaks for every rank
+            print(f"slimtune {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"slimtune {args.command}: interrupted", file=sys.stderr)

@@ -15,7 +15,8 @@ from slimtune.checkpoint.save import DTYPE_NAMES, DTYPES, SaveResult, write_chec
 from slimtune.checkpoint.staging import BufferPool, pool_for
 from slimtune.checkpoint.staging import to_host as plain_to_host
 from slimtune.checkpoint.stream import StreamTensor, ToHost
-from slimtune.checkpoint.writer import DEFAULT_CHUNK_BYTES, DEFAULT_INFLIGHT_BYTES
+from slimtune.checkpoint.writer import DEFAULT_CHUNK_BYTES, DEFAULT_INFLIGHT_BYTES, WriteOptions
+from slimtune.distributed import SINGLE, Ranks
 from slimtune.errors import SlimtuneError
 from slimtune.formats.bnb import BnbNF4Weight, is_aux_key, load_bnb_weight
 from slimtune.formats.hf import checkpoint_files
@@ -221,9 +222,12 @@ def merge_from_files(
     inflight_bytes: int = DEFAULT_INFLIGHT_BYTES,
     device: str = "cpu",
     progress: bool = True,
+    ranks: Ranks = SINGLE,
 ) -> SaveResult:
     """Merge ``adapter_dir`` into ``base_dir`` and write ``out_dir`` as a Hugging Face checkpoint
-    (sharded safetensors, index, config without quantization_config, tokenizer files, manifest)."""
+    (sharded safetensors, index, config without quantization_config, tokenizer files, manifest).
+    With ``ranks`` of a process group (``slimtune merge --nproc N``), every rank calls this and merges
+    its row range of every tensor into the same files (see ``write_checkpoint``)."""
     if merge_base not in ("original", "quantized"):
         raise SlimtuneError(f"merge base {merge_base!r}: expected 'original' or 'quantized'")
     if isinstance(dtype, str):
@@ -253,12 +257,10 @@ def merge_from_files(
             merged=stream,
             config=config,
             tokenizer_dir=base.dir,
-            max_shard_size=max_shard_size,
-            overwrite=overwrite,
-            chunk_bytes=chunk_bytes,
-            inflight_bytes=inflight_bytes,
-            progress=progress,
+            options=WriteOptions(max_shard_size, overwrite, chunk_bytes, inflight_bytes, progress),
             manifest_extra={"kind": "merged", "merge_base": merge_base, "base": str(Path(base_dir)), "adapter": str(adapter.path)},
+            ranks=ranks,
+            whole_below=chunk_bytes,  # every rank can make any rows: small tensors go whole to one rank
         )
     finally:
         base.close()

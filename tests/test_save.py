@@ -11,8 +11,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from slimtune import save_checkpoint
 from slimtune.checkpoint.atomic import MANIFEST_NAME, read_manifest
+from slimtune.checkpoint.writer import _RowSink
 from slimtune.errors import SlimtuneError
-from slimtune.formats.safetensors import SafetensorsWriter
 from slimtune.lora import lora_modules, qlora_linears
 from slimtune.tiny import DEMO_TEXTS, byte_tokenizer
 
@@ -153,7 +153,7 @@ def test_failure_mid_save_leaves_earlier_checkpoint_intact(qlora_model, tmp_path
     save_checkpoint(qlora_model, ckpt, progress=False)
     before = tree_digest(ckpt)
     calls = {"n": 0}
-    original = SafetensorsWriter.write
+    original = _RowSink.write
 
     def failing_write(self, chunk):
         calls["n"] += 1
@@ -161,7 +161,7 @@ def test_failure_mid_save_leaves_earlier_checkpoint_intact(qlora_model, tmp_path
             raise OSError(28, "No space left on device (injected)")
         return original(self, chunk)
 
-    monkeypatch.setattr(SafetensorsWriter, "write", failing_write)
+    monkeypatch.setattr(_RowSink, "write", failing_write)
     with torch.no_grad():
         for m in lora_modules(qlora_model).values():
             m.lora_b.weight.add_(1.0)  # the new save would differ

@@ -15,20 +15,22 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from slimtune.checkpoint.atomic import atomic_directory, check_free_space, sha256_file, write_manifest
+from slimtune.checkpoint.plan import plan_save
 from slimtune.checkpoint.staging import pool_for
 from slimtune.checkpoint.stream import StreamTensor, adapter_tensor_stream, merged_tensor_stream
 from slimtune.checkpoint.writer import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_INFLIGHT_BYTES,
     FileRecord,
-    file_size,
-    sharded_size,
+    WriteOptions,
+    create_files,
     write_json,
-    write_safetensors,
-    write_sharded,
+    write_planned,
 )
-from slimtune.formats.hf import export_config_dict, tokenizer_files
-from slimtune.formats.peft import ADAPTER_CONFIG, ADAPTER_DIR_NAME, ADAPTER_WEIGHTS, adapter_config_dict
+from slimtune.distributed import SINGLE, Ranks
+from slimtune.errors import SlimtuneError
+from slimtune.formats.hf import INDEX_NAME, export_config_dict, index_dict, tokenizer_files
+from slimtune.formats.peft import ADAPTER_CONFIG, ADAPTER_DIR_NAME, adapter_config_dict
 from slimtune.memory import parse_size
 
 ADAPTER_DIR = ADAPTER_DIR_NAME
@@ -56,41 +58,65 @@ def write_checkpoint(
     adapter: list[StreamTensor] | None = None,
     adapter_config: dict | None = None,
     extra_files: dict[str, Path] | None = None,
-    max_shard_size: str | int = "5GB",
-    overwrite: bool = False,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    inflight_bytes: int = DEFAULT_INFLIGHT_BYTES,
-    progress: bool = True,
+    options: WriteOptions = WriteOptions(),
     manifest_extra: dict | None = None,
+    ranks: Ranks = SINGLE,
+    whole_below: int = 0,
 ) -> SaveResult:
-    """Lay out a checkpoint directory from streams, in bounded memory: disk space checked against the
-    exact byte count first, everything written into a temporary sibling, the manifest last."""
+    """Lay out a checkpoint directory from streams, in bounded memory, on one rank or many. Every rank
+    calls this with streams of the same shapes (each can make the rows the plan gives it; tensors below
+    ``whole_below`` bytes are written whole by one rank). The coordinator checks the disk space against
+    the planned byte count, creates a temporary sibling and every shard at its final size; each rank
+    writes its rows (``write_planned``); the coordinator adds the small files and the manifest last,
+    then renames. Any rank's failure stops every rank and leaves no checkpoint and no manifest."""
     start = time.perf_counter()
     out_dir = Path(out_dir)
-    max_shard_bytes = parse_size(max_shard_size)
-    needed = sharded_size(merged, max_shard_bytes) if merged else 0
-    needed += file_size(adapter, {"format": "pt"}) if adapter is not None else 0
-    needed += sum(Path(p).stat().st_size for p in (extra_files or {}).values())
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    check_free_space(out_dir.parent, needed)
-    total = sum(t.nbytes for t in (adapter or []) + merged)
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"write {out_dir.name}", disable=not progress)
-    with atomic_directory(out_dir, overwrite) as tmp, bar:
-        records: list[FileRecord] = []
-        if adapter is not None:
-            (tmp / ADAPTER_DIR).mkdir()
-            records.append(_prefixed(write_json(tmp / ADAPTER_DIR / ADAPTER_CONFIG, adapter_config or {})))
-            weights = write_safetensors(tmp / ADAPTER_DIR / ADAPTER_WEIGHTS, adapter, {"format": "pt"}, chunk_bytes, bar, inflight_bytes)
-            records.append(_prefixed(weights))
-        if merged:
-            records += write_sharded(tmp, merged, max_shard_bytes, chunk_bytes, bar, inflight_bytes)
-            if config is not None:
-                records.append(write_json(tmp / "config.json", config))
-            if tokenizer_dir is not None:
-                records += [_copy(src, tmp / src.name) for src in tokenizer_files(tokenizer_dir)]
-        for name, src in (extra_files or {}).items():
-            records.append(_copy(Path(src), tmp / name))
-        write_manifest(tmp, records, manifest_extra)
+    plan = plan_save(merged, adapter, parse_size(options.max_shard_size), ranks.world_size, whole_below)
+    if len(set(ranks.gather(plan.digest(), "planning the save"))) > 1:
+        raise SlimtuneError(f"{out_dir}: the ranks computed different save plans (their models or streams differ)")
+    bar = tqdm(
+        total=plan.bytes_of(ranks.rank),
+        unit="B",
+        unit_scale=True,
+        desc=f"write {out_dir.name}" + (f" ({ranks.world_size} ranks)" if ranks.world_size > 1 else ""),
+        disable=not (options.progress and ranks.is_coordinator),
+    )
+    with bar:
+        if not ranks.is_coordinator:
+            ranks.agree(None, "creating the files")
+            records = write_planned(Path(ranks.broadcast(None, "creating the files")), plan, ranks, options, bar)
+            ranks.agree(None, "finishing the checkpoint")
+            return SaveResult(out_dir, records, time.perf_counter() - start)
+        pending = "creating the files"  # the step the other ranks wait at for the coordinator's status
+        try:
+            needed = plan.size + sum(Path(p).stat().st_size for p in (extra_files or {}).values())
+            out_dir.parent.mkdir(parents=True, exist_ok=True)
+            check_free_space(out_dir.parent, needed)
+            with atomic_directory(out_dir, options.overwrite) as tmp:
+                create_files(tmp, plan)
+                pending = None
+                ranks.agree(None, "creating the files")
+                ranks.broadcast(str(tmp), "creating the files")
+                written = write_planned(tmp, plan, ranks, options, bar)
+                pending = "finishing the checkpoint"
+                records: list[FileRecord] = []
+                if adapter is not None:
+                    records.append(_prefixed(write_json(tmp / ADAPTER_DIR / ADAPTER_CONFIG, adapter_config or {})))
+                records += written
+                if merged:
+                    records.append(write_json(tmp / INDEX_NAME, index_dict(plan.weight_map, plan.merged_bytes)))
+                    if config is not None:
+                        records.append(write_json(tmp / "config.json", config))
+                    if tokenizer_dir is not None:
+                        records += [_copy(src, tmp / src.name) for src in tokenizer_files(tokenizer_dir)]
+                for name, src in (extra_files or {}).items():
+                    records.append(_copy(Path(src), tmp / name))
+                write_manifest(tmp, records, manifest_extra)
+        except BaseException as e:
+            if pending:
+                ranks.agree(e, pending)
+            raise
+        ranks.agree(None, pending)
     return SaveResult(out_dir, records, time.perf_counter() - start)
 
 
@@ -126,11 +152,7 @@ def save_checkpoint(
         adapter=adapter_tensor_stream(model),
         adapter_config=adapter_config_dict(model, str(source_dir or "")),
         extra_files=extra_files,
-        max_shard_size=max_shard_size,
-        overwrite=overwrite,
-        chunk_bytes=chunk_bytes,
-        inflight_bytes=inflight_bytes,
-        progress=progress,
+        options=WriteOptions(max_shard_size, overwrite, chunk_bytes, inflight_bytes, progress),
         manifest_extra={"kind": "adapter" if adapter_only else "adapter+merged"},
     )
 

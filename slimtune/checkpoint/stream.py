@@ -43,17 +43,20 @@ class StreamTensor:
         return self.num_rows * self.row_bytes if self.shape else dtype_size(self.dtype)
 
 
-def row_chunks(t: StreamTensor, chunk_bytes: int) -> Iterator[torch.Tensor]:
-    """The tensor in consecutive row chunks of at most ``chunk_bytes`` (at least one row)."""
+def row_chunks(t: StreamTensor, chunk_bytes: int, start: int = 0, end: int | None = None) -> Iterator[torch.Tensor]:
+    """Rows [start, end) of the tensor (all by default) in consecutive chunks of at most ``chunk_bytes``
+    (at least one row)."""
+    end = t.num_rows if end is None else end
     if not t.shape:
-        yield t.rows(0, 1)
+        if end > start:
+            yield t.rows(0, 1)
         return
     if t.row_bytes == 0:  # an empty tensor ([2**62, 0] is valid): one chunk, never 2**62 of them
         yield t.rows(0, t.num_rows)
         return
     step = max(1, chunk_bytes // max(1, t.row_bytes))
-    for start in range(0, t.num_rows, step):
-        yield t.rows(start, min(start + step, t.num_rows))
+    for s in range(start, end, step):
+        yield t.rows(s, min(s + step, end))
 
 
 ToHost = Callable[[torch.Tensor, torch.dtype], torch.Tensor]

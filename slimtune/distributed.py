@@ -1,0 +1,177 @@
+"""Many processes, in one small module (as gpt-fast keeps tensor parallelism in ``tp.py``): process-group
+set-up under torchrun (NCCL on CUDA, gloo on CPU), who the coordinator is, and the few collectives the
+cooperative writer needs. A single process is the world of size 1: every call below works without
+``torch.distributed`` being initialised, so callers have one code path.
+
+Example::
+
+    ranks = init_distributed("cpu")      # under torchrun: a gloo group; alone: Ranks(0, 1)
+    if ranks.is_coordinator:
+        print("only rank 0 prints")
+    ranks.agree(None, "the export")      # raises on every rank if any rank reports an error
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import signal
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from slimtune.errors import SlimtuneError
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in the job. ``group`` carries the control messages (a gloo group, also
+    when training runs on NCCL: objects and barriers then never touch the GPU)."""
+
+    rank: int = 0
+    world_size: int = 1
+    group: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def is_coordinator(self) -> bool:
+        """Rank 0 creates directories, writes the small files and the manifest, and prints."""
+        return self.rank == 0
+
+    def gather(self, obj: Any, what: str) -> list[Any]:
+        """Every rank's ``obj``, on every rank (picklable objects; small ones)."""
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        try:
+            dist.all_gather_object(out, obj, group=self.group)
+        except (RuntimeError, ValueError) as e:
+            raise _lost(self.rank, what, e) from None
+        return out
+
+    def broadcast(self, obj: Any, what: str) -> Any:
+        """The coordinator's ``obj``, on every rank."""
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        try:
+            dist.broadcast_object_list(box, src=0, group=self.group)
+        except (RuntimeError, ValueError) as e:
+            raise _lost(self.rank, what, e) from None
+        return box[0]
+
+    def agree(self, error: BaseException | None, what: str) -> None:
+        """A barrier that also carries each rank's outcome: if any rank failed, every rank raises a
+        SlimtuneError naming the first failed rank and its error (the failed rank re-raises its own)."""
+        statuses = self.gather(None if error is None else f"{type(error).__name__}: {error}", what)
+        if error is not None:
+            raise error
+        for r, status in enumerate(statuses):
+            if status is not None:
+                raise SlimtuneError(f"rank {r} failed during {what}: {status}")
+
+
+SINGLE = Ranks()
+
+
+def _lost(rank: int, what: str, e: BaseException) -> SlimtuneError:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    first = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0]  # gloo's source location and advice off
+    return SlimtuneError(f"rank {rank}: lost contact with the other ranks during {what} (did one die?): {first}")
+
+
+def launched_by_torchrun() -> bool:
+    """True in a process started by torchrun (or anything that sets its environment variables)."""
+    return all(v in os.environ for v in TORCHRUN_VARS)
+
+
+def current_ranks() -> Ranks:
+    """The job as torch.distributed sees it now (Ranks(0, 1) when it is not initialised)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return SINGLE
+    return Ranks(dist.get_rank(), dist.get_world_size(), _control_group())
+
+
+_CONTROL: dict[str, Any] = {}
+
+
+def _control_group() -> Any:
+    if dist.get_backend() == "gloo":
+        return None  # the default group already is gloo
+    if "group" not in _CONTROL:
+        _CONTROL["group"] = dist.new_group(backend="gloo")
+    return _CONTROL["group"]
+
+
+def init_distributed(device: str = "cpu", timeout_s: float = 1800.0) -> Ranks:
+    """Under torchrun: join the process group (NCCL when ``device`` is CUDA, gloo otherwise), bind
+    this rank to its local GPU, and turn torchrun's SIGTERM (sent when another rank died) into an
+    exception, so temporary files are cleaned up and one line is printed. Alone: ``Ranks(0, 1)``."""
+    if not launched_by_torchrun():
+        return SINGLE
+    if not dist.is_initialized():
+        cuda = str(device).startswith("cuda")
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend="nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    return current_ranks()
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise SlimtuneError(f"rank {os.environ.get('RANK', '?')}: stopped by SIGTERM (torchrun stops every rank when one fails)")
+
+
+def shutdown() -> None:
+    """Leave the process group (no-op when there is none)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _CONTROL.clear()
+
+
+def split_rows(num_rows: int, world_size: int) -> tuple[tuple[int, int], ...]:
+    """Each rank's rows [start, end) of a tensor, as FSDP2 shards dim 0 (``torch.chunk``: ceil(n / w)
+    rows per rank, the last ranks possibly short or empty), so a rank's shard and its rows agree."""
+    per = -(-num_rows // world_size) if num_rows else 0
+    return tuple((min(r * per, num_rows), min((r + 1) * per, num_rows)) for r in range(world_size))
+
+
+def run_ranks(nproc: int, args: list[str]) -> int:
+    """Run ``python -m slimtune ARGS`` as ``nproc`` local ranks with torch's elastic launcher (what
+    ``torchrun --standalone --nproc-per-node N`` runs): if any rank fails or is killed, the others are
+    stopped. Returns 0, or a non-zero code after printing one line naming the failed rank(s).
+
+    Example: ``run_ranks(2, ["merge", "--base", "b", "--adapter", "a", "--out", "o"])``."""
+    import logging
+    import sys
+    import uuid
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)  # one line below says which rank failed
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+    )
+    try:
+        elastic_launch(config, sys.executable)("-m", "slimtune", *args)
+    except ChildFailedError as e:
+        parts = []
+        for rank, failure in sorted(e.failures.items()):
+            code = failure.exitcode
+            parts.append(f"rank {rank} " + (f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"))
+        print(f"slimtune {args[0]}: {nproc} ranks: {', '.join(parts)}", file=sys.stderr)
+        return 2 if any(f.exitcode == 2 for f in e.failures.values()) else 1
+    return 0

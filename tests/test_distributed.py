@@ -1,0 +1,135 @@
+"""The cooperative writer: one plan on every rank, every rank writing its rows at their offsets.
+
+Multi-process tests run 2 ranks on the CPU with gloo through ``slimtune merge --nproc 2`` (torch's
+elastic launcher, as torchrun); they are marked ``multiprocess``. The per-rank RSS bound on a model of
+>= 1 GB output lives in ``python -m slimtune.bench dist-save`` (minutes, not seconds)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from slimtune import save_checkpoint
+from slimtune.checkpoint.atomic import MANIFEST_NAME, sha256_file
+from slimtune.checkpoint.plan import plan_save
+from slimtune.checkpoint.stream import StreamTensor, merged_tensor_stream
+from slimtune.distributed import split_rows
+from tests.conftest import ROOT, run_cli
+
+
+def _stream(shapes: dict[str, tuple[int, ...]]) -> list[StreamTensor]:
+    def zeros(shape):
+        return lambda a, b: torch.zeros((b - a, *shape[1:]), dtype=torch.bfloat16)
+
+    return [StreamTensor(n, s, torch.bfloat16, zeros(s)) for n, s in shapes.items()]
+
+
+def test_split_rows_follows_fsdp_chunks():
+    for rows in (0, 1, 5, 8, 13, 4096):
+        for world in (1, 2, 3, 8):
+            ranges = split_rows(rows, world)
+            expected = [c.shape[0] for c in torch.arange(max(rows, 1))[:rows].chunk(world)] if rows else []
+            sizes = [b - a for a, b in ranges]
+            assert sizes[: len(expected)] == expected and sum(sizes) == rows
+            assert all(ranges[i][1] == ranges[i + 1][0] for i in range(world - 1))
+
+
+def test_plan_covers_every_byte_once_and_is_rank_independent():
+    shapes = {"emb": (1000, 64), "norm": (64,), "scalar": (), "w": (7, 64), "big": (3000, 64)}
+    plans = [plan_save(_stream(shapes), None, max_shard_bytes=300_000, world_size=3, whole_below=1024) for _ in range(2)]
+    assert plans[0].digest() == plans[1].digest()
+    plan = plans[0]
+    assert [f.path for f in plan.files] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    for f in plan.files:
+        assert sum(f.bytes_of(r) for r in range(3)) == f.size - len(f.header)
+    slots = {s.name: s for f in plan.files for s in f.slots}
+    assert sum(1 for a, b in slots["norm"].ranges if b > a) == 1  # small: one owner writes it whole
+    assert sum(1 for a, b in slots["scalar"].ranges if b > a) == 1
+    assert slots["big"].ranges == split_rows(3000, 3)
+    # every file is hashed by exactly one rank; the one read back here is the only file no rank writes whole
+    assert len(plan.hashers) == len(plan.files) and all(0 <= h < 3 for h in plan.hashers)
+    assert plan.weight_map == {n: f.path for f in plan.files for n in (s.name for s in f.slots)}
+    assert plan_save(_stream(shapes), None, 300_000, world_size=2).digest() != plan.digest()
+
+
+def test_world_size_one_writes_through_the_plan(qlora_model, tmp_path, monkeypatch):
+    """The single-process save is the world of size 1: every shard hashed while written, never read back."""
+    import slimtune.checkpoint.atomic as atomic
+
+    def no_read_back(path, *a, **k):
+        raise AssertionError(f"{path} was read back")
+
+    monkeypatch.setattr(atomic, "sha256_file", no_read_back)
+    result = save_checkpoint(qlora_model, tmp_path / "ckpt", max_shard_size="300KB", progress=False)
+    monkeypatch.undo()
+    plan = plan_save(merged_tensor_stream(qlora_model), [], 300_000)
+    assert plan.read_back_bytes(0) == 0 and len(plan.files) >= 3
+    for record in result.files:
+        assert sha256_file(tmp_path / "ckpt" / record.path) == record.sha256
+
+
+def _manifest(path: Path) -> dict[str, str]:
+    return {f["path"]: f["sha256"] for f in json.loads((path / MANIFEST_NAME).read_text())["files"]}
+
+
+@pytest.fixture(scope="module")
+def adapter_ckpt(tiny_base, tmp_path_factory) -> Path:
+    from slimtune.lora import LoRAConfig
+    from slimtune.model import load_qlora_model
+    from tests.conftest import perturb_adapters
+
+    model = load_qlora_model(tiny_base, LoRAConfig(rank=8, alpha=16), seed=0, progress=False)
+    perturb_adapters(model)
+    out = tmp_path_factory.mktemp("dist") / "adapter-ckpt"
+    save_checkpoint(model, out, adapter_only=True, progress=False)
+    return out
+
+
+@pytest.mark.multiprocess
+def test_merge_nproc_2_is_bit_identical_to_one_process_and_verifies(tiny_base, adapter_ckpt, tmp_path):
+    common = ["--base", str(tiny_base), "--adapter", str(adapter_ckpt), "--merge-base", "quantized", "--max-shard-size", "300KB"]
+    one = run_cli("merge", *common, "--out", str(tmp_path / "one"))
+    assert one.returncode == 0, one.stderr
+    two = run_cli("merge", *common, "--out", str(tmp_path / "two"), "--nproc", "2")
+    assert two.returncode == 0, two.stderr
+    assert "by 2 processes" in two.stdout and two.stdout.count("wrote ") == 1  # only the coordinator prints
+    a, b = _manifest(tmp_path / "one"), _manifest(tmp_path / "two")
+    assert len([p for p in a if p.endswith(".safetensors")]) >= 3  # several shards, rows split in each
+    assert a == b
+    for name in a:
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
+    verify = run_cli(
+        "verify", str(tmp_path / "two"), "--base", str(tiny_base), "--adapter", str(adapter_ckpt), "--merge-base", "quantized"
+    )
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    assert ": OK" in verify.stdout
+
+
+@pytest.mark.multiprocess
+def test_sigkill_of_one_rank_mid_export_leaves_earlier_checkpoint(tiny_base, adapter_ckpt, tmp_path):
+    out = tmp_path / "merged"
+    first = run_cli("merge", "--base", str(tiny_base), "--adapter", str(adapter_ckpt), "--out", str(out), "--max-shard-size", "300KB")
+    assert first.returncode == 0, first.stderr
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{ROOT / 'tests' / 'killer'}{os.pathsep}{ROOT}",
+        "SLIMTUNE_KILL_RANK": "1",
+        "SLIMTUNE_KILL_AT": "6",  # rank 1 dies in the middle of its rows, after some were written
+    }
+    args = ["merge", "--base", str(tiny_base), "--adapter", str(adapter_ckpt), "--out", str(out), "--overwrite"]
+    args += ["--max-shard-size", "300KB", "--dtype", "fp32", "--nproc", "2"]
+    proc = subprocess.run([sys.executable, "-m", "slimtune", *args], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("slimtune merge: error:")]
+    assert len(errors) == 1, proc.stderr  # rank 0's one line; rank 1 died silently
+    assert "rank 1 killed by SIGKILL" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["merged"]  # no temporary directory left, no new manifest

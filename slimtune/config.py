@@ -75,21 +75,77 @@ SCHEMA: tuple[Key, ...] = (
         "dataset.path",
         "path",
         None,
-        "Local JSONL file: one object per line, {instruction, input?, output}, {messages: [{role, content}]} or {text}; "
-        f"'{PLACEHOLDER}' is replaced by output_dir.",
+        "Local data file: JSONL (one object per line), a JSON array, Parquet, Arrow or CSV, with rows of one of the shapes of "
+        f"dataset.format; '{PLACEHOLDER}' is replaced by output_dir.",
         required=True,
+        fixed=True,
+    ),
+    Key(
+        "dataset.mix",
+        "list[path]",
+        None,
+        "More data files trained on together with dataset.path (same types and shapes).",
+        nullable=True,
+        fixed=True,
+    ),
+    Key(
+        "dataset.weights",
+        "list[float]",
+        None,
+        "One weight per file (dataset.path, then dataset.mix): each epoch holds weight x the file's examples (whole repeats, "
+        "then a seeded subset); null: 1 each.",
+        nullable=True,
+        fixed=True,
+    ),
+    Key(
+        "dataset.columns",
+        "map",
+        None,
+        "Rename columns to the shape's keys, e.g. {instruction: question, output: answer} (or instruction=question,output=answer).",
+        nullable=True,
         fixed=True,
     ),
     Key(
         "dataset.format",
         "str",
         "auto",
-        "Line shape: alpaca, chat or text; auto decides per line from its keys.",
-        choices=("auto", "alpaca", "chat", "text"),
+        "Row shape: alpaca, chat (messages), sharegpt (conversations from/value), completion (prompt/completion) or text; "
+        "auto decides per row from its keys.",
+        choices=("auto", "alpaca", "chat", "sharegpt", "completion", "text"),
         fixed=True,
     ),
     Key("dataset.max_seq_len", "int", 512, "Sequences are truncated to this many tokens.", minimum=2, fixed=True),
     Key("dataset.shuffle", "bool", True, "Shuffle the examples each epoch (seeded by seed and the epoch).", fixed=True),
+    Key(
+        "dataset.train_on_inputs",
+        "bool",
+        False,
+        "Train on every token, prompts and user turns included (default: responses only).",
+        fixed=True,
+    ),
+    Key(
+        "dataset.packed",
+        "bool",
+        False,
+        "Pack examples into rows of max_seq_len tokens; attention never crosses a document boundary (position ids restart).",
+        fixed=True,
+    ),
+    Key(
+        "dataset.eval_path",
+        "path",
+        None,
+        f"Held-out data file for evaluation (any supported type); '{PLACEHOLDER}' is replaced by output_dir.",
+        nullable=True,
+    ),
+    Key(
+        "dataset.eval_fraction",
+        "float",
+        0.0,
+        "Without eval_path: hold out this fraction of each file (a seeded split) for evaluation; 0: no evaluation.",
+        minimum=0,
+        maximum=1,
+        fixed=True,
+    ),
     Key("dataset.create_builtin", "bool", False, "When dataset.path does not exist, write the small built-in dataset there."),
     Key("training.batch_size", "int", 2, "Sequences per micro-batch.", minimum=1, fixed=True),
     Key(
@@ -119,6 +175,22 @@ SCHEMA: tuple[Key, ...] = (
         minimum=1,
     ),
     Key("training.max_grad_norm", "float", 1.0, "Clip the adapters' gradient norm to this; null: no clipping.", nullable=True, minimum=0),
+    Key(
+        "training.eval_every_n_steps",
+        "int",
+        None,
+        "Evaluate every n optimizer steps (and at every checkpoint) when there is eval data.",
+        nullable=True,
+        minimum=1,
+    ),
+    Key(
+        "training.sample_prompts",
+        "list[str]",
+        None,
+        "Prompts generated from (greedy) at each checkpoint, into metrics.jsonl and the log.",
+        nullable=True,
+    ),
+    Key("training.sample_max_new_tokens", "int", 32, "Tokens generated per sample prompt.", minimum=1),
     Key("training.activation_checkpointing", "bool", False, "Recompute layer activations in the backward pass: less memory, more compute."),
     Key("optimizer.lr", "float", 2e-4, "Peak learning rate of AdamW (adapter parameters only).", minimum=0),
     Key("optimizer.weight_decay", "float", 0.0, "AdamW decoupled weight decay.", minimum=0),
@@ -148,7 +220,10 @@ SCHEMA: tuple[Key, ...] = (
         minimum=1,
     ),
     Key("checkpoint.max_shard_size", "str", "5GB", "Largest merged safetensors shard, e.g. 2GB or 500MiB."),
-    Key("logging.progress_bar", "bool", True, "Show a tqdm bar (loss, lr, tokens/s) on stderr."),
+    Key("logging.progress_bar", "bool", True, "Show a tqdm bar (loss, eval loss, lr, tokens/s) on stderr."),
+    Key("logging.tensorboard", "bool", False, "Also write TensorBoard event files under output_dir/tensorboard (extra: tensorboard)."),
+    Key("logging.wandb.project", "str", None, "Also log to this Weights & Biases project (extra: wandb).", nullable=True),
+    Key("logging.wandb.mode", "str", "offline", "W&B mode: offline (no network; sync later) or online.", choices=("offline", "online")),
 )
 
 KEYS: dict[str, Key] = {k.name: k for k in SCHEMA}
@@ -161,11 +236,11 @@ class Config(SimpleNamespace):
     def __init__(self, values: dict[str, Any]):
         nested: dict[str, Any] = {}
         for key, value in values.items():
-            section, _, leaf = key.rpartition(".")
-            if section:
-                nested.setdefault(section, SimpleNamespace()).__dict__[leaf] = value
-            else:
-                nested[key] = value
+            *sections, leaf = key.split(".")
+            node = nested
+            for section in sections:
+                node = node.setdefault(section, SimpleNamespace()).__dict__
+            node[leaf] = value
         super().__init__(**nested)
         self.__dict__["values"] = dict(values)
 
@@ -201,7 +276,7 @@ def read_config_source(path_or_name: str) -> tuple[str, dict]:
 
 def flatten(data: dict, label: str, prefix: str = "") -> dict[str, Any]:
     """{"optimizer": {"lr": 1}} -> {"optimizer.lr": 1}; sections are the prefixes of schema keys."""
-    sections = {k.name.rpartition(".")[0] for k in SCHEMA}
+    sections = {k.name.rsplit(".", n)[0] for k in SCHEMA for n in range(1, k.name.count(".") + 1)}
     flat: dict[str, Any] = {}
     for raw_key, value in data.items():
         key = f"{prefix}{raw_key}"
@@ -253,8 +328,14 @@ def validate(values: dict[str, Any], label: str = "config") -> Config:
     checked["output_dir"] = str(output_dir)
     for key in SCHEMA:
         if key.kind == "path" and key.name != "output_dir" and checked[key.name] is not None:
-            checked[key.name] = str(Path(checked[key.name].replace(PLACEHOLDER, str(output_dir))).expanduser().resolve())
+            checked[key.name] = _resolve(checked[key.name], output_dir)
+        if key.kind == "list[path]" and checked[key.name] is not None:
+            checked[key.name] = [_resolve(p, output_dir) for p in checked[key.name]]
     return Config(checked)
+
+
+def _resolve(path: str, output_dir: Path) -> str:
+    return str(Path(path.replace(PLACEHOLDER, str(output_dir))).expanduser().resolve())
 
 
 def _check_known(key: str, label: str) -> None:
@@ -295,11 +376,30 @@ def _check_value(key: Key, value: Any, label: str) -> Any:
     elif key.kind in ("str", "path"):
         if not isinstance(value, str) or not value.strip():
             raise _type_error(key, value, label, "a non-empty string")
-    elif key.kind == "list[str]":
+    elif key.kind in ("list[str]", "list[path]"):
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
             raise _type_error(key, value, label, "a non-empty list of strings")
+    elif key.kind == "list[float]":
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        value = [float(v) if isinstance(v, str) and _NUMBER.match(v.strip()) else v for v in value] if isinstance(value, list) else value
+        if (
+            not isinstance(value, list)
+            or not value
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 for v in value)
+        ):
+            raise _type_error(key, value, label, "a non-empty list of numbers >= 0")
+        value = [float(v) for v in value]
+    elif key.kind == "map":
+        if isinstance(value, str):
+            pairs = [p.partition("=") for p in value.split(",") if p.strip()]
+            if not all(sep for _, sep, _ in pairs):
+                raise _type_error(key, value, label, "a mapping, or key=column pairs separated by commas")
+            value = {k.strip(): v.strip() for k, _, v in pairs}
+        if not isinstance(value, dict) or not all(isinstance(k, str) and k and isinstance(v, str) and v for k, v in value.items()):
+            raise _type_error(key, value, label, "a mapping of strings to strings")
     if key.choices and value not in key.choices:
         raise SlimtuneError(f"{label}: config key {key.name!r} must be one of {', '.join(key.choices)}, got {value!r}")
     if key.minimum is not None and value < key.minimum:
@@ -315,7 +415,8 @@ def _check_value(key: Key, value: Any, label: str) -> Any:
 
 
 def _expected(key: Key) -> str:
-    return {"bool": "true or false", "int": "an integer", "float": "a number", "list[str]": "a list of strings"}.get(key.kind, "a string")
+    kinds = {"bool": "true or false", "int": "an integer", "float": "a number", "list[float]": "a list of numbers", "map": "a mapping"}
+    return kinds.get(key.kind, "a list of strings" if key.kind.startswith("list") else "a string")
 
 
 def _default_text(key: Key) -> str:
@@ -323,7 +424,7 @@ def _default_text(key: Key) -> str:
         return "required"
     if key.default is None:
         return "null"
-    if isinstance(key.default, list):
+    if isinstance(key.default, list | dict):
         return "[" + ", ".join(key.default) + "]"
     return str(key.default).lower() if isinstance(key.default, bool) else str(key.default)
 

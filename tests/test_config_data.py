@@ -200,7 +200,7 @@ def test_malformed_line_names_file_and_line(tmp_path):
 @pytest.mark.parametrize(
     "line, fmt, message",
     [
-        ({"prompt": "a"}, "auto", "cannot tell the line's shape"),
+        ({"prompt": "a"}, "auto", "cannot tell the row's shape"),
         ({"text": "a"}, "alpaca", "dataset.format is alpaca"),
         ({"instruction": "a"}, "auto", "'output' must be a string"),
         ({"messages": [{"role": "user", "content": "hi"}]}, "auto", "no assistant message"),

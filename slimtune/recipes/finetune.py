@@ -16,7 +16,6 @@ metrics.jsonl) belongs to ``CheckpointManager``.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import random
@@ -39,15 +38,13 @@ from slimtune.checkpoint.save import ADAPTER_DIR, DTYPES, SaveResult
 from slimtune.config import Config
 from slimtune.data import (
     IGNORE_INDEX,
-    Record,
+    DataSpec,
     builtin_tiny_records,
     collate,
     epoch_order,
     epoch_steps,
-    file_sha256,
-    jsonl_text,
-    load_dataset,
-    read_jsonl,
+    load_data,
+    model_inputs,
     write_jsonl,
 )
 from slimtune.errors import SlimtuneError
@@ -57,7 +54,7 @@ from slimtune.lora import LoRAConfig, lora_modules, lora_parameters
 from slimtune.memory import peak_rss_mb, reset_peak_rss, rss_mb
 from slimtune.model import config_dtype, load_qlora_model
 from slimtune.quant import is_nf4
-from slimtune.tiny import make_tiny_checkpoint
+from slimtune.tiny import byte_tokenizer, make_tiny_checkpoint, tiny_config
 
 
 @dataclass
@@ -92,29 +89,36 @@ def run_finetune(cfg: Config, on_step: Callable[[dict], None] | None = None) -> 
     if resume is not None:
         manager.check_resumable(cfg, resume)
 
-    # --- Set-up 2: the data, parsed before the model is loaded (a bad line fails in seconds, not minutes). ---
+    # --- Set-up 2: tokenizer and data, read and tokenized row by row before the model is loaded (a bad row
+    # fails in seconds, not minutes); then the step arithmetic. ---
     dataset_path = Path(cfg.dataset.path)
-    if dataset_path.is_file():
-        records, dataset_sha, builtin_rows = read_jsonl(dataset_path), file_sha256(dataset_path), None
-    elif cfg.dataset.create_builtin:
+    builtin_rows = None
+    if not dataset_path.is_file():
+        if not cfg.dataset.create_builtin:
+            raise SlimtuneError(f"{dataset_path}: no such dataset file (dataset.path)")
         builtin_rows = builtin_tiny_records()  # written once the model has loaded: nothing is written before the checks
-        records = [Record(row, f"built-in dataset:{i + 1}") for i, row in enumerate(builtin_rows)]
-        dataset_sha = file_sha256_of_text(jsonl_text(builtin_rows))
-    else:
-        raise SlimtuneError(f"{dataset_path}: no such dataset file (dataset.path)")
-    if saved is not None and saved["dataset_sha256"] != dataset_sha:
-        raise SlimtuneError(f"cannot resume from {resume_dir}: the content of {dataset_path} changed since the checkpoint was taken")
-
-    # --- Set-up 3: tokenizer, tokenized examples, the step arithmetic. ---
     model_dir = Path(cfg.model.path)
-    if not model_dir.exists() and cfg.model.create_tiny:
+    create_tiny = not model_dir.exists() and cfg.model.create_tiny
+    if create_tiny:  # the embedded model's tokenizer and config; the files are written once the data is known good
+        tokenizer, hf_config = byte_tokenizer(), tiny_config()
+    else:
+        hf_config = load_hf_config(model_dir)  # a missing or malformed model directory fails here, before the tokenizer
+        tokenizer = load_tokenizer(model_dir)
+    data = load_data(
+        DataSpec.from_config(cfg),
+        tokenizer,
+        rows={str(dataset_path): builtin_rows} if builtin_rows is not None else None,
+        vocab_size=getattr(hf_config, "vocab_size", None),
+    )
+    examples, eval_examples, dataset_sha = data.train, data.eval, data.sha256
+    if saved is not None and saved["dataset_sha256"] != dataset_sha:
+        raise SlimtuneError(f"cannot resume from {resume_dir}: the content of the data files changed since the checkpoint was taken")
+    if create_tiny:
         make_tiny_checkpoint(model_dir, seed=cfg.seed)
+        tokenizer = load_tokenizer(model_dir)
         say(f"embedded tiny Llama base written to {model_dir}")
-    load_hf_config(model_dir)  # a missing or malformed model directory fails here, before the tokenizer
-    tokenizer = load_tokenizer(model_dir)
-    examples, dropped = load_dataset(records, tokenizer, cfg.dataset.format, cfg.dataset.max_seq_len)
-    if dropped:
-        say(f"data: {dropped} example(s) have no trained token within max_seq_len={cfg.dataset.max_seq_len}; skipped")
+    if data.dropped:
+        say(f"data: {data.dropped} example(s) have no trained token within max_seq_len={cfg.dataset.max_seq_len}; skipped")
     pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
     steps_per_epoch = len(epoch_steps(list(range(len(examples))), cfg.training.batch_size, cfg.training.gradient_accumulation_steps))
     total_steps = cfg.training.total_epochs * steps_per_epoch
@@ -137,7 +141,10 @@ def run_finetune(cfg: Config, on_step: Callable[[dict], None] | None = None) -> 
     params = lora_parameters(model)
     say(
         f"model: {model_dir.name}, {sum(p.numel() for p in params):,} trainable adapter parameters, {device.type}, "
-        f"{str(dtype).removeprefix('torch.')}; data: {len(examples)} examples, {steps_per_epoch} steps/epoch, {total_steps} steps"
+        f"{str(dtype).removeprefix('torch.')}; data: {len(examples)} {'packed rows' if cfg.dataset.packed else 'examples'}"
+        + (f" ({data.documents} documents)" if cfg.dataset.packed else "")
+        + (f", {len(eval_examples)} held out" if eval_examples else "")
+        + f", {steps_per_epoch} steps/epoch, {total_steps} steps"
     )
 
     # --- Set-up 5: optimizer (adapters only), warmup + cosine schedule, loss scaler (fp16 only). ---
@@ -194,7 +201,7 @@ def run_finetune(cfg: Config, on_step: Callable[[dict], None] | None = None) -> 
             tokens = 0
             for mb in micro_batches:
                 mb = {k: v.to(device) for k, v in mb.items()}
-                logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], use_cache=False).logits
+                logits = model(**model_inputs(mb)).logits
                 loss = token_loss_sum(logits, mb["labels"]) / trained_tokens  # summed over micro-batches: the step's token mean
                 scaler.scale(loss).backward()
                 loss_sum += loss.detach()
@@ -295,11 +302,6 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "fp16" and device.type != "cuda":
         raise SlimtuneError("dtype fp16 is for GPUs without bf16; on the CPU use bf16 or fp32")
     return DTYPES[name]
-
-
-def file_sha256_of_text(text: str) -> str:
-    """The sha256 the text will have once written as UTF-8 (the built-in dataset before it is written)."""
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def load_tokenizer(model_dir: Path):

@@ -5,7 +5,6 @@ so memory is one chunk plus the adapter, whatever the model size."""
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -18,9 +17,9 @@ from slimtune.checkpoint.stream import StreamTensor, ToHost
 from slimtune.checkpoint.writer import DEFAULT_CHUNK_BYTES, DEFAULT_INFLIGHT_BYTES, WriteOptions
 from slimtune.distributed import SINGLE, Ranks
 from slimtune.errors import SlimtuneError
-from slimtune.formats.bnb import BnbNF4Weight, is_aux_key, load_bnb_weight
-from slimtune.formats.hf import checkpoint_files
-from slimtune.formats.peft import Adapter, AdapterModule, read_adapter
+from slimtune.formats.bnb import BnbNF4Weight, aux_owner, is_aux_key, load_bnb_weight
+from slimtune.formats.hf import checkpoint_files, module_kinds, read_config_dict
+from slimtune.formats.peft import Adapter, AdapterModule, SavedTensor, read_adapter, resolve
 from slimtune.formats.safetensors import COMPUTE_DTYPES, SafetensorsReader
 from slimtune.formats.strict_json import safe_name
 from slimtune.lora import merge_lora_rows
@@ -40,20 +39,23 @@ class BaseCheckpoint:
         self.pool = pool
         if not self.dir.is_dir():
             raise SlimtuneError(f"{self.dir}: no such base model directory")
-        config_path = self.dir / "config.json"
-        try:
-            self.config = json.loads(config_path.read_text())
-        except FileNotFoundError:
-            raise SlimtuneError(f"{config_path}: missing (a Hugging Face checkpoint directory needs config.json)") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise SlimtuneError(f"{config_path}: not valid JSON ({e})") from None
+        self.config = read_config_dict(self.dir)
+        self._kinds: tuple[dict[str, str], str | None] | None = None
         self.readers = [SafetensorsReader(h.path) for h in checkpoint_files(self.dir)]
         self.location = {key: r for r in self.readers for key in r.tensors}
         self.bnb: dict[str, BnbNF4Weight] = {}
         for key, reader in self.location.items():
             if key + ".absmax" in self.location and key.endswith(".weight"):
-                self.bnb[key] = load_bnb_weight(key, self._read_whole, self._byte_reader(key), str(reader.path))
-        self.keys = [k for k in self.location if not (is_aux_key(k) and _aux_owner(k) in self.bnb)]
+                entry = reader.entry(key)
+                self.bnb[key] = load_bnb_weight(key, self._read_whole, self._byte_reader(key), str(reader.path), entry.nbytes)
+        self.keys = [k for k in self.location if not (is_aux_key(k) and aux_owner(k) in self.bnb)]
+
+    @property
+    def module_kinds(self) -> tuple[dict[str, str], str | None]:
+        """Each module's kind (linear, conv1d, embedding, ...) and the output embedding's name."""
+        if self._kinds is None:
+            self._kinds = module_kinds(self.dir)
+        return self._kinds
 
     def _read_whole(self, key: str) -> torch.Tensor:
         if key not in self.location:
@@ -64,8 +66,8 @@ class BaseCheckpoint:
         reader = self.location[key]
         entry = reader.entry(key)
         per_row = entry.nbytes // entry.shape[0] if entry.shape and entry.shape[0] else 1
-        if per_row != 1:
-            raise SlimtuneError(f"{reader.path}: tensor {key}: packed 4-bit weight of shape {list(entry.shape)}, expected [n, 1]")
+        if per_row != 1 or entry.dtype != torch.uint8 or len(entry.shape) != 2:
+            raise SlimtuneError(f"{reader.path}: tensor {key}: packed 4-bit weight of shape {list(entry.shape)}, expected u8 [n, 1]")
         return lambda b0, b1: reader.read(key, b0, b1).view(-1)
 
     def shape(self, key: str) -> tuple[int, ...]:
@@ -88,11 +90,10 @@ class BaseCheckpoint:
             r.close()
 
 
-def _aux_owner(key: str) -> str:
-    for suffix in (".quant_state.bitsandbytes__nf4", ".nested_quant_map", ".nested_absmax", ".quant_map", ".absmax"):
-        if key.endswith(suffix):
-            return key[: -len(suffix)]
-    return key
+def _finite(rows: torch.Tensor, key: str, adapter: Adapter) -> torch.Tensor:
+    if not bool(torch.isfinite(rows).all()):
+        raise SlimtuneError(f"adapter {adapter.path}: modules_to_save tensor {safe_name(key)} holds NaN or infinite values")
+    return rows
 
 
 def _base_rows_fn(base: BaseCheckpoint, key: str, merge_base: str, chunk_bytes: int):
@@ -126,32 +127,47 @@ def _merged_source(
     chunk_bytes: int,
     device: torch.device,
     to_host: ToHost,
+    replaced: SavedTensor | None = None,
 ):
     shape = base.shape(key)
+    if replaced is not None and tuple(replaced.shape) != tuple(shape):
+        raise SlimtuneError(f"adapter {adapter.path}: saved weight of {key} {list(replaced.shape)} vs base {list(shape)}")
     where = f"adapter {adapter.path}, module {m.name}"
     if len(shape) != 2:
         raise SlimtuneError(f"{where}: base tensor {key} has shape {list(shape)}, a LoRA target must be 2-D")
-    out_f, in_f = (shape[1], shape[0]) if adapter.fan_in_fan_out else shape
+    out_f, in_f = (shape[1], shape[0]) if m.transposed else shape
     if tuple(m.lora_a.shape) != (m.rank, in_f) or tuple(m.lora_b.shape) != (out_f, m.rank):
         raise SlimtuneError(
             f"{where}: lora_A {list(m.lora_a.shape)} and lora_B {list(m.lora_b.shape)} do not fit base {key} {list(shape)} "
             f"(expected [{m.rank}, {in_f}] and [{out_f}, {m.rank}])"
         )
-    if m.magnitude is not None and (adapter.fan_in_fan_out or tuple(m.magnitude.shape) != (out_f,)):
+    if m.magnitude is not None and tuple(m.magnitude.shape) != (out_f,):
         raise SlimtuneError(f"{where}: DoRA magnitude {list(m.magnitude.shape)} does not fit base {key} {list(shape)}")
-    read_rows = _base_rows_fn(base, key, merge_base, chunk_bytes)
+    if replaced is not None:
+        read_rows = replaced.rows
+    else:
+        read_rows = _base_rows_fn(base, key, merge_base, chunk_bytes)
     a, b = m.lora_a.float().to(device), m.lora_b.float().to(device)
     magnitude = None if m.magnitude is None else m.magnitude.to(device)
-    if adapter.fan_in_fan_out:  # W is [in, out]: rows of (B @ A)^T are A[:, rows]^T @ B^T
+    if m.transposed:  # W is [in, out] (Conv1D, embedding): rows of (B @ A)^T are A[:, rows]^T @ B^T
         bt = b.t().contiguous()
 
-        def rows(s: int, e: int) -> torch.Tensor:
-            return to_host(merge_lora_rows(read_rows(s, e).to(device), bt, a[:, s:e].t(), m.scaling), dtype)
+        def merged(w: torch.Tensor, s: int, e: int) -> torch.Tensor:
+            return merge_lora_rows(w, bt, a[:, s:e].t(), m.scaling)
     else:
 
-        def rows(s: int, e: int) -> torch.Tensor:
-            mag = None if magnitude is None else magnitude[s:e]
-            return to_host(merge_lora_rows(read_rows(s, e).to(device), a, b[s:e], m.scaling, mag), dtype)
+        def merged(w: torch.Tensor, s: int, e: int) -> torch.Tensor:
+            return merge_lora_rows(w, a, b[s:e], m.scaling, None if magnitude is None else magnitude[s:e])
+
+    def rows(s: int, e: int) -> torch.Tensor:
+        w = read_rows(s, e).to(device)
+        out = to_host(merged(w, s, e), dtype)
+        if not bool(torch.isfinite(out).all()) and bool(torch.isfinite(w).all()):
+            raise SlimtuneError(
+                f"{where}: merging into {key} gives non-finite values in {dtype} "
+                f"(scaling {m.scaling:g} from lora_alpha {m.alpha:g}, r {m.rank})"
+            )
+        return out
 
     return StreamTensor(key, tuple(shape), dtype, rows)
 
@@ -168,6 +184,8 @@ def merged_file_stream(
     """The merged model as a tensor stream, in the base's tensor order. Every adapter module must land
     on a base weight of the right shape; errors name the module, the tensor and the shapes. With a CUDA
     ``device`` the merge math of each chunk runs there (reads and writes stay on the host)."""
+    kinds, output_name = base.module_kinds
+    resolve(adapter, kinds, output_name, set(base.location) | set(base.bnb))
     targets = {f"{name}.weight": m for name, m in adapter.modules.items()}
     saved = dict(adapter.saved_modules)
     keys = list(base.keys)
@@ -187,18 +205,28 @@ def merged_file_stream(
             raise SlimtuneError(f"{base.dir}: tensor {safe_name(source_key)} has dtype {name}, which slimtune cannot pass through a merge")
         # only the float formats a merge computes in are cast; int, fp8 and complex tensors pass through unchanged
         out_dtype = (dtype or src_dtype) if src_dtype in COMPUTE_DTYPES else src_dtype
-        if key in saved:
+        if key in saved and key not in targets:
             t = saved.pop(key)
             if tuple(t.shape) != tuple(base.shape(source_key)):
                 raise SlimtuneError(
                     f"adapter {adapter.path}: modules_to_save tensor {key} {list(t.shape)} vs base {list(base.shape(source_key))}"
                 )
-            stream.append(StreamTensor(key, tuple(t.shape), out_dtype, lambda s, e, t=t, d=out_dtype: t.rows(s, e).to(d).contiguous()))
+            stream.append(
+                StreamTensor(
+                    key,
+                    tuple(t.shape),
+                    out_dtype,
+                    lambda s, e, t=t, d=out_dtype, k=key: _finite(t.rows(s, e), k, adapter).to(d).contiguous(),
+                )
+            )
         elif key in targets:
             m = targets[key]
             if source_key != key:
                 raise SlimtuneError(f"adapter {adapter.path}: LoRA on tied {key} is not supported; untie the model first")
-            stream.append(_merged_source(key, base, m, adapter, out_dtype, merge_base, chunk_bytes, torch.device(device), to_host))
+            replaced = saved.pop(key, None)  # an adapted embedding's weight saved with the adapter replaces the base's
+            stream.append(
+                _merged_source(key, base, m, adapter, out_dtype, merge_base, chunk_bytes, torch.device(device), to_host, replaced)
+            )
         else:
             rows = (
                 (lambda s, e, k=source_key, d=out_dtype: to_host(base.rows(k, s, e), d))

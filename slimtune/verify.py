@@ -4,7 +4,6 @@ recomputation from the sources, streamed chunk by chunk?"""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from slimtune.checkpoint.atomic import MANIFEST_NAME, read_manifest, sha256_file
 from slimtune.checkpoint.stream import row_chunks
 from slimtune.checkpoint.writer import DEFAULT_CHUNK_BYTES
 from slimtune.errors import SlimtuneError
-from slimtune.formats.hf import INDEX_NAME
+from slimtune.formats.hf import INDEX_NAME, read_index
 from slimtune.formats.peft import read_adapter
 from slimtune.formats.safetensors import COMPUTE_DTYPES, SafetensorsReader, read_header
 from slimtune.merge import BaseCheckpoint, merged_file_stream
@@ -69,10 +68,9 @@ def check_safetensors_and_index(ckpt: Path, report: VerifyReport) -> dict[str, P
     index_path = ckpt / INDEX_NAME
     if index_path.is_file():
         try:
-            index = json.loads(index_path.read_text())
-            weight_map, total = index["weight_map"], index["metadata"]["total_size"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            report.problems.append(f"{index_path}: malformed index ({e!r})")
+            weight_map, total = read_index(index_path)
+        except SlimtuneError as e:
+            report.problems.append(str(e))
             return location
         for key, shard in weight_map.items():
             if not (ckpt / shard).is_file():
@@ -83,7 +81,7 @@ def check_safetensors_and_index(ckpt: Path, report: VerifyReport) -> dict[str, P
             if key not in weight_map and path.name != "adapter_model.safetensors":
                 report.problems.append(f"{path}: tensor {key} is not in {INDEX_NAME}")
         data = sum(read_header(p).tensors[k].nbytes for k, p in location.items() if k in weight_map and p.is_file())
-        if data != total and not any("missing" in p for p in report.problems):
+        if total is not None and data != total and not any("missing" in p for p in report.problems):
             report.problems.append(f"{index_path}: total_size {total} but the shards hold {data} bytes of tensors")
     return location
 

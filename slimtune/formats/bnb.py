@@ -7,20 +7,31 @@ blocksize, dtype, shape, nested_blocksize, nested_offset). Math as bitsandbytes:
 
 from __future__ import annotations
 
-import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from slimtune.errors import SlimtuneError
+from slimtune.formats.strict_json import json_kind, loads_json, safe_name
 
 QUANT_STATE_SUFFIX = ".quant_state.bitsandbytes__nf4"
-AUX_SUFFIXES = (".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map", QUANT_STATE_SUFFIX)
+# Longest first, so ".nested_absmax" is not taken for ".absmax".
+AUX_SUFFIXES = (QUANT_STATE_SUFFIX, ".nested_quant_map", ".nested_absmax", ".quant_map", ".absmax")
+_FLOAT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def is_aux_key(key: str) -> bool:
     return key.endswith(AUX_SUFFIXES)
+
+
+def aux_owner(key: str) -> str:
+    """The weight an auxiliary tensor belongs to (``P.weight.absmax`` -> ``P.weight``); other keys unchanged."""
+    for suffix in AUX_SUFFIXES:
+        if key.endswith(suffix):
+            return key[: -len(suffix)]
+    return key
 
 
 @dataclass
@@ -48,29 +59,78 @@ class BnbNF4Weight:
         return (values * scale).to(self.dtype).view(end - start, cols)
 
 
-def load_bnb_weight(key: str, read_small: Callable[[str], torch.Tensor], read_bytes: Callable[[int, int], torch.Tensor], where: str):
-    """Build the row reader for ``key`` (a ``P.weight``) from its auxiliary tensors."""
-    try:
-        state = json.loads(bytes(read_small(key + QUANT_STATE_SUFFIX).tolist()).decode())
-        quant_type, blocksize = state["quant_type"], int(state["blocksize"])
-        shape = tuple(int(d) for d in state["shape"])
-        dtype = getattr(torch, state.get("dtype", "bfloat16"))
-    except (KeyError, ValueError, TypeError, AttributeError, UnicodeDecodeError) as e:
-        raise SlimtuneError(f"{where}: tensor {key}{QUANT_STATE_SUFFIX}: unreadable bitsandbytes quant state ({e!r})") from None
+def load_bnb_weight(
+    key: str,
+    read_small: Callable[[str], torch.Tensor],
+    read_bytes: Callable[[int, int], torch.Tensor],
+    where: str,
+    packed_bytes: int | None = None,
+):
+    """Build the row reader for ``key`` (a ``P.weight``) from its auxiliary tensors, every field of the
+    quant state checked (types, ranges, float dtype) and every size against the shape it declares:
+    ``packed_bytes`` (the packed weight's length) must be exactly ceil(rows * cols / 2)."""
+    label = f"{where}: tensor {safe_name(key)}{QUANT_STATE_SUFFIX}"
+    raw = read_small(key + QUANT_STATE_SUFFIX)
+    if raw.dtype != torch.uint8 or raw.dim() != 1:
+        raise SlimtuneError(f"{label}: expected the u8 bytes of a JSON quant state, found {raw.dtype} {list(raw.shape)}")
+    state = loads_json(bytes(raw.tolist()), label, expect=dict)
+    quant_type, blocksize, shape = state.get("quant_type"), state.get("blocksize"), state.get("shape")
+    dtype_name = state.get("dtype", "bfloat16")
     if quant_type != "nf4":
-        raise SlimtuneError(f"{where}: tensor {key}: bitsandbytes quant_type {quant_type!r}, only 'nf4' is supported")
-    if len(shape) != 2:
-        raise SlimtuneError(f"{where}: tensor {key}: 4-bit weight of shape {list(shape)}, expected 2-D")
+        raise SlimtuneError(
+            f"{where}: tensor {safe_name(key)}: bitsandbytes quant_type {safe_name(repr(quant_type))}, only 'nf4' is supported"
+        )
+    if type(blocksize) is not int or not 0 < blocksize <= 1 << 20:
+        raise SlimtuneError(f"{label}: blocksize must be a positive integer, found {json_kind(blocksize)} {blocksize!r}"[:300])
+    if not isinstance(shape, list) or len(shape) != 2 or not all(type(d) is int and 0 < d < 1 << 40 for d in shape):
+        raise SlimtuneError(
+            f"{where}: tensor {safe_name(key)}: 4-bit weight of shape {safe_name(repr(shape))[:80]}, expected 2 positive integers"
+        )
+    if dtype_name not in _FLOAT_DTYPES:
+        raise SlimtuneError(f"{label}: dtype {safe_name(repr(dtype_name))[:40]}, expected one of {sorted(_FLOAT_DTYPES)}")
+    shape, dtype = (shape[0], shape[1]), _FLOAT_DTYPES[dtype_name]
+    numel = shape[0] * shape[1]
+    if packed_bytes is not None and packed_bytes != (numel + 1) // 2:
+        raise SlimtuneError(
+            f"{where}: tensor {safe_name(key)}: packed 4-bit weight holds {packed_bytes} bytes, "
+            f"shape {list(shape)} needs {(numel + 1) // 2}"
+        )
+    n_blocks = -(-numel // blocksize)
     absmax = read_small(key + ".absmax")
+    if absmax.dim() != 1 or absmax.numel() != n_blocks:
+        raise SlimtuneError(
+            f"{where}: tensor {safe_name(key)}.absmax has shape {list(absmax.shape)}, shape {list(shape)} needs [{n_blocks}]"
+        )
     if absmax.dtype == torch.uint8:
-        nested_map = read_small(key + ".nested_absmax").float(), read_small(key + ".nested_quant_map").float()
-        nested_absmax, nested_code = nested_map
-        nested_blocksize = int(state.get("nested_blocksize", 256))
-        offset = float(state.get("nested_offset", 0.0))
+        nested_absmax, nested_code = read_small(key + ".nested_absmax"), read_small(key + ".nested_quant_map")
+        nested_blocksize, offset = state.get("nested_blocksize", 256), state.get("nested_offset", 0.0)
+        if type(nested_blocksize) is not int or not 0 < nested_blocksize <= 1 << 20:
+            raise SlimtuneError(f"{label}: nested_blocksize must be a positive integer, found {nested_blocksize!r}"[:300])
+        if not isinstance(offset, (int, float)) or isinstance(offset, bool) or not math.isfinite(offset):
+            raise SlimtuneError(f"{label}: nested_offset must be a finite number, found {json_kind(offset)}")
+        if nested_code.numel() != 256 or nested_code.dtype not in _FLOAT_DTYPES.values():
+            raise SlimtuneError(
+                f"{where}: tensor {safe_name(key)}.nested_quant_map must be 256 floats, found {nested_code.dtype} {list(nested_code.shape)}"
+            )
+        if (
+            nested_absmax.dim() != 1
+            or nested_absmax.numel() != -(-n_blocks // nested_blocksize)
+            or nested_absmax.dtype not in _FLOAT_DTYPES.values()
+        ):
+            raise SlimtuneError(
+                f"{where}: tensor {safe_name(key)}.nested_absmax has {nested_absmax.dtype} {list(nested_absmax.shape)}, "
+                f"expected {-(-n_blocks // nested_blocksize)} floats"
+            )
         idx = torch.arange(absmax.numel()) // nested_blocksize
-        absmax = nested_code[absmax.long()] * nested_absmax[idx] + offset
+        absmax = nested_code.float()[absmax.long()] * nested_absmax.float()[idx] + offset
+    elif absmax.dtype not in _FLOAT_DTYPES.values():
+        raise SlimtuneError(f"{where}: tensor {safe_name(key)}.absmax is {absmax.dtype}, expected a float or u8 (nested) tensor")
     absmax = absmax.float()
-    n_blocks = -(-shape[0] * shape[1] // blocksize)
-    if absmax.numel() != n_blocks:
-        raise SlimtuneError(f"{where}: tensor {key}.absmax has {absmax.numel()} entries, shape {list(shape)} needs {n_blocks}")
-    return BnbNF4Weight(key, shape, dtype, blocksize, absmax, read_small(key + ".quant_map").float(), read_bytes)
+    if not bool(torch.isfinite(absmax).all()):
+        raise SlimtuneError(f"{where}: tensor {safe_name(key)}.absmax holds NaN or infinite scales")
+    quant_map = read_small(key + ".quant_map")
+    if quant_map.numel() != 16 or quant_map.dtype not in _FLOAT_DTYPES.values() or not bool(torch.isfinite(quant_map).all()):
+        raise SlimtuneError(
+            f"{where}: tensor {safe_name(key)}.quant_map must be 16 finite floats, found {quant_map.dtype} {list(quant_map.shape)}"
+        )
+    return BnbNF4Weight(key, shape, dtype, blocksize, absmax, quant_map.float().reshape(16), read_bytes)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from slimtune.errors import SlimtuneError
 from slimtune.formats.safetensors import SafetensorsHeader, read_header
+from slimtune.formats.strict_json import json_kind, load_json, safe_name, safe_text
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -26,24 +26,133 @@ TOKENIZER_FILES = (
 )
 
 
-def load_config(model_dir: str | Path) -> PretrainedConfig:
-    """config.json of a local checkpoint, with errors that name the file (never a hub lookup)."""
+# Sizes a config.json may declare: far beyond any released model, far below what would take the machine
+# down while the (meta) skeleton is built. Checked before transformers sees the file.
+CONFIG_BOUNDS = {
+    "hidden_size": 1 << 17, "n_embd": 1 << 17, "d_model": 1 << 17,
+    "intermediate_size": 1 << 20, "n_inner": 1 << 20, "ffn_dim": 1 << 20, "moe_intermediate_size": 1 << 20,
+    "num_hidden_layers": 1024, "n_layer": 1024, "num_layers": 1024,
+    "num_attention_heads": 1024, "n_head": 1024, "num_key_value_heads": 1024,
+    "head_dim": 1 << 14, "vocab_size": 1 << 22,
+    "max_position_embeddings": 1 << 24, "n_positions": 1 << 24, "n_ctx": 1 << 24,
+    "num_experts": 1 << 12, "num_local_experts": 1 << 12, "n_routed_experts": 1 << 12, "num_experts_per_tok": 1 << 12,
+}  # fmt: skip
+MAX_CONFIG_PARAMETERS = 10**13  # 10 T parameters
+CONFIG_FILE_BYTES = 4 * 1024 * 1024
+
+
+def read_config_dict(model_dir: str | Path) -> dict:
+    """config.json of a local checkpoint as checked JSON: an object, ``model_type`` a string, every size
+    field transformers would build from a positive integer within CONFIG_BOUNDS (no floats, booleans or
+    strings), and the parameter count it implies within MAX_CONFIG_PARAMETERS. Nothing is built."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise SlimtuneError(f"{model_dir}: no such model directory")
     path = model_dir / "config.json"
-    if not path.is_file():
+    if not path.exists():
         raise SlimtuneError(f"{path}: missing (a Hugging Face checkpoint directory needs config.json)")
-    try:
-        json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise SlimtuneError(f"{path}: not valid JSON ({e})") from None
+    data = load_json(path, expect=dict, max_bytes=CONFIG_FILE_BYTES, what="config.json")
+    model_type = data.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise SlimtuneError(f"{path}: model_type must be a non-empty string, found {json_kind(model_type)}")
+    _check_sizes(data, str(path))
+    for key in ("text_config",):  # multimodal configs nest the language model's sizes
+        if isinstance(data.get(key), dict):
+            _check_sizes(data[key], f"{path}: {key}")
+    params = estimate_parameters(data)
+    if params > MAX_CONFIG_PARAMETERS:
+        raise SlimtuneError(f"{path}: the sizes declare about {params:.3g} parameters, more than the {MAX_CONFIG_PARAMETERS:.0e} allowed")
+    return data
+
+
+def _check_sizes(data: dict, where: str) -> None:
+    for key, bound in CONFIG_BOUNDS.items():
+        if key not in data or (data[key] is None and key in ("head_dim", "n_inner", "num_key_value_heads")):
+            continue
+        value = data[key]
+        if type(value) is not int or not 0 < value <= bound:
+            shown = value if isinstance(value, (int, float)) and not isinstance(value, bool) else json_kind(value)
+            raise SlimtuneError(f"{where}: {key} must be an integer in [1, {bound:,}], found {shown}")
+    heads = data.get("num_attention_heads", data.get("n_head"))
+    hidden = data.get("hidden_size", data.get("n_embd"))
+    if heads and hidden and data.get("head_dim") is None and hidden % heads:
+        raise SlimtuneError(f"{where}: hidden_size {hidden} is not a multiple of num_attention_heads {heads} (and no head_dim is given)")
+    kv = data.get("num_key_value_heads")
+    if heads and kv and heads % kv:
+        raise SlimtuneError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
+
+
+def estimate_parameters(data: dict) -> int:
+    """A generous upper estimate of a decoder's parameter count from its config (for bounds only)."""
+    cfg = data.get("text_config") if isinstance(data.get("text_config"), dict) else data
+
+    def get(*keys: str, default: int = 0) -> int:
+        for k in keys:
+            if type(cfg.get(k)) is int:
+                return cfg[k]
+        return default
+
+    hidden = get("hidden_size", "n_embd", "d_model", default=1)
+    layers = get("num_hidden_layers", "n_layer", "num_layers", default=1)
+    heads = get("num_attention_heads", "n_head", default=1)
+    head_dim = get("head_dim", default=max(1, hidden // max(1, heads)))
+    inter = get("intermediate_size", "n_inner", "ffn_dim", default=4 * hidden)
+    experts = max(1, get("num_experts", "num_local_experts", "n_routed_experts", default=1))
+    vocab = get("vocab_size", default=1)
+    attention = 4 * hidden * heads * head_dim
+    mlp = 3 * hidden * inter * experts
+    return 2 * vocab * hidden + layers * (attention + mlp + 4 * hidden)
+
+
+def load_config(model_dir: str | Path) -> PretrainedConfig:
+    """config.json of a local checkpoint, checked by ``read_config_dict`` first, then by transformers
+    (never a hub lookup); every failure names the file."""
+    model_dir = Path(model_dir)
+    read_config_dict(model_dir)
+    path = model_dir / "config.json"
     from transformers import AutoConfig
 
     try:
         return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
-    except (ValueError, KeyError, OSError) as e:
-        raise SlimtuneError(f"{path}: not a usable model config ({e})") from None
+    except Exception as e:  # noqa: BLE001 - transformers raises many types for a bad config; all are bad input
+        raise SlimtuneError(f"{path}: not a usable model config ({type(e).__name__}: {_one_line(e)})") from None
+
+
+def _one_line(e: BaseException) -> str:
+    text = safe_text(str(e)).strip().splitlines()
+    return (text[0] if text else "")[:300]
+
+
+def module_kinds(model_dir: str | Path) -> tuple[dict[str, str], str | None]:
+    """What each module of the model is, as PEFT sees it ("linear", "conv1d", "embedding" or the class
+    name), and the output embedding's name: transformers builds the model on the meta device (no memory)
+    from the checked config."""
+    config = load_config(model_dir)
+    import torch
+    from torch import nn
+    from transformers import AutoModelForCausalLM
+    from transformers.pytorch_utils import Conv1D
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as e:  # noqa: BLE001
+        raise SlimtuneError(
+            f"{Path(model_dir) / 'config.json'}: transformers cannot build this model ({type(e).__name__}: {_one_line(e)})"
+        ) from None
+    kinds = {}
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear):
+            kinds[name] = "linear"
+        elif isinstance(m, Conv1D):
+            kinds[name] = "conv1d"
+        elif isinstance(m, nn.Embedding):
+            kinds[name] = "embedding"
+        else:
+            kinds[name] = type(m).__name__
+    out = model.get_output_embeddings()
+    output_name = next((n for n, m in model.named_modules() if m is out), None) if out is not None else None
+    return kinds, output_name
 
 
 def export_config_dict(config: PretrainedConfig, dtype_name: str | None = None) -> dict:
@@ -57,31 +166,67 @@ def export_config_dict(config: PretrainedConfig, dtype_name: str | None = None) 
     return data
 
 
+def read_index(index: str | Path) -> tuple[dict[str, str], int | None]:
+    """A sharded checkpoint's index: ``weight_map`` an object of tensor name -> shard file name (a plain
+    name in the same directory), ``metadata.total_size`` an integer if present. Returns both."""
+    index = Path(index)
+    data = load_json(index, expect=dict, what="safetensors index")
+    weight_map = data.get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise SlimtuneError(f"{index}: weight_map must be an object of tensor name -> file name, found {json_kind(weight_map)}")
+    for key, name in weight_map.items():
+        if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", ".."):
+            found = safe_name(name) if isinstance(name, str) else json_kind(name)
+            raise SlimtuneError(f"{index}: tensor {safe_name(key)} maps to {found}, expected a file name beside the index")
+    metadata = data.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise SlimtuneError(f"{index}: metadata must be an object, found {json_kind(metadata)}")
+    total = (metadata or {}).get("total_size")
+    if total is not None and (type(total) is not int or total < 0):
+        raise SlimtuneError(f"{index}: metadata.total_size must be a non-negative integer, found {json_kind(total)}")
+    return weight_map, total
+
+
 def checkpoint_files(model_dir: str | Path) -> list[SafetensorsHeader]:
-    """Headers of the checkpoint's safetensors files, checked, in index order (or name order)."""
+    """Headers of the checkpoint's safetensors files, checked, in index order (or name order). With an
+    index, every shard it names must exist and hold exactly the tensors it maps there; without one, no
+    tensor may appear in two files (which copy would win is undefined)."""
     model_dir = Path(model_dir)
     index = model_dir / INDEX_NAME
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise SlimtuneError(f"{index}: malformed index ({e!r})") from None
+    if index.exists():
+        weight_map, _ = read_index(index)
         names = list(dict.fromkeys(weight_map.values()))
         for name in names:
             if not (model_dir / name).is_file():
-                raise SlimtuneError(f"{index}: lists {name}, which is missing from {model_dir}")
+                raise SlimtuneError(f"{index}: lists {safe_name(name)}, which is missing from {model_dir}")
         headers = [read_header(model_dir / name) for name in names]
         for h in headers:
             for key in h.tensors:
                 if weight_map.get(key) != h.path.name:
-                    raise SlimtuneError(f"{index}: tensor {key} is in {h.path.name} but the index says {weight_map.get(key)}")
+                    where = weight_map.get(key)
+                    raise SlimtuneError(
+                        f"{index}: tensor {safe_name(key)} is in {h.path.name} but the index says {safe_name(where or 'nothing')}"
+                    )
+        for key, name in weight_map.items():
+            if key not in next(h for h in headers if h.path.name == name).tensors:
+                raise SlimtuneError(f"{index}: maps tensor {safe_name(key)} to {safe_name(name)}, which does not hold it")
         return headers
-    files = sorted(model_dir.glob("*.safetensors"))
+    files = sorted(p for p in model_dir.glob("*.safetensors") if p.is_file())
     if not files:
         bins = sorted(model_dir.glob("*.bin"))
         hint = " (found .bin weights: convert them to safetensors first)" if bins else ""
         raise SlimtuneError(f"{model_dir}: no *.safetensors weights{hint}")
-    return [read_header(f) for f in files]
+    headers = [read_header(f) for f in files]
+    seen: dict[str, Path] = {}
+    for h in headers:
+        for key in h.tensors:
+            if key in seen:
+                raise SlimtuneError(
+                    f"{model_dir}: tensor {safe_name(key)} is in both {seen[key].name} and {h.path.name}, "
+                    f"and no {INDEX_NAME} says which is meant"
+                )
+            seen[key] = h.path
+    return headers
 
 
 def shard_name(i: int, n: int) -> str:

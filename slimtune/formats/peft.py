@@ -1,26 +1,91 @@
-"""PEFT LoRA adapter files: adapter_config.json beside adapter_model.safetensors, keys
-base_model.model.<module>.lora_A.weight [r, in] and lora_B.weight [out, r]."""
+"""PEFT LoRA adapter files: adapter_config.json beside adapter_model.safetensors (or .bin), keys
+base_model.model.<module>.lora_A.weight [r, in] and lora_B.weight [out, r] (lora_embedding_A/B on
+embeddings). Every field of PEFT's LoraConfig either means here what it means to PEFT's
+``merge_and_unload()`` (peft/tuners/tuners_utils.py ``check_target_module_exists``, peft/utils/other.py
+``get_pattern_key``, peft/tuners/lora/layer.py) or is refused with one line naming it."""
 
 from __future__ import annotations
 
-import json
+import logging
+import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from slimtune.errors import SlimtuneError
-from slimtune.formats.safetensors import SafetensorsReader
+from slimtune.formats.safetensors import COMPUTE_DTYPES, SafetensorsReader
+from slimtune.formats.strict_json import json_kind, load_json, safe_name
 from slimtune.lora import lora_modules, lora_scaling
+
+log = logging.getLogger(__name__)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_BIN = "adapter_model.bin"
 ADAPTER_DIR_NAME = "adapter"  # where a slimtune checkpoint keeps its adapter
 PEFT_PREFIX = "base_model.model."
-LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight", ".lora_magnitude_vector", ".lora_magnitude_vector.weight")
+# The one spelling of PEFT's tensor names: part -> suffix after the module path.
+LORA_PARTS = {
+    "lora_A": ".lora_A.weight",
+    "lora_B": ".lora_B.weight",
+    "lora_embedding_A": ".lora_embedding_A",
+    "lora_embedding_B": ".lora_embedding_B",
+    "magnitude": ".lora_magnitude_vector",
+    "magnitude_weight": ".lora_magnitude_vector.weight",  # older PEFT versions
+}
+LORA_SUFFIXES = tuple(LORA_PARTS.values())
+ALL_LINEAR = "all-linear"
+# init_lora_weights values that change the base weights when PEFT loads the adapter (PiSSA, OLoRA, ...):
+# the merge would have to redo that SVD/QR; slimtune refuses them.
+_BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
+_ZERO_DELTA_INITS = (True, "gaussian", "eva")  # inits with lora_B = 0: a module without saved weights is a no-op
+# LoraConfig fields whose non-default value changes what merge_and_unload does in ways slimtune does not
+# implement: refused when set.
+_UNSUPPORTED_WHEN_SET = (
+    "megatron_config",
+    "trainable_token_indices",
+    "layer_replication",
+    "target_parameters",
+    "alora_invocation_tokens",
+    "use_qalora",
+    "use_bdlora",
+    "arrow_config",
+    "kasa_config",
+    "velora_config",
+    "monteclora_config",
+    "ensure_weight_tying",
+    "lora_bias",
+)
+# Fields with no effect on a merge (training, init of fresh adapters, bookkeeping); type-checked only.
+_NO_MERGE_EFFECT = {
+    "task_type": (str, type(None)),
+    "peft_type": (str,),
+    "auto_mapping": (dict, type(None)),
+    "peft_version": (str, type(None)),
+    "base_model_name_or_path": (str, type(None)),
+    "revision": (str, type(None)),
+    "inference_mode": (bool,),
+    "lora_dropout": (int, float),
+    "megatron_core": (str, type(None)),
+    "loftq_config": (dict, type(None)),
+    "eva_config": (dict, type(None)),
+    "corda_config": (dict, type(None)),
+    "lora_ga_config": (dict, type(None)),
+    "qalora_group_size": (int,),
+    "runtime_config": (dict, type(None)),
+}
+
+
+def lora_key(module: str, part: str) -> str:
+    """The PEFT file's name for ``part`` ("lora_A", "lora_B", "magnitude", ...) of ``module``.
+
+    Example: ``lora_key("model.layers.0.self_attn.q_proj", "lora_A")`` ->
+    ``"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"``."""
+    return f"{PEFT_PREFIX}{module}{LORA_PARTS[part]}"
 
 
 def adapter_config_dict(model: nn.Module, base_model_name_or_path: str = "") -> dict:
@@ -51,6 +116,184 @@ def adapter_config_dict(model: nn.Module, base_model_name_or_path: str = "") -> 
 
 
 @dataclass(frozen=True)
+class LoraSettings:
+    """adapter_config.json, checked field by field (PEFT's names and meanings)."""
+
+    r: int
+    lora_alpha: float
+    target_modules: list[str] | str  # a list (exact name or ".name" suffix), a regex (full match), or "all-linear"
+    exclude_modules: list[str] | str | None = None
+    layers_to_transform: list[int] | int | None = None
+    layers_pattern: list[str] | str | None = None
+    rank_pattern: dict[str, int] = field(default_factory=dict)
+    alpha_pattern: dict[str, float] = field(default_factory=dict)
+    fan_in_fan_out: bool = False
+    use_rslora: bool = False
+    use_dora: bool = False
+    modules_to_save: list[str] | None = None
+    init_lora_weights: bool | str = True
+
+    def targets(self, module: str, kinds: dict[str, str], output_name: str | None) -> bool:
+        """Does PEFT put a LoRA layer on ``module`` (check_target_module_exists)?"""
+        if self.exclude_modules:
+            if isinstance(self.exclude_modules, str):
+                if re.fullmatch(self.exclude_modules, module):
+                    return False
+            elif module in self.exclude_modules or any(module.endswith(f".{k}") for k in self.exclude_modules):
+                return False
+        if self.modules_to_save and any(re.match(rf"(^|.*\.){m}($|\..*)", module) for m in self.modules_to_save):
+            return False
+        targets = self.target_modules
+        if isinstance(targets, str) and targets.lower() == ALL_LINEAR:
+            return kinds.get(module) in ("linear", "conv1d") and module != output_name
+        if isinstance(targets, str):
+            return re.fullmatch(targets, module) is not None
+        if module in targets:
+            return True
+        found = any(module.endswith(f".{t}") for t in targets)
+        indexes = self.layers_to_transform
+        if found and indexes is not None and (not isinstance(indexes, list) or len(indexes) != 0):
+            match = None
+            if not self.layers_pattern:
+                match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", module)
+            else:
+                for pattern in [self.layers_pattern] if isinstance(self.layers_pattern, str) else self.layers_pattern:
+                    match = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", module)
+                    if match is not None:
+                        break
+            if match is None:
+                return False
+            index = int(match.group("idx"))
+            return index == indexes if isinstance(indexes, int) else index in indexes
+        return found
+
+    def rank_alpha(self, module: str) -> tuple[int, float]:
+        """r and lora_alpha for ``module``: the first rank_pattern / alpha_pattern key matching the end of
+        its path (PEFT's get_pattern_key), else r / lora_alpha."""
+        return _pattern_value(self.rank_pattern, module, self.r), float(_pattern_value(self.alpha_pattern, module, self.lora_alpha))
+
+
+def _pattern_value(patterns: dict, module: str, default):
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_pos_int(v: object) -> bool:
+    return type(v) is int and v > 0
+
+
+def _check_regex(pattern: str, where: str, name: str, wrap: str = "{}") -> None:
+    try:
+        re.compile(wrap.format(pattern))
+    except (re.error, RecursionError, OverflowError) as e:
+        raise SlimtuneError(f"{where}: {name} {safe_name(pattern)!r} is not a valid regular expression ({e})") from None
+
+
+def _str_list_or_str(value: object, where: str, name: str, regex_if_str: bool) -> list[str] | str | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if regex_if_str and value.lower() != ALL_LINEAR:
+            _check_regex(value, where, name)
+        return value
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return list(value)
+    raise SlimtuneError(f"{where}: {name} must be a list of module names or a regular expression string, found {json_kind(value)}")
+
+
+def parse_lora_config(config: object, where: str) -> LoraSettings:
+    """Check adapter_config.json's fields against PEFT's LoraConfig: types, ranges, and whether
+    slimtune's merge implements what each set field means. One clear line for the first fault."""
+    if not isinstance(config, dict):
+        raise SlimtuneError(f"{where}: expected a JSON object, found {json_kind(config)}")
+    peft_type = config.get("peft_type", "LORA")
+    if peft_type != "LORA":
+        raise SlimtuneError(f"{where}: peft_type {safe_name(peft_type)!r}; only LORA adapters can be merged")
+    for name, types in _NO_MERGE_EFFECT.items():
+        value = config.get(name)
+        if name in config and (not isinstance(value, types) or (isinstance(value, bool) and bool not in types)):
+            raise SlimtuneError(f"{where}: {name} has the wrong type ({json_kind(value)})")
+    if "lora_dropout" in config and not (math.isfinite(config["lora_dropout"]) and 0 <= config["lora_dropout"] <= 1):
+        raise SlimtuneError(f"{where}: lora_dropout must be in [0, 1], found {config['lora_dropout']}")
+    for name in _UNSUPPORTED_WHEN_SET:
+        value = config.get(name)
+        if value not in (None, False, [], {}):
+            raise SlimtuneError(f"{where}: {name} is set ({safe_name(str(value))[:60]}); slimtune's merge does not implement it")
+    r = config.get("r", 8)
+    if not _is_pos_int(r):
+        raise SlimtuneError(f"{where}: r must be a positive integer, found {r if _is_number(r) else json_kind(r)}")
+    alpha = config.get("lora_alpha", 8)
+    if not _is_number(alpha) or not math.isfinite(alpha):
+        raise SlimtuneError(f"{where}: lora_alpha must be a finite number, found {alpha if _is_number(alpha) else json_kind(alpha)}")
+    bias = config.get("bias", "none")
+    if bias != "none":
+        raise SlimtuneError(f"{where}: bias={safe_name(str(bias))!r}: adapters that train biases are not supported (expected 'none')")
+    for name in ("fan_in_fan_out", "use_rslora", "use_dora"):
+        if name in config and not isinstance(config[name], bool):
+            raise SlimtuneError(f"{where}: {name} must be true or false, found {json_kind(config[name])}")
+    if "target_modules" not in config or config["target_modules"] is None:
+        raise SlimtuneError(f"{where}: target_modules is missing; PEFT would pick defaults by model type; name the modules")
+    targets = _str_list_or_str(config["target_modules"], where, "target_modules", regex_if_str=True)
+    exclude = _str_list_or_str(config.get("exclude_modules"), where, "exclude_modules", regex_if_str=True)
+    layers = config.get("layers_to_transform")
+    if layers is not None and not (type(layers) is int or (isinstance(layers, list) and all(type(i) is int for i in layers))):
+        raise SlimtuneError(f"{where}: layers_to_transform must be an integer or a list of integers, found {json_kind(layers)}")
+    pattern = _str_list_or_str(config.get("layers_pattern"), where, "layers_pattern", regex_if_str=False)
+    for p in [pattern] if isinstance(pattern, str) else pattern or []:
+        _check_regex(p, where, "layers_pattern")
+    if isinstance(targets, str) and layers is not None:
+        raise SlimtuneError(f"{where}: layers_to_transform cannot be used when target_modules is a string (as PEFT refuses)")
+    if isinstance(targets, str) and pattern is not None:
+        raise SlimtuneError(f"{where}: layers_pattern cannot be used when target_modules is a string (as PEFT refuses)")
+    if pattern and layers is None:
+        raise SlimtuneError(f"{where}: layers_pattern needs layers_to_transform (as PEFT requires)")
+    rank_pattern, alpha_pattern = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
+    for name, patterns in (("rank_pattern", rank_pattern), ("alpha_pattern", alpha_pattern)):
+        if not isinstance(patterns, dict):
+            raise SlimtuneError(f"{where}: {name} must be an object of module pattern -> value, found {json_kind(patterns)}")
+        for key, value in patterns.items():
+            _check_regex(key, where, f"{name} key", "(.*\\.)?({})$")
+            if name == "rank_pattern" and not _is_pos_int(value):
+                raise SlimtuneError(f"{where}: rank_pattern[{safe_name(key)!r}] must be a positive integer, found {value!r}")
+            if name == "alpha_pattern" and (not _is_number(value) or not math.isfinite(value)):
+                raise SlimtuneError(f"{where}: alpha_pattern[{safe_name(key)!r}] must be a finite number, found {safe_name(repr(value))}")
+    modules_to_save = config.get("modules_to_save")
+    if modules_to_save is not None and not (isinstance(modules_to_save, list) and all(isinstance(m, str) and m for m in modules_to_save)):
+        raise SlimtuneError(f"{where}: modules_to_save must be a list of module names, found {json_kind(modules_to_save)}")
+    for m in modules_to_save or []:
+        _check_regex(m, where, "modules_to_save entry", "(^|.*\\.){}($|\\..*)")
+    init = config.get("init_lora_weights", True)
+    if not isinstance(init, (bool, str)):
+        raise SlimtuneError(f"{where}: init_lora_weights must be true, false or a method name, found {json_kind(init)}")
+    if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
+        raise SlimtuneError(
+            f"{where}: init_lora_weights={init!r} changes the base weights when PEFT loads the adapter; "
+            "convert it to a plain LoRA adapter first (PEFT's path_initial_model_for_weight_conversion)"
+        )
+    return LoraSettings(
+        r=r,
+        lora_alpha=alpha,
+        target_modules=targets,
+        exclude_modules=exclude,
+        layers_to_transform=layers,
+        layers_pattern=pattern,
+        rank_pattern=dict(rank_pattern),
+        alpha_pattern=dict(alpha_pattern),
+        fan_in_fan_out=bool(config.get("fan_in_fan_out", False)),
+        use_rslora=bool(config.get("use_rslora", False)),
+        use_dora=bool(config.get("use_dora", False)),
+        modules_to_save=modules_to_save,
+        init_lora_weights=init,
+    )
+
+
+@dataclass(frozen=True)
 class SavedTensor:
     """A modules_to_save tensor (an embedding or lm_head can be large): read by rows, never held."""
 
@@ -61,7 +304,9 @@ class SavedTensor:
 
 @dataclass
 class AdapterModule:
-    """One LoRA module of an adapter on disk: A [r, in], B [out, r], its scaling, DoRA magnitude."""
+    """One LoRA module of an adapter on disk: A [r, in], B [out, r], its scaling, DoRA magnitude.
+    ``transposed``: the base weight is [in, out] (an embedding, or a Conv1D with fan_in_fan_out), so
+    the delta is (B @ A)^T."""
 
     name: str
     lora_a: torch.Tensor
@@ -70,109 +315,196 @@ class AdapterModule:
     rank: int
     alpha: float
     magnitude: torch.Tensor | None = None
+    embedding: bool = False
+    transposed: bool = False
 
 
 @dataclass
 class Adapter:
     path: Path
     config: dict
+    settings: LoraSettings
     modules: dict[str, AdapterModule]
     saved_modules: dict[str, SavedTensor]  # modules_to_save: base key -> replacement, read by rows
-    fan_in_fan_out: bool
     use_rslora: bool
     use_dora: bool
 
 
-def _pattern_value(patterns: dict, module: str, default):
-    """PEFT's rank_pattern / alpha_pattern: the first key matching the end of the module path."""
-    for key, value in patterns.items():
-        if re.match(rf"(.*\.)?({key})$", module):
-            return value
-    return default
-
-
-def _is_lora_key(key: str) -> bool:
-    return key.endswith(LORA_SUFFIXES)
+def _split_key(key: str) -> tuple[str, str | None]:
+    """(module, part) of a LoRA tensor key (prefix removed), part None for other tensors."""
+    for part, suffix in LORA_PARTS.items():
+        if key.endswith(suffix):
+            return key[: -len(suffix)], part
+    return key, None
 
 
 def _load_adapter_weights(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, SavedTensor]]:
     """LoRA tensors (small) in memory; any other tensor (modules_to_save) as a row reader."""
-    st, binary = path / ADAPTER_WEIGHTS, path / "adapter_model.bin"
+    st, binary = path / ADAPTER_WEIGHTS, path / ADAPTER_BIN
     if st.is_file():
         reader = SafetensorsReader(st)  # stays open while the merge reads saved modules by rows
-        small = {k: reader.read(k) for k in reader.tensors if _is_lora_key(k)}
+        for k, e in reader.tensors.items():
+            if e.dtype is None:
+                raise SlimtuneError(f"{st}: tensor {safe_name(k)} has dtype {e.dtype_name}, not a float dtype an adapter can hold")
+        small = {k: reader.read(k) for k in reader.tensors if _split_key(k)[1]}
         large = {
             k: SavedTensor(e.shape, e.dtype, lambda s, t, k=k: reader.read(k, s, t))
             for k, e in reader.tensors.items()
-            if not _is_lora_key(k)
+            if not _split_key(k)[1]
         }
         return small, large
     if binary.is_file():
         try:
             state = torch.load(binary, map_location="cpu", weights_only=True, mmap=True)
         except Exception as e:  # noqa: BLE001 - any unpickling failure is bad input
-            raise SlimtuneError(f"{binary}: cannot read ({e})") from None
-        small = {k: v.clone() for k, v in state.items() if _is_lora_key(k)}
-        large = {k: SavedTensor(tuple(v.shape), v.dtype, lambda s, t, v=v: v[s:t].clone()) for k, v in state.items() if not _is_lora_key(k)}
+            raise SlimtuneError(
+                f"{binary}: cannot read ({type(e).__name__}: {safe_name(str(e).splitlines()[0] if str(e) else '')[:200]})"
+            ) from None
+        if not isinstance(state, dict):
+            raise SlimtuneError(f"{binary}: holds a {type(state).__name__}, expected a dict of tensor name -> tensor")
+        for k, v in state.items():
+            if not isinstance(k, str):
+                raise SlimtuneError(f"{binary}: key {safe_name(repr(k))} is a {type(k).__name__}, expected tensor names (strings)")
+            if not isinstance(v, torch.Tensor):
+                raise SlimtuneError(f"{binary}: {safe_name(k)} holds a {type(v).__name__}, expected a tensor")
+            if v.layout != torch.strided or v.is_quantized or v.is_nested:
+                raise SlimtuneError(f"{binary}: {safe_name(k)} is not a plain dense tensor")
+        small = {k: v.clone() for k, v in state.items() if _split_key(k)[1]}
+        large = {
+            k: SavedTensor(tuple(v.shape), v.dtype, lambda s, t, v=v: v[s:t].clone()) for k, v in state.items() if not _split_key(k)[1]
+        }
         return small, large
-    raise SlimtuneError(f"{path}: no {ADAPTER_WEIGHTS} or adapter_model.bin")
+    raise SlimtuneError(f"{path}: no {ADAPTER_WEIGHTS} or {ADAPTER_BIN}")
+
+
+def read_adapter_config(path: str | Path) -> tuple[dict, LoraSettings]:
+    """adapter_config.json of an adapter directory, strictly parsed and checked."""
+    config_path = Path(path) / ADAPTER_CONFIG
+    config = load_json(config_path, expect=None, max_bytes=16 * 1024 * 1024, what=ADAPTER_CONFIG)
+    return config, parse_lora_config(config, str(config_path))
 
 
 def read_adapter(path: str | Path) -> Adapter:
-    """A PEFT LoRA adapter directory (slimtune's own ``adapter/`` or any PEFT save), checked."""
+    """A PEFT LoRA adapter directory (slimtune's own ``adapter/`` or any PEFT save), checked: the config
+    field by field, every tensor name a LoRA part or a saved module, shapes matching the ranks, values
+    finite. Which base modules the adapter lands on is decided against the base (``resolve``)."""
     path = Path(path)
     if (path / ADAPTER_DIR_NAME / ADAPTER_CONFIG).is_file() and not (path / ADAPTER_CONFIG).is_file():
         path = path / ADAPTER_DIR_NAME  # a slimtune checkpoint directory
-    config_path = path / ADAPTER_CONFIG
     if not path.is_dir():
         raise SlimtuneError(f"{path}: no such adapter directory")
-    if not config_path.is_file():
+    config_path = path / ADAPTER_CONFIG
+    if not config_path.exists():
         raise SlimtuneError(f"{config_path}: missing (a PEFT adapter needs adapter_config.json)")
-    try:
-        config = json.loads(config_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise SlimtuneError(f"{config_path}: not valid JSON ({e})") from None
-    if config.get("peft_type", "LORA") != "LORA":
-        raise SlimtuneError(f"{config_path}: peft_type {config.get('peft_type')!r}; only LORA adapters can be merged")
-    for key in ("r", "lora_alpha"):
-        if not isinstance(config.get(key), (int, float)) or config[key] <= 0:
-            raise SlimtuneError(f"{config_path}: missing or invalid {key!r} (got {config.get(key)!r})")
-    if config.get("bias", "none") != "none" or config.get("lora_bias"):
-        raise SlimtuneError(f"{config_path}: adapters that train biases (bias={config.get('bias')!r}) are not supported")
+    config, settings = read_adapter_config(path)
     weights, others = _load_adapter_weights(path)
-    use_rslora, use_dora = bool(config.get("use_rslora")), bool(config.get("use_dora"))
-    rank_pattern, alpha_pattern = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
     modules: dict[str, AdapterModule] = {}
     saved: dict[str, SavedTensor] = {}
     for key in list(weights) + list(others):
         if not key.startswith(PEFT_PREFIX):
-            raise SlimtuneError(f"{path}: tensor {key} does not start with {PEFT_PREFIX!r}")
+            raise SlimtuneError(f"{path}: tensor {safe_name(key)} does not start with {PEFT_PREFIX!r}")
+    lora_modules_in_file = {_split_key(k[len(PEFT_PREFIX) :])[0] for k in weights}
     for key, tensor in others.items():
-        saved[key[len(PEFT_PREFIX) :].replace(".modules_to_save.default", "")] = tensor
-    for key, tensor in weights.items():
-        rest = key[len(PEFT_PREFIX) :]
-        suffix = next(s for s in LORA_SUFFIXES if rest.endswith(s))
-        module = rest[: -len(suffix)]
-        entry = modules.setdefault(module, AdapterModule(module, None, None, 0.0, 0, 0.0))  # type: ignore[arg-type]
-        if suffix == ".lora_A.weight":
-            entry.lora_a = tensor
-        elif suffix == ".lora_B.weight":
-            entry.lora_b = tensor
-        else:
-            entry.magnitude = tensor
-    for name, m in modules.items():
-        if m.lora_a is None or m.lora_b is None:
-            raise SlimtuneError(f"{path}: module {name} lacks its lora_A or lora_B weight")
-        m.rank = int(_pattern_value(rank_pattern, name, config["r"]))
-        m.alpha = float(_pattern_value(alpha_pattern, name, config["lora_alpha"]))
-        if m.lora_a.dim() != 2 or m.lora_b.dim() != 2 or m.lora_a.shape[0] != m.rank or m.lora_b.shape[1] != m.rank:
+        rest = key[len(PEFT_PREFIX) :].replace(".modules_to_save.default", "")
+        module = rest.rsplit(".", 1)[0]
+        if module.endswith(".base_layer") and module[: -len(".base_layer")] in lora_modules_in_file:
+            # PEFT saves an adapted embedding's own weight too (save_embedding_layers) and loads it over the base's
+            rest = module[: -len(".base_layer")] + "." + rest.rsplit(".", 1)[1]
+        elif not settings.modules_to_save or not any(module.endswith(m) for m in settings.modules_to_save):
             raise SlimtuneError(
-                f"{path}: module {name}: lora_A {list(m.lora_a.shape)} / lora_B {list(m.lora_b.shape)} "
-                f"do not match rank {m.rank} from adapter_config.json"
+                f"{path}: tensor {safe_name(key)} is neither a LoRA weight nor part of a module in modules_to_save "
+                f"({settings.modules_to_save}); PEFT would ignore it"
             )
-        if use_dora and m.magnitude is None:
-            raise SlimtuneError(f"{path}: use_dora is set but module {name} has no lora_magnitude_vector")
-        m.scaling = lora_scaling(m.rank, m.alpha, use_rslora)
+        if tensor.dtype not in COMPUTE_DTYPES:
+            raise SlimtuneError(f"{path}: modules_to_save tensor {safe_name(key)} is {tensor.dtype}, expected a float dtype")
+        saved[rest] = tensor
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in weights.items():
+        module, part = _split_key(key[len(PEFT_PREFIX) :])
+        part = "magnitude" if part == "magnitude_weight" else part
+        if part in parts.setdefault(module, {}):
+            raise SlimtuneError(f"{path}: module {safe_name(module)} has its {part} twice")
+        if tensor.dtype not in COMPUTE_DTYPES:
+            raise SlimtuneError(f"{path}: tensor {safe_name(key)} is {tensor.dtype}, expected a float dtype")
+        if not bool(torch.isfinite(tensor).all()):
+            raise SlimtuneError(f"{path}: tensor {safe_name(key)} holds NaN or infinite values")
+        parts[module][part] = tensor
+    for name, p in parts.items():
+        embedding = "lora_embedding_A" in p or "lora_embedding_B" in p
+        a = p.get("lora_embedding_A" if embedding else "lora_A")
+        b = p.get("lora_embedding_B" if embedding else "lora_B")
+        if a is None or b is None or (embedding and ("lora_A" in p or "lora_B" in p)):
+            raise SlimtuneError(f"{path}: module {safe_name(name)} lacks its lora_A or lora_B weight (or mixes linear and embedding parts)")
+        magnitude = p.get("magnitude")
+        if magnitude is not None and not settings.use_dora:
+            raise SlimtuneError(
+                f"{path}: module {safe_name(name)} has a lora_magnitude_vector but use_dora is false; "
+                "PEFT would ignore it (set use_dora: true if the adapter is DoRA)"
+            )
+        if settings.use_dora and magnitude is None:
+            raise SlimtuneError(f"{path}: use_dora is set but module {safe_name(name)} has no lora_magnitude_vector")
+        if settings.use_dora and embedding:
+            raise SlimtuneError(f"{path}: module {safe_name(name)}: DoRA on an embedding is not supported by slimtune's merge")
+        rank, alpha = settings.rank_alpha(name)
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
+            raise SlimtuneError(
+                f"{path}: module {safe_name(name)}: lora_A {list(a.shape)} / lora_B {list(b.shape)} "
+                f"do not match rank {rank} ({_rank_source(settings, config, name)} in adapter_config.json)"
+            )
+        scaling = lora_scaling(rank, alpha, settings.use_rslora)
+        if not math.isfinite(scaling):
+            raise SlimtuneError(f"{path}: module {safe_name(name)}: scaling lora_alpha/r = {alpha}/{rank} is not finite")
+        modules[name] = AdapterModule(name, a, b, scaling, rank, alpha, magnitude, embedding=embedding)
     if not modules and not saved:
         raise SlimtuneError(f"{path}: the adapter holds no LoRA weights")
-    return Adapter(path, config, modules, saved, bool(config.get("fan_in_fan_out")), use_rslora, use_dora)
+    return Adapter(path, config, settings, modules, saved, settings.use_rslora, settings.use_dora)
+
+
+def _rank_source(settings: LoraSettings, config: dict, module: str) -> str:
+    for key in settings.rank_pattern:
+        if re.match(rf"(.*\.)?({key})$", module):
+            return f"rank_pattern[{key!r}]"
+    return "'r'" if "r" in config else "'r' absent: PEFT's default 8"
+
+
+def resolve(adapter: Adapter, kinds: dict[str, str], output_name: str | None, base_keys: set[str]) -> None:
+    """Decide, as PEFT's LoRA injection would, which base module each adapter module lands on: every
+    module with weights must be one target_modules/layers_to_transform/exclude_modules select and of a
+    kind PEFT adapts (Linear, Conv1D, Embedding); a targeted module without weights must be a no-op
+    (PEFT's default init: B = 0). Sets each module's layout (fan_in_fan_out as PEFT forces it)."""
+    s = adapter.settings
+    where = f"adapter {adapter.path}"
+    for name, m in adapter.modules.items():
+        kind = kinds.get(name)
+        if kind is None:
+            raise SlimtuneError(f"{where}: module {safe_name(name)} is missing from base model (no such module)")
+        if not s.targets(name, kinds, output_name):
+            raise SlimtuneError(
+                f"{where}: module {safe_name(name)} has LoRA weights but target_modules={s.target_modules!r}"
+                f"{' with layers_to_transform=' + repr(s.layers_to_transform) if s.layers_to_transform is not None else ''} "
+                "does not select it; PEFT would ignore them"
+            )
+        if m.embedding != (kind == "embedding"):
+            wanted = "an embedding" if m.embedding else "a linear layer"
+            raise SlimtuneError(f"{where}: module {safe_name(name)} is a {kind} but its LoRA weights are for {wanted}")
+        if kind not in ("linear", "conv1d", "embedding"):
+            raise SlimtuneError(f"{where}: module {safe_name(name)} is a {kind}; PEFT's LoRA does not adapt it")
+        if kind == "linear" and s.fan_in_fan_out:
+            log.warning(
+                "%s: fan_in_fan_out is set but %s is an nn.Linear; as PEFT does, it is merged with fan_in_fan_out=False", where, name
+            )
+        m.transposed = kind in ("conv1d", "embedding")  # PEFT forces fan_in_fan_out=True on Conv1D
+        if m.magnitude is not None and m.transposed:
+            raise SlimtuneError(f"{where}: module {safe_name(name)}: DoRA on a {kind} is not supported by slimtune's merge")
+    adapted = [n for n, k in kinds.items() if k in ("linear", "conv1d", "embedding") and s.targets(n, kinds, output_name)]
+    if not adapted and adapter.modules:
+        raise SlimtuneError(f"{where}: target_modules={s.target_modules!r} selects no module of the base model")
+    missing = [n for n in adapted if n not in adapter.modules]
+    if missing and (s.use_dora or s.init_lora_weights not in _ZERO_DELTA_INITS or not adapter.modules):
+        raise SlimtuneError(
+            f"{where}: module {safe_name(missing[0])} is selected by target_modules but the adapter has no weights for it"
+            f"{' (' + str(len(missing)) + ' modules)' if len(missing) > 1 else ''}; PEFT would merge freshly initialised ones"
+        )
+    for key in adapter.saved_modules:
+        if key not in base_keys and not (key == "lm_head.weight" and output_name == "lm_head"):
+            raise SlimtuneError(f"{where}: modules_to_save tensor {safe_name(key)} has no counterpart in the base model")

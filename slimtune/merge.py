@@ -54,7 +54,7 @@ class BaseCheckpoint:
     def module_kinds(self) -> tuple[dict[str, str], str | None]:
         """Each module's kind (linear, conv1d, embedding, ...) and the output embedding's name."""
         if self._kinds is None:
-            self._kinds = module_kinds(self.dir)
+            self._kinds = module_kinds(self.config, {k: self.shape(k) for k in self.keys})
         return self._kinds
 
     def _read_whole(self, key: str) -> torch.Tensor:

@@ -123,36 +123,41 @@ def _one_line(e: BaseException) -> str:
     return (text[0] if text else "")[:300]
 
 
-def module_kinds(model_dir: str | Path) -> tuple[dict[str, str], str | None]:
-    """What each module of the model is, as PEFT sees it ("linear", "conv1d", "embedding" or the class
-    name), and the output embedding's name: transformers builds the model on the meta device (no memory)
-    from the checked config."""
-    config = load_config(model_dir)
-    import torch
-    from torch import nn
-    from transformers import AutoModelForCausalLM
-    from transformers.pytorch_utils import Conv1D
+# transformers' model families whose projections are Conv1D ([in, out] weights; PEFT forces fan_in_fan_out)
+CONV1D_MODEL_TYPES = ("gpt2", "openai-gpt", "imagegpt", "decision_transformer")
+# leaf names of nn.Embedding modules in transformers' decoder families
+EMBEDDING_NAMES = ("embed_tokens", "wte", "wpe", "embed_in", "word_embeddings", "tok_embeddings", "embed_positions")
+OUTPUT_EMBEDDING_NAMES = ("lm_head", "embed_out", "output")
 
-    try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-    except Exception as e:  # noqa: BLE001
-        raise SlimtuneError(
-            f"{Path(model_dir) / 'config.json'}: transformers cannot build this model ({type(e).__name__}: {_one_line(e)})"
-        ) from None
-    kinds = {}
-    for name, m in model.named_modules():
-        if isinstance(m, nn.Linear):
-            kinds[name] = "linear"
-        elif isinstance(m, Conv1D):
-            kinds[name] = "conv1d"
-        elif isinstance(m, nn.Embedding):
-            kinds[name] = "embedding"
+
+def module_kinds(config: dict, shapes: dict[str, tuple[int, ...]]) -> tuple[dict[str, str], str | None]:
+    """What each module of the checkpoint is as PEFT sees it ("linear", "conv1d", "embedding" or
+    "other") and the output embedding's name, from config.json and the tensor names and shapes alone
+    (transformers' conventions for its decoder families; nothing is imported or built). Example:
+    ``module_kinds({"model_type": "llama"}, {"model.layers.0.mlp.up_proj.weight": (512, 128), "lm_head.weight": (300, 128)})``
+    -> ``({"model.layers.0.mlp.up_proj": "linear", "lm_head": "linear"}, "lm_head")``."""
+    model_type = config.get("model_type")
+    if isinstance(config.get("text_config"), dict):
+        model_type = config["text_config"].get("model_type", model_type)
+    kinds: dict[str, str] = {}
+    for key, shape in shapes.items():
+        module, _, param = key.rpartition(".")
+        if param != "weight" or not module:
+            continue
+        leaf = module.rpartition(".")[2]
+        if len(shape) != 2:
+            kinds[module] = "other"
+        elif leaf in EMBEDDING_NAMES:
+            kinds[module] = "embedding"
+        elif model_type in CONV1D_MODEL_TYPES and leaf not in OUTPUT_EMBEDDING_NAMES:
+            kinds[module] = "conv1d"
         else:
-            kinds[name] = type(m).__name__
-    out = model.get_output_embeddings()
-    output_name = next((n for n, m in model.named_modules() if m is out), None) if out is not None else None
-    return kinds, output_name
+            kinds[module] = "linear"
+    output = next((m for m in kinds if m in OUTPUT_EMBEDDING_NAMES), None)
+    if output is None and config.get("tie_word_embeddings", True) is not False and "lm_head" not in kinds:
+        output = "lm_head"  # tied: lm_head shares the input embedding and is not stored
+        kinds.setdefault("lm_head", "linear")
+    return kinds, output
 
 
 def export_config_dict(config: PretrainedConfig, dtype_name: str | None = None) -> dict:

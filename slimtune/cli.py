@@ -33,6 +33,34 @@ def cmd_finetune(args: argparse.Namespace) -> None:
     run_finetune(cfg)
 
 
+def _sampling(args: argparse.Namespace):
+    from slimtune.errors import SlimtuneError
+    from slimtune.generate import SamplingOptions
+
+    if args.max_new_tokens < 1 or not 0 <= args.temperature < 100 or not 0 < args.top_p <= 1:
+        raise SlimtuneError("--max-new-tokens must be >= 1, --temperature in [0, 100), --top-p in (0, 1]")
+    return SamplingOptions(args.max_new_tokens, args.temperature, args.top_p, args.seed)
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from slimtune.generate import generate, load_for_generation, prompt_ids, read_messages
+
+    options = _sampling(args)
+    messages = read_messages(args.messages) if args.messages is not None else None
+    loaded = load_for_generation(args.checkpoint, args.form, args.base, args.device)
+    print(f"[{loaded.form} model, {args.format if args.format != 'auto' else loaded.prompt_format} format]", file=sys.stderr)
+    ids = prompt_ids(loaded, prompt=args.prompt, messages=messages, fmt=None if args.format == "auto" else args.format)
+    generate(loaded, ids, options, on_text=lambda text: print(text, end="", flush=True))
+    print()
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    from slimtune.generate import chat_loop, load_for_generation
+
+    options = _sampling(args)
+    chat_loop(load_for_generation(args.checkpoint, args.form, args.base, args.device), options)
+
+
 def cmd_merge(args: argparse.Namespace) -> int:
     from slimtune.distributed import init_distributed, launched_by_torchrun, run_ranks, shutdown
 
@@ -115,6 +143,36 @@ def build_parser() -> argparse.ArgumentParser:
     finetune.add_argument("--config", required=True, help="a YAML file, or the name of a shipped config")
     finetune.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. optimizer.lr=1e-4 resume=true")
     finetune.set_defaults(func=cmd_finetune)
+
+    def generation_args(p: argparse.ArgumentParser, temperature: float) -> None:
+        p.add_argument("checkpoint", type=Path, help="a step-N checkpoint, a merged model directory or an adapter directory")
+        p.add_argument(
+            "--form",
+            choices=["auto", "merged", "adapter"],
+            default="auto",
+            help="merged: the merged model with plain transformers; adapter: the adapter on the NF4 base it was trained on "
+            "(bounded memory, as finetune loads it); auto: merged when the checkpoint has it",
+        )
+        p.add_argument("--base", type=Path, default=None, help="base model for --form adapter (default: the one training used)")
+        p.add_argument("--max-new-tokens", type=int, default=128, help="default: 128")
+        p.add_argument("--temperature", type=float, default=temperature, help=f"0: greedy (default: {temperature})")
+        p.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling (default: 0.9)")
+        p.add_argument("--seed", type=int, default=0, help="sampling seed: the same seed gives the same text (default: 0)")
+        p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: cuda when available")
+
+    generate = sub.add_parser("generate", help="generate from a checkpoint, with the prompt format its training used")
+    generation_args(generate, 0.7)
+    source = generate.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", default=None, help="a prompt, rendered as training rendered its data (chat, Alpaca or text)")
+    source.add_argument("--messages", type=Path, default=None, help='a JSON file: [{"role": ..., "content": ...}, ...]')
+    generate.add_argument(
+        "--format", choices=["auto", "chat", "alpaca", "text"], default="auto", help="prompt format (default: the one training used)"
+    )
+    generate.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="talk to a checkpoint interactively (replies streamed)")
+    generation_args(chat, 0.7)
+    chat.set_defaults(func=cmd_chat)
 
     merge = sub.add_parser("merge", help="merge a PEFT LoRA adapter into a Hugging Face base, from files, in bounded memory")
     merge.add_argument(

@@ -33,13 +33,13 @@ from typing import Any
 import torch
 
 from slimtune.errors import SlimtuneError
+from slimtune.formats.strict_json import loads_json
 from slimtune.tiny import DEMO_TEXTS
 
 IGNORE_INDEX = -100
 FORMATS = ("alpaca", "chat", "sharegpt", "completion", "text")
 FILE_TYPES = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
 MAX_LINE_BYTES = 256 * 2**20  # one JSONL line; longer ones are refused before they are parsed
-MAX_INT_DIGITS = 100  # JSON integers longer than this are refused (Python's int() would take seconds on huge ones)
 
 ALPACA_PROMPT = (
     "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n"
@@ -297,39 +297,10 @@ def parse_json_object(raw: bytes, where: str) -> dict:
 
 
 def parse_json(raw: bytes, where: str) -> Any:
-    """A JSON value from UTF-8 bytes, strictly: no NaN/Infinity, no duplicate keys, integers of at
-    most MAX_INT_DIGITS digits, bounded nesting; every failure is one SlimtuneError naming ``where``."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise SlimtuneError(f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at byte offset {e.start})") from None
-    try:
-        data = json.loads(text, parse_constant=_no_constant, parse_int=_bounded_int, object_pairs_hook=_unique_keys)
-    except json.JSONDecodeError as e:
-        raise SlimtuneError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-    except RecursionError:
-        raise SlimtuneError(f"{where}: JSON nested too deeply") from None
-    except ValueError as e:
-        raise SlimtuneError(f"{where}: {e}") from None
-    return data
-
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _bounded_int(text: str) -> int:
-    if len(text.lstrip("-")) > MAX_INT_DIGITS:
-        raise ValueError(f"an integer of {len(text.lstrip('-'))} digits (at most {MAX_INT_DIGITS} are accepted)")
-    return int(text)
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
-    data = dict(pairs)
-    if len(data) != len(pairs):
-        duplicate = next(k for k, n in Counter(k for k, _ in pairs).items() if n > 1)
-        raise ValueError(f"duplicate key {duplicate!r}")
-    return data
+    """A JSON value from UTF-8 bytes by slimtune's strict rules (``formats.strict_json``: bounded nesting,
+    no NaN/Infinity, no out-of-range numbers, no duplicate keys, no lone surrogates); every failure is
+    one SlimtuneError naming ``where``."""
+    return loads_json(raw, where)
 
 
 def _read_with_datasets(path: Path, kind: str) -> Iterator[Record]:

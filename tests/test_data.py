@@ -133,10 +133,10 @@ def test_giant_line_is_cut_before_tokenizing(tok, tmp_path):
 @pytest.mark.parametrize(
     "raw, needle",
     [
-        (b'{"text": ' + b"[" * 1000 + b"]" * 1000 + b"}\n", "nested too deeply"),
-        (b'{"text": "\xff\xfe"}\n', "not UTF-8 (byte 0xff"),
-        (b'{"text": "a", "n": ' + b"9" * 5000 + b"}\n", "an integer of 5000 digits"),
-        (b'{"text": NaN}\n', "NaN is not valid JSON"),
+        (b'{"text": ' + b"[" * 1000 + b"]" * 1000 + b"}\n", "JSON nested deeper than 127 levels"),
+        (b'{"text": "\xff\xfe"}\n', "not UTF-8 text (byte 10)"),
+        (b'{"text": "a", "n": ' + b"9" * 5000 + b"}\n", "number 999999999999999999999999... out of range"),
+        (b'{"text": NaN}\n', "NaN is not JSON"),
         (b'{"text": "a", "text": "b"}\n', "duplicate key 'text'"),
         (b'{"text": "a",}\n', "not valid JSON"),
         (b"[1, 2]\n", "expected a JSON object, got list"),

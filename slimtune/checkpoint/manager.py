@@ -57,6 +57,8 @@ class SaveOptions:
     adapter_only: bool = False
     max_shard_size: str | int = "5GB"
     dtype: torch.dtype | None = None
+    extra_files: dict[str, Path] | None = None  # relative name -> file (model card, tokenizer files)
+    tokenizer_dir: Path | None = None  # the merged model's tokenizer files (default: the base's)
 
 
 class CheckpointManager:
@@ -163,7 +165,8 @@ class CheckpointManager:
                 adapter_only=options.adapter_only,
                 max_shard_size=options.max_shard_size,
                 dtype=options.dtype,
-                extra_files={STATE_NAME: state_file},
+                extra_files={STATE_NAME: state_file, **(options.extra_files or {})},
+                tokenizer_dir=options.tokenizer_dir,
                 progress=False,
             )
         finally:

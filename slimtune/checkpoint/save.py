@@ -110,7 +110,8 @@ def write_checkpoint(
                     if tokenizer_dir is not None:
                         records += [_copy(src, tmp / src.name) for src in tokenizer_files(tokenizer_dir)]
                 for name, src in (extra_files or {}).items():
-                    records.append(_copy(Path(src), tmp / name))
+                    (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+                    records.append(_copy(Path(src), tmp / name, name))
                 write_manifest(tmp, records, manifest_extra)
         except BaseException as e:
             if pending:
@@ -132,10 +133,12 @@ def save_checkpoint(
     inflight_bytes: int = DEFAULT_INFLIGHT_BYTES,
     extra_files: dict[str, Path] | None = None,
     progress: bool = True,
+    tokenizer_dir: Path | None = None,
 ) -> SaveResult:
     """Write ``out_dir`` holding ``adapter/`` (PEFT) and, unless ``adapter_only``, the merged model in
     Hugging Face sharded safetensors with config and tokenizer files, then ``slimtune_manifest.json``.
-    ``dtype`` defaults to the base dtype. ``extra_files`` (name -> path) are copied in (recipe state)."""
+    ``dtype`` defaults to the base dtype. ``extra_files`` (relative name -> path) are copied in (recipe state,
+    model card); the merged model's tokenizer files come from ``tokenizer_dir`` (default: the base's)."""
     source_dir = getattr(model, "slimtune_source_dir", None)
     on_gpu = any(p.is_cuda for p in model.parameters())
     to_host = pool_for(chunk_bytes, inflight_bytes, pin_memory=on_gpu).to_host
@@ -148,7 +151,7 @@ def save_checkpoint(
         out_dir,
         merged=merged,
         config=config,
-        tokenizer_dir=source_dir,
+        tokenizer_dir=tokenizer_dir or source_dir,
         adapter=adapter_tensor_stream(model),
         adapter_config=adapter_config_dict(model, str(source_dir or "")),
         extra_files=extra_files,
@@ -161,11 +164,11 @@ def _prefixed(record: FileRecord) -> FileRecord:
     return FileRecord(f"{ADAPTER_DIR}/{record.path}", record.size, record.sha256)
 
 
-def _copy(src: Path, dst: Path) -> FileRecord:
+def _copy(src: Path, dst: Path, name: str | None = None) -> FileRecord:
     shutil.copyfile(src, dst)
     fd = os.open(dst, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-    return FileRecord(dst.name, dst.stat().st_size, sha256_file(dst))
+    return FileRecord(name or dst.name, dst.stat().st_size, sha256_file(dst))

@@ -20,6 +20,7 @@ import json
 import math
 import random
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,10 +34,12 @@ import torch.utils.checkpoint
 from torch import nn
 from tqdm.auto import tqdm
 
+from slimtune.card import CardFacts, model_card
 from slimtune.checkpoint.manager import STATE_FORMAT, CheckpointManager, MetricsLog, SaveOptions, rng_state, set_rng_state
 from slimtune.checkpoint.save import ADAPTER_DIR, DTYPES, SaveResult
 from slimtune.config import Config
 from slimtune.data import (
+    FALLBACK_CHAT_TEMPLATE,
     IGNORE_INDEX,
     DataSpec,
     builtin_tiny_records,
@@ -49,12 +52,15 @@ from slimtune.data import (
 )
 from slimtune.errors import SlimtuneError
 from slimtune.formats.hf import load_config as load_hf_config
+from slimtune.formats.hf import tokenizer_files
 from slimtune.formats.peft import ADAPTER_WEIGHTS, PEFT_PREFIX
+from slimtune.generate import FORMAT_NAME, format_record, prompt_format_of
 from slimtune.lora import LoRAConfig, lora_modules, lora_parameters
 from slimtune.memory import peak_rss_mb, reset_peak_rss, rss_mb
 from slimtune.model import config_dtype, load_qlora_model
 from slimtune.quant import is_nf4
 from slimtune.tiny import byte_tokenizer, make_tiny_checkpoint, tiny_config
+from slimtune.tracking import Trackers
 
 
 @dataclass
@@ -176,7 +182,10 @@ def run_finetune(cfg: Config, on_step: Callable[[dict], None] | None = None) -> 
         global_step, epoch, step_in_epoch = saved["global_step"], saved["epoch"], saved["step_in_epoch"]
         set_rng_state(saved["rng"])  # last: nothing may draw random numbers between here and the next step
         say(f"resumed from {resume_dir.name}: step {global_step}, epoch {epoch + 1}, step {step_in_epoch + 1} of the epoch next")
+    docs = CheckpointDocs(tokenizer, cfg, data, hf_config, base_dtype)  # tokenizer with the chat template used, model card
     metrics = MetricsLog(manager.metrics_path, keep_through_step=global_step)
+    trackers = Trackers.from_config(cfg, out, resume_step=global_step)
+    prompt_format = prompt_format_of(data.shapes)
     memory = PeakMemory(device)
     result = FinetuneResult(model, tokenizer, out, global_step, metrics_path=metrics.path)
 
@@ -187,6 +196,7 @@ def run_finetune(cfg: Config, on_step: Callable[[dict], None] | None = None) -> 
     model.train()
     bar = tqdm(total=total_steps, initial=global_step, desc="train", unit="step", dynamic_ncols=True, disable=not cfg.logging.progress_bar)
     position = (epoch, step_in_epoch)
+    first_step_of_invocation, last_eval = global_step + 1, None
     while global_step < stop_at:
         plan = epoch_steps(
             epoch_order(len(examples), cfg.seed, epoch, cfg.dataset.shuffle),
@@ -223,13 +233,34 @@ def run_finetune(cfg: Config, on_step: Callable[[dict], None] | None = None) -> 
             epoch_end = index + 1 == len(plan)
             position = (epoch + 1, 0) if epoch_end else (epoch, index + 1)
             record = {"step": global_step, "epoch": epoch + 1, "loss": step_loss, "lr": lr, "tokens_per_s": tokens / seconds}
+            if global_step == first_step_of_invocation and saved is not None:
+                record["resumed_from"] = saved["global_step"]
+
+            # --- Evaluation: every eval_every_n_steps and at every checkpoint; no RNG drawn, dropout off. ---
+            every = cfg.checkpoint.save_every_n_steps
+            checkpoint_now = epoch_end or (every is not None and global_step % every == 0) or global_step == stop_at
+            eval_every = cfg.training.eval_every_n_steps
+            if eval_examples and (checkpoint_now or (eval_every is not None and global_step % eval_every == 0)):
+                last_eval = evaluate(model, eval_examples, cfg.training.batch_size, pad_id, device)
+                record.update(last_eval)
+            if checkpoint_now and cfg.training.sample_prompts:
+                record["samples"] = sample_generations(model, tokenizer, cfg.training.sample_prompts, prompt_format, cfg, device)
+                for sample in record["samples"]:
+                    say(f"sample at step {global_step}: {sample['prompt']!r} -> {sample['text']!r}")
 
             # --- Checkpointing: each epoch end, every save_every_n_steps, and where this invocation stops. ---
-            every = cfg.checkpoint.save_every_n_steps
-            if epoch_end or (every is not None and global_step % every == 0) or global_step == stop_at:
+            if checkpoint_now:
                 state = recipe_state(cfg, global_step, position, optimizer, scheduler, scaler, dataset_sha, len(examples), total_steps)
                 adapter_only = cfg.checkpoint.merged == "never" or (cfg.checkpoint.merged == "final" and global_step < total_steps)
-                options = SaveOptions(adapter_only, cfg.checkpoint.max_shard_size, None if dtype == base_dtype else base_dtype)
+                facts = dict(step=global_step, total_steps=total_steps, epoch=epoch + 1, train_loss=step_loss, merged=not adapter_only)
+                extra = docs.files(eval=last_eval if "eval_loss" in record else None, **facts)
+                options = SaveOptions(
+                    adapter_only,
+                    cfg.checkpoint.max_shard_size,
+                    None if dtype == base_dtype else base_dtype,
+                    extra_files=extra,
+                    tokenizer_dir=docs.tokenizer_dir,
+                )
                 ckpt = manager.step_path(global_step)
                 saved_result, before, save_peak = memory.around_save(
                     lambda step=global_step, state=state, options=options: manager.save(model, step, state, options)
@@ -246,15 +277,19 @@ def run_finetune(cfg: Config, on_step: Callable[[dict], None] | None = None) -> 
                 result.rss_before_last_save_mb, result.peak_rss_last_save_mb = before, save_peak
             record.update(memory.snapshot())
             metrics.write(record)
+            trackers.log(record)
             result.losses.append(step_loss)
             bar.update(1)
-            bar.set_postfix(loss=f"{step_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
+            shown_eval = {"eval": f"{last_eval['eval_loss']:.4f}"} if last_eval else {}
+            bar.set_postfix(loss=f"{step_loss:.4f}", **shown_eval, lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
             if on_step is not None:
                 on_step(record)
             if global_step >= stop_at:
                 break
         epoch, step_in_epoch = position
     bar.close()
+    trackers.close()
+    docs.close()
     model.eval()
 
     # --- The end: loss curve, summary. ---
@@ -264,7 +299,8 @@ def run_finetune(cfg: Config, on_step: Callable[[dict], None] | None = None) -> 
     result.peak_rss_mb, result.peak_gpu_mb = snapshot["peak_rss_mb"], snapshot.get("peak_gpu_mb")
     if result.losses:
         first_step = global_step - len(result.losses) + 1
-        say(f"trained steps {first_step}-{global_step} of {total_steps}: loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
+        evaluated = f"; eval loss {last_eval['eval_loss']:.4f} (perplexity {last_eval['eval_ppl']:.2f})" if last_eval else ""
+        say(f"trained steps {first_step}-{global_step} of {total_steps}: loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}{evaluated}")
     if global_step < total_steps:
         say(f"stopped at step {global_step} (training.stop_after_steps); continue with resume=true")
     say(f"metrics: {metrics.path}" + (f"; loss curve: {result.plot_path}" if result.plot_path else ""))
@@ -385,6 +421,80 @@ def _chunk_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(logits.float().reshape(-1, vocab), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+def evaluate(model: nn.Module, examples: list, batch_size: int, pad_id: int, device: torch.device) -> dict:
+    """Token-mean loss and perplexity over the held-out examples: dropout off, no gradient, and the RNG
+    state forked around it, so training continues exactly as without evaluation."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+        for start in range(0, len(examples), batch_size):
+            batch = {k: v.to(device) for k, v in collate(examples[start : start + batch_size], pad_id).items()}
+            total += token_loss_sum(model(**model_inputs(batch)).logits, batch["labels"]).item()
+            count += int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+    model.train(was_training)
+    loss = total / max(1, count)
+    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)), "eval_tokens": count}
+
+
+def sample_generations(model: nn.Module, tokenizer, prompts: list[str], prompt_format: str, cfg: Config, device: torch.device) -> list:
+    """training.sample_prompts, generated greedily in the prompt format training used (RNG untouched)."""
+    from slimtune.generate import Loaded, SamplingOptions, generate, prompt_ids
+
+    was_training = model.training
+    model.eval()
+    model.config.use_cache = True
+    loaded = Loaded(model, tokenizer, "adapter", prompt_format, device)
+    options = SamplingOptions(max_new_tokens=cfg.training.sample_max_new_tokens, temperature=0.0)
+    samples = [{"prompt": p, "text": generate(loaded, prompt_ids(loaded, prompt=p), options)} for p in prompts]
+    model.config.use_cache = False
+    model.train(was_training)
+    return samples
+
+
+class CheckpointDocs:
+    """What each checkpoint carries beside the weights: the tokenizer files with the chat template
+    training rendered conversations with (the fallback one when the base tokenizer had none), the
+    model card (README.md, at the root and in adapter/) and slimtune_format.json (the prompt format).
+    Staged in a temporary directory and copied in by the save, under its manifest."""
+
+    def __init__(self, tokenizer, cfg: Config, data, hf_config, base_dtype: torch.dtype):
+        self._tmp = tempfile.TemporaryDirectory(prefix="slimtune-docs-")
+        self.root = Path(self._tmp.name)
+        self.tokenizer_dir = self.root / "tokenizer"
+        if not getattr(tokenizer, "chat_template", None):
+            tokenizer.chat_template = FALLBACK_CHAT_TEMPLATE  # what training used for chat rows; generation uses it too
+        tokenizer.save_pretrained(str(self.tokenizer_dir))
+        self.record = format_record(data.shapes, tokenizer.chat_template)
+        self.common = dict(
+            base=cfg.model.path,
+            model_type=str(getattr(hf_config, "model_type", "unknown")),
+            lora=dict(
+                rank=cfg.lora.rank,
+                alpha=cfg.lora.alpha,
+                dropout=cfg.lora.dropout,
+                use_rslora=cfg.lora.use_rslora,
+                target_modules=list(cfg.lora.target_modules),
+            ),
+            files=data.files,
+            shapes=dict(data.shapes),
+            prompt_format=self.record["prompt_format"],
+            merged_dtype=str(base_dtype).removeprefix("torch."),
+        )
+
+    def files(self, **facts) -> dict[str, Path]:
+        card = self.root / "README.md"
+        card.write_text(model_card(CardFacts(**self.common, **facts)))
+        fmt = self.root / FORMAT_NAME
+        fmt.write_text(json.dumps(self.record, indent=2) + "\n")
+        extra = {"README.md": card, f"{ADAPTER_DIR}/README.md": card, FORMAT_NAME: fmt}
+        extra.update({f"{ADAPTER_DIR}/{p.name}": p for p in tokenizer_files(self.tokenizer_dir)})
+        return extra
+
+    def close(self) -> None:
+        self._tmp.cleanup()
+
+
 class PeakMemory:
     """Peak RSS of the whole run, and of each save on its own (VmHWM is reset around a save, so the run's
     peak is carried across the reset). Peak GPU memory where there is a GPU."""
@@ -443,25 +553,35 @@ def recipe_state(
 
 
 def plot_losses(metrics_path: Path, png_path: Path) -> Path | None:
-    """The loss curve (and the learning rate) of the whole run, from metrics.jsonl, as a PNG."""
+    """The loss curve of the whole run from metrics.jsonl as a PNG: train loss per step, eval loss where
+    evaluated, the learning rate, checkpoints (dotted) and resumes (dashed), integer step ticks."""
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     if not rows:
         return None
     from matplotlib.figure import Figure  # no pyplot: no global backend state
+    from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(7, 4), dpi=100)
     ax = fig.add_subplot()
     steps = [r["step"] for r in rows]
-    ax.plot(steps, [r["loss"] for r in rows], color="tab:blue", linewidth=1.2, label="loss")
+    ax.plot(steps, [r["loss"] for r in rows], color="tab:blue", linewidth=1.2, label="train loss")
+    evaluated = [r for r in rows if "eval_loss" in r]
+    if evaluated:
+        eval_steps, eval_losses = [r["step"] for r in evaluated], [r["eval_loss"] for r in evaluated]
+        ax.plot(eval_steps, eval_losses, "o-", color="tab:green", markersize=3, label="eval loss")
     for r in rows:
         if "checkpoint" in r:
             ax.axvline(r["step"], color="0.8", linewidth=0.8, linestyle=":")
+        if "resumed_from" in r:
+            ax.axvline(r["resumed_from"] + 0.5, color="tab:red", linewidth=1.0, linestyle="--", label="resumed")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
     ax.set_ylabel("loss", color="tab:blue")
+    ax.legend(loc="upper right", fontsize=8)
     lr_ax = ax.twinx()
     lr_ax.plot(steps, [r["lr"] for r in rows], color="tab:orange", linewidth=1.0, alpha=0.7)
     lr_ax.set_ylabel("learning rate", color="tab:orange")
-    ax.set_title(f"{metrics_path.parent.name}: loss per step (dotted: checkpoints)")
+    ax.set_title(f"{metrics_path.parent.name}: loss per step (dotted: checkpoints, dashed: resumed)")
     fig.tight_layout()
     tmp = png_path.with_name(png_path.name + ".partial.png")
     fig.savefig(tmp)

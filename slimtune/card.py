@@ -1,0 +1,115 @@
+"""The model card (README.md) a fine-tuning checkpoint carries, at its root and in ``adapter/``: what it was
+trained from and on, how far, how well, with which LoRA settings, and how to load each form of it.
+
+Example::
+
+    text = model_card(CardFacts(base="models/llama", step=100, total_steps=100, ...))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CardFacts:
+    """Everything the card states; filled by the recipe at each checkpoint."""
+
+    base: str
+    model_type: str
+    step: int
+    total_steps: int
+    epoch: int
+    train_loss: float
+    lora: dict  # rank, alpha, dropout, use_rslora, target_modules
+    files: list[tuple[str, str]]  # (path, sha256)
+    shapes: dict[str, int]
+    prompt_format: str
+    merged: bool
+    merged_dtype: str
+    eval: dict | None = None  # eval_loss, eval_ppl, eval_tokens
+    settings: dict = field(default_factory=dict)  # a few more config values worth stating
+
+
+def model_card(f: CardFacts) -> str:
+    """The card as Markdown (YAML front matter for the Hugging Face Hub)."""
+    lora = f.lora
+    scaling = "alpha / sqrt(r) (rsLoRA)" if lora["use_rslora"] else "alpha / r"
+    evaluated = (
+        f"{f.eval['eval_loss']:.4f} (perplexity {f.eval['eval_ppl']:.2f}, {f.eval['eval_tokens']:,} tokens)" if f.eval else "not evaluated"
+    )
+    files = "\n".join(f"| `{path}` | `{sha}` |" for path, sha in f.files)
+    shapes = ", ".join(f"{n} {shape}" for shape, n in sorted(f.shapes.items()))
+    merged_text = (
+        f"The merged model at the checkpoint's root ({f.merged_dtype} safetensors) is W' = dequant(NF4(W)) + {scaling} * B A, computed "
+        "in fp32 and rounded once: the weights training computed with (merge base `quantized`), not the original W."
+        if f.merged
+        else "This checkpoint holds the adapter only (merge it with `slimtune merge --merge-base quantized`)."
+    )
+    return f"""---
+base_model: {f.base}
+library_name: peft
+tags: [slimtune, qlora, lora]
+---
+
+# QLoRA adapter for `{f.base}` (slimtune)
+
+Fine-tuned with slimtune (QLoRA) on an NF4-quantized `{f.model_type}` base: step {f.step} of {f.total_steps}
+(epoch {f.epoch}).
+
+| | |
+| --- | --- |
+| base model | `{f.base}` |
+| steps | {f.step} of {f.total_steps} |
+| train loss (this step) | {f.train_loss:.4f} |
+| eval loss | {evaluated} |
+| LoRA | r = {lora['rank']}, alpha = {lora['alpha']:g}, scaling {scaling}, dropout {lora['dropout']:g} |
+| LoRA targets | {', '.join(lora['target_modules'])} |
+| data rows | {shapes} |
+| prompt format | {f.prompt_format} (see below) |
+| merge base | {"quantized: dequant(NF4(W))" if f.merged else "n/a (adapter only)"} |
+
+## Data files
+
+| file | sha256 |
+| --- | --- |
+{files}
+
+## Prompt format
+
+Training rendered conversations with the chat template stored in this checkpoint's tokenizer files (the fallback
+`<|role|>` template when the base tokenizer had none), Alpaca rows with the Alpaca prompt, text rows as
+`bos + text + eos`. `slimtune_format.json` records which one a plain prompt should use ({f.prompt_format}).
+
+## How to load it
+
+{merged_text}
+
+Merged model, plain transformers:
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained("CHECKPOINT")
+tokenizer = AutoTokenizer.from_pretrained("CHECKPOINT")
+```
+
+Adapter on the NF4 base, exactly what was trained (bounded memory, as `slimtune finetune` loads it):
+
+```
+slimtune generate CHECKPOINT --form adapter --prompt "..."
+slimtune chat CHECKPOINT --form adapter
+```
+
+Adapter on the plain (unquantized) base with PEFT:
+
+```python
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+base = AutoModelForCausalLM.from_pretrained("{f.base}")
+model = PeftModel.from_pretrained(base, "CHECKPOINT/adapter")
+```
+
+This applies the adapter to W instead of dequant(NF4(W)), the weights it was trained against: outputs shift by the
+base's quantization error (`slimtune verify` and the demo print how far on your model). Prefer the merged model or the NF4
+form when you want what training measured; `slimtune merge --merge-base original` makes a merged model on W.
+"""

@@ -1,0 +1,297 @@
+"""Talk to a fine-tuned checkpoint: ``slimtune generate CKPT --prompt TEXT`` and ``slimtune chat CKPT``.
+
+Two forms of the same checkpoint:
+
+- ``merged``: the merged model at the checkpoint's root, loaded with plain transformers;
+- ``adapter``: the LoRA adapter applied to the NF4 base it was trained on (what training computed),
+  loaded in bounded memory as ``finetune`` loads it (NF4 row by row, adapters in fp32).
+
+Prompts are rendered as training rendered them: messages with the checkpoint tokenizer's chat template
+(the fallback ``<|role|>`` template when the base tokenizer had none), a plain prompt in the format the
+training data used (chat, Alpaca, or raw text) as recorded in the checkpoint's ``slimtune_format.json``.
+
+Example::
+
+    loaded = load_for_generation("runs/1/step-000100")
+    text = generate(loaded, prompt_ids(loaded, prompt="Name the format."), SamplingOptions(temperature=0))
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from slimtune.data import FALLBACK_CHAT_TEMPLATE, alpaca_prompt, parse_json
+from slimtune.errors import SlimtuneError
+
+FORMAT_NAME = "slimtune_format.json"
+PROMPT_FORMATS = ("chat", "alpaca", "text")
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """How tokens are drawn: temperature 0 is greedy; ``seed`` makes sampling repeatable."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.7
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class Loaded:
+    """A model ready to generate, with its tokenizer and the prompt format its training used."""
+
+    model: nn.Module
+    tokenizer: object
+    form: str  # "merged" or "adapter"
+    prompt_format: str  # chat, alpaca or text
+    device: torch.device
+
+
+def prompt_format_of(shapes: dict[str, int]) -> str:
+    """The prompt format that matches training data of these row shapes (counts per shape)."""
+    if any(shapes.get(s) for s in ("chat", "sharegpt", "completion")):
+        return "chat"
+    return "alpaca" if shapes.get("alpaca") else "text"
+
+
+def format_record(shapes: dict[str, int], chat_template: str | None) -> dict:
+    """What ``slimtune_format.json`` holds: the training data's shapes, the prompt format, the chat
+    template training rendered conversations with, and the Alpaca prompt."""
+    return {
+        "format": "slimtune-format/1",
+        "prompt_format": prompt_format_of(shapes),
+        "shapes": dict(shapes),
+        "chat_template": chat_template or FALLBACK_CHAT_TEMPLATE,
+        "alpaca_prompt": alpaca_prompt("{instruction}"),
+    }
+
+
+def load_for_generation(
+    path: str | Path, form: str = "auto", base: str | Path | None = None, device: str = "auto", dtype: str = "bf16"
+) -> Loaded:
+    """A checkpoint (a ``step-N`` directory, a merged model directory or an adapter directory) loaded as
+    ``form``: merged, adapter (on the NF4 base), or auto (merged when there is one)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise SlimtuneError(f"{path}: no such checkpoint directory")
+    adapter_dir = path / "adapter" if (path / "adapter" / "adapter_config.json").is_file() else None
+    if (path / "adapter_config.json").is_file():
+        adapter_dir = path
+    has_merged = (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+    if form == "auto":
+        form = "merged" if has_merged else "adapter"
+    if form == "merged" and not has_merged:
+        raise SlimtuneError(f"{path}: no merged model here (config.json and *.safetensors); use --form adapter")
+    if form == "adapter" and adapter_dir is None:
+        raise SlimtuneError(f"{path}: no adapter here (adapter/adapter_config.json)")
+    from slimtune.recipes.finetune import pick_device, pick_dtype
+
+    dev = pick_device(device)
+    compute = pick_dtype(dtype, dev)
+    if form == "merged":
+        from transformers import AutoModelForCausalLM
+
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=compute, local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise SlimtuneError(f"{path}: cannot load the merged model ({e})") from None
+        tokenizer_dir = path
+    else:
+        model, tokenizer_dir = _load_adapter_on_nf4(path, adapter_dir, base, compute)
+    model.to(dev).eval()
+    from slimtune.recipes.finetune import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_dir)
+    return Loaded(model, tokenizer, form, _recorded_prompt_format(path, tokenizer), dev)
+
+
+def _load_adapter_on_nf4(path: Path, adapter_dir: Path, base: str | Path | None, dtype: torch.dtype) -> tuple[nn.Module, Path]:
+    from slimtune.formats.peft import ADAPTER_WEIGHTS, read_adapter
+    from slimtune.lora import LoRAConfig
+    from slimtune.model import load_qlora_model
+    from slimtune.recipes.finetune import cast_frozen, load_adapter_weights
+
+    config = read_adapter(adapter_dir).config
+    if config.get("rank_pattern") or config.get("alpha_pattern") or config.get("use_dora"):
+        raise SlimtuneError(
+            f"{adapter_dir}: rank/alpha patterns and DoRA are not supported on the NF4 base; merge it and use --form merged"
+        )
+    base_dir = Path(base) if base is not None else _recorded_base(path, adapter_dir, config)
+    targets = config.get("target_modules")
+    targets = list(targets) if isinstance(targets, list) else None
+    if not targets:
+        raise SlimtuneError(f"{adapter_dir / 'adapter_config.json'}: target_modules must be a list of module names here")
+    lora = LoRAConfig(int(config["r"]), float(config["lora_alpha"]), 0.0, bool(config.get("use_rslora")), targets)
+    model = load_qlora_model(base_dir, lora, seed=0, progress=False)
+    cast_frozen(model, dtype)
+    weights = adapter_dir / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        raise SlimtuneError(f"{weights}: missing (the NF4 form reads the adapter's safetensors file)")
+    load_adapter_weights(model, weights)
+    tokenizer_dir = next((d for d in (adapter_dir, path) if (d / "tokenizer_config.json").is_file()), base_dir)
+    return model, tokenizer_dir
+
+
+def _recorded_base(path: Path, adapter_dir: Path, config: dict) -> Path:
+    """The base the adapter was trained on: the recipe state's model.path, else the adapter config's."""
+    candidates = []
+    state = path / "recipe_state.pt"
+    if state.is_file():
+        try:
+            saved = torch.load(state, map_location="cpu", weights_only=True)
+            candidates.append(saved["config"]["model.path"])
+        except Exception:  # an unreadable state only loses this hint
+            pass
+    candidates.append(config.get("base_model_name_or_path"))
+    for candidate in candidates:
+        if isinstance(candidate, str) and candidate and (Path(candidate) / "config.json").is_file():
+            return Path(candidate)
+    raise SlimtuneError(f"{adapter_dir}: cannot find the base model it was trained on ({candidates}); pass --base DIR")
+
+
+def _recorded_prompt_format(path: Path, tokenizer) -> str:
+    for candidate in (path / FORMAT_NAME, path.parent / FORMAT_NAME):
+        if candidate.is_file():
+            record = parse_json(candidate.read_bytes(), str(candidate))
+            if isinstance(record, dict) and record.get("prompt_format") in PROMPT_FORMATS:
+                return record["prompt_format"]
+    return "chat" if getattr(tokenizer, "chat_template", None) else "text"
+
+
+def read_messages(path: str | Path) -> list[dict[str, str]]:
+    """A conversation from a JSON file: a list of {role, content}, or an object with "messages"."""
+    path = Path(path)
+    if not path.is_file():
+        raise SlimtuneError(f"{path}: no such messages file")
+    data = parse_json(path.read_bytes(), str(path))
+    if isinstance(data, dict):
+        data = data.get("messages")
+    if not isinstance(data, list) or not data:
+        raise SlimtuneError(f'{path}: expected a JSON list of {{role, content}} objects (or {{"messages": [...]}})')
+    for i, m in enumerate(data):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise SlimtuneError(f"{path}: messages[{i}] must be an object with string 'role' and 'content'")
+    return [{"role": m["role"], "content": m["content"]} for m in data]
+
+
+def prompt_ids(
+    loaded: Loaded, prompt: str | None = None, messages: list[dict[str, str]] | None = None, fmt: str | None = None
+) -> list[int]:
+    """Token ids of a prompt rendered as training rendered its data (``fmt`` overrides the recorded format)."""
+    tokenizer = loaded.tokenizer
+    fmt = fmt or loaded.prompt_format
+    if messages is None and fmt == "chat":
+        messages = [{"role": "user", "content": prompt or ""}]
+    if messages is not None:
+        template = getattr(tokenizer, "chat_template", None) or FALLBACK_CHAT_TEMPLATE
+        try:
+            text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # jinja errors
+            raise SlimtuneError(f"the chat template failed on these messages ({e})") from None
+        return tokenizer.encode(text, add_special_tokens=False)
+    bos = tokenizer.bos_token or ""
+    text = bos + (alpaca_prompt(prompt or "") if fmt == "alpaca" else prompt or "")
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def generate(loaded: Loaded, ids: list[int], options: SamplingOptions, on_text: Callable[[str], None] | None = None) -> str:
+    """The continuation of ``ids`` (without the prompt), streamed piece by piece to ``on_text``. The
+    global RNG is left as it was (sampling draws from a forked, seeded generator)."""
+    from transformers.generation.streamers import BaseStreamer
+
+    tokenizer = loaded.tokenizer
+    produced: list[int] = []
+    shown = [""]
+
+    def _emit(text: str) -> None:
+        if on_text is not None and text.startswith(shown[0]) and len(text) > len(shown[0]):
+            on_text(text[len(shown[0]) :])
+            shown[0] = text
+
+    class _Stream(BaseStreamer):
+        started = False
+
+        def put(self, value):
+            if not self.started:  # the first call is the prompt
+                self.started = True
+                return
+            produced.extend(int(v) for v in value.flatten())
+            text = tokenizer.decode(produced, skip_special_tokens=True)
+            if not text.endswith("\ufffd"):  # a character whose bytes are still coming is shown once complete
+                _emit(text)
+
+        def end(self):
+            pass
+
+    sample = options.temperature > 0
+    kwargs = {"do_sample": sample, "max_new_tokens": options.max_new_tokens}
+    if sample:
+        kwargs.update(temperature=options.temperature, top_p=options.top_p, top_k=0)
+    else:
+        kwargs.update(temperature=None, top_p=None, top_k=None)
+    pad = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
+    input_ids = torch.tensor([ids], dtype=torch.long, device=loaded.device)
+    devices = [loaded.device] if loaded.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        torch.manual_seed(options.seed)
+        out = loaded.model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            pad_token_id=pad,
+            eos_token_id=tokenizer.eos_token_id,
+            use_cache=True,
+            streamer=_Stream(),
+            **kwargs,
+        )
+    text = tokenizer.decode(out[0, len(ids) :].tolist(), skip_special_tokens=True)
+    _emit(text)
+    return text
+
+
+def chat_loop(
+    loaded: Loaded, options: SamplingOptions, read: Callable[[str], str] = input, write: Callable[[str], None] | None = None
+) -> None:
+    """An interactive conversation: each reply streamed as it is generated; /reset starts over, /exit
+    (or end of input) leaves. Without a chat format (trained on Alpaca or plain text) each turn stands alone."""
+    import sys
+
+    def out(text: str) -> None:
+        (write or sys.stdout.write)(text)
+        if write is None:
+            sys.stdout.flush()
+
+    messages: list[dict[str, str]] = []
+    out(f"chat with {loaded.form} model ({loaded.prompt_format} format); /reset to start over, /exit to leave\n")
+    while True:
+        try:
+            line = read("> ")
+        except EOFError:
+            out("\n")
+            return
+        if line.strip() in ("/exit", "/quit"):
+            return
+        if line.strip() == "/reset":
+            messages = []
+            continue
+        if not line.strip():
+            continue
+        if loaded.prompt_format == "chat":
+            messages.append({"role": "user", "content": line})
+            ids = prompt_ids(loaded, messages=messages)
+        else:
+            ids = prompt_ids(loaded, prompt=line)
+        reply = generate(loaded, ids, options, on_text=out)
+        out("\n")
+        if loaded.prompt_format == "chat":
+            messages.append({"role": "assistant", "content": reply})
+
+
+def to_json_line(prompt: str, text: str) -> str:
+    return json.dumps({"prompt": prompt, "text": text}, ensure_ascii=False)

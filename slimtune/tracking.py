@@ -1,0 +1,83 @@
+"""Optional metric sinks beside metrics.jsonl: TensorBoard (``logging.tensorboard=true``) and Weights &
+Biases (``logging.wandb.project=NAME``, offline by default: no network, ``wandb sync`` later). Neither
+package is required unless its sink is switched on; a missing one is a clear error before training.
+
+Example::
+
+    sinks = Trackers.from_config(cfg, out, resume_step=0)
+    sinks.log({"step": 1, "loss": 2.3, "lr": 1e-4})
+    sinks.close()
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from pathlib import Path
+
+from slimtune.errors import SlimtuneError
+
+TENSORBOARD_DIR = "tensorboard"
+
+
+class Trackers:
+    """Every enabled sink; ``log`` sends the numeric fields of a metrics record under ``train/``/``eval/``."""
+
+    def __init__(self, tensorboard=None, wandb_run=None):
+        self.tensorboard = tensorboard
+        self.wandb_run = wandb_run
+
+    @classmethod
+    def from_config(cls, cfg, out: Path, resume_step: int) -> Trackers:
+        tensorboard = wandb_run = None
+        if cfg.logging.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise SlimtuneError("logging.tensorboard=true needs the tensorboard package: pip install 'slimtune[tensorboard]'") from None
+            # purge_step: events past the resumed step (written before a kill) are dropped, as in metrics.jsonl
+            tensorboard = SummaryWriter(log_dir=str(out / TENSORBOARD_DIR), purge_step=resume_step + 1 if resume_step else None)
+        if cfg.logging.wandb.project is not None:
+            try:
+                import wandb
+            except ImportError:
+                raise SlimtuneError("logging.wandb.project needs the wandb package: pip install 'slimtune[wandb]'") from None
+            os.environ.setdefault("WANDB_SILENT", "true")
+            run_id = hashlib.sha256(str(out).encode()).hexdigest()[:16]  # one W&B run per output_dir: resume continues it
+            try:
+                wandb_run = wandb.init(
+                    project=cfg.logging.wandb.project,
+                    dir=str(out),
+                    mode=cfg.logging.wandb.mode,
+                    id=run_id,
+                    resume="allow",
+                    config=dict(cfg.values),
+                    settings=wandb.Settings(console="off", x_disable_stats=True),
+                )
+            except Exception as e:  # wandb raises its own error types (no login for online mode, ...)
+                raise SlimtuneError(
+                    f"wandb.init failed for project {cfg.logging.wandb.project!r}: {' '.join(str(e).split())[:300]}"
+                ) from None
+        return cls(tensorboard, wandb_run)
+
+    def log(self, record: dict) -> None:
+        step = record["step"]
+        scalars = {}
+        for key, value in record.items():
+            if key in ("step", "epoch") or isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                continue
+            scalars[f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"] = value
+        if self.tensorboard is not None:
+            for key, value in scalars.items():
+                self.tensorboard.add_scalar(key, value, step)
+            for sample in record.get("samples", []):
+                self.tensorboard.add_text("samples", f"**{sample['prompt']}**\n\n{sample['text']}", step)
+        if self.wandb_run is not None:
+            self.wandb_run.log(scalars, step=step)
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()

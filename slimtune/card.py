@@ -110,6 +110,6 @@ model = PeftModel.from_pretrained(base, "CHECKPOINT/adapter")
 ```
 
 This applies the adapter to W instead of dequant(NF4(W)), the weights it was trained against: outputs shift by the
-base's quantization error (`slimtune verify` and the demo print how far on your model). Prefer the merged model or the NF4
+base's quantization error (`slimtune demo` prints how far on the tiny model). Prefer the merged model or the NF4
 form when you want what training measured; `slimtune merge --merge-base original` makes a merged model on W.
 """

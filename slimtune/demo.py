@@ -80,7 +80,7 @@ def run_demo(
         merged_logits = merged(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
     mask = batch["attention_mask"].bool()
     merged_diff = (qlora_logits - merged_logits)[mask].abs().max().item()
-    peft_line = _peft_reload(base_dir, ckpt / ADAPTER_DIR)
+    peft_line = _peft_reload(base_dir, ckpt / ADAPTER_DIR, batch, qlora_logits)
 
     before, save_peak = run.rss_before_last_save_mb, run.peak_rss_last_save_mb
     print(f"\ncheckpoint written to {run.checkpoint} (linked as {ckpt})")
@@ -101,6 +101,7 @@ def run_demo(
     print(f"reloaded merged model with transformers: max |logit diff| vs in-memory QLoRA model = {merged_diff:.4f} (bf16)")
     print(peft_line)
     print(f"peak RSS of the whole run: {run.peak_rss_mb:.0f} MB")
+    summary["generated"] = _show_generate(out_dir, ckpt)
     print(f"demo finished in {time.perf_counter() - t0:.1f} s; outputs under {out_dir}")
     return summary
 
@@ -116,7 +117,27 @@ def _link(link: Path, target: Path) -> None:
     os.replace(tmp, link)
 
 
-def _peft_reload(base_dir: Path, adapter_dir: Path) -> str:
+def _show_generate(out_dir: Path, ckpt: Path) -> str:
+    """What `slimtune generate` prints on the demo checkpoint, both forms (greedy, so they can be compared)."""
+    from slimtune.generate import SamplingOptions, generate, load_for_generation, prompt_ids
+
+    prompt = "Can training resume?"
+    rel = os.path.relpath(ckpt) if not os.path.relpath(ckpt).startswith("..") else str(ckpt)
+    print(f"\n$ slimtune generate {rel} --prompt {prompt!r} --temperature 0 --max-new-tokens 24")
+    options = SamplingOptions(max_new_tokens=24, temperature=0.0)
+    merged = load_for_generation(ckpt, form="merged", device="cpu")
+    text = generate(merged, prompt_ids(merged, prompt=prompt), options, on_text=lambda t: print(t, end="", flush=True))
+    print()
+    adapter = load_for_generation(ckpt, form="adapter", device="cpu")
+    same = generate(adapter, prompt_ids(adapter, prompt=prompt), options) == text
+    print(
+        f"(merged model, {merged.prompt_format} format; the adapter on the NF4 base (--form adapter) gives "
+        f"{'the same text' if same else 'a different text'}; try: slimtune chat {rel})"
+    )
+    return text
+
+
+def _peft_reload(base_dir: Path, adapter_dir: Path, batch: dict | None = None, qlora_logits: torch.Tensor | None = None) -> str:
     try:
         from peft import PeftModel
     except ImportError:
@@ -126,4 +147,10 @@ def _peft_reload(base_dir: Path, adapter_dir: Path) -> str:
         warnings.simplefilter("ignore", FutureWarning)  # peft calls a deprecated transformers helper
         peft_model = PeftModel.from_pretrained(base, str(adapter_dir))
     n = sum(1 for name, _ in peft_model.named_modules() if name.endswith("lora_A"))
-    return f"reloaded adapter with peft.PeftModel.from_pretrained: {n} LoRA modules on the original base"
+    line = f"reloaded adapter with peft.PeftModel.from_pretrained: {n} LoRA modules on the original base"
+    if batch is not None and qlora_logits is not None:
+        with torch.no_grad():
+            logits = peft_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+        diff = (qlora_logits - logits)[batch["attention_mask"].bool()].abs().max().item()
+        line += f" (max |logit diff| vs the QLoRA model = {diff:.4f}: W instead of dequant(NF4(W)))"
+    return line

@@ -59,4 +59,5 @@ def test_demo_end_to_end(tmp_path, steps):
     losses = [float(line.split()[-1]) for line in text.splitlines() if line.startswith("step ")]
     assert losses[-1] < losses[0] - 0.3, losses
     assert "max |logit diff|" in text and "peak during save" in text and str(out) in text
+    assert "$ slimtune generate" in text and "format; the adapter on the NF4 base" in text
     assert (out / "checkpoint" / "slimtune_manifest.json").is_file()

@@ -80,3 +80,19 @@ def test_eval_path_and_plot(tmp_path, eval_settings, capsys, tiny_base):
     finetune(capsys, out, settings, f"dataset.eval_path={held}", "training.max_steps=2", "training.eval_every_n_steps=1")
     rows = metrics(out)
     assert all("eval_loss" in r for r in rows) and (out / "loss.png").stat().st_size > 0
+
+
+def test_wandb_offline_needs_no_network(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    pytest.importorskip("wandb")
+    from slimtune.tracking import Trackers
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_API_KEY", "")  # no login, no network: offline mode must not need either
+    logging = SimpleNamespace(tensorboard=False, wandb=SimpleNamespace(project="slimtune-test", mode="offline"))
+    trackers = Trackers.from_config(SimpleNamespace(logging=logging, values={"seed": 0}), tmp_path, resume_step=0)
+    trackers.log({"step": 1, "loss": 2.5, "lr": 1e-3, "eval_loss": 2.7, "samples": [{"prompt": "p", "text": "t"}]})
+    trackers.close()
+    runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1 and runs[0].stat().st_size > 0

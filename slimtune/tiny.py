@@ -3,11 +3,16 @@ built-in dataset, made locally (no network), so the demo and the tests have a re
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from slimtune.checkpoint.atomic import atomic_directory, os_errors
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>"]
 
@@ -72,10 +77,21 @@ def _byte_of(ch: str) -> int:
 
 
 def make_tiny_checkpoint(out_dir: str | Path, seed: int = 0, **config_overrides) -> Path:
-    """Write a randomly initialised tiny Llama in Hugging Face format (bf16 safetensors + tokenizer)."""
+    """Write a randomly initialised tiny Llama in Hugging Face format (bf16 safetensors + tokenizer),
+    atomically: ``out_dir`` appears whole (replacing an earlier one) or not at all. A failed write is
+    one ``SlimtuneError`` line.
+
+    Example: ``make_tiny_checkpoint("runs/base", seed=0)``"""
     out_dir = Path(out_dir)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(tiny_config(**config_overrides)).to(torch.bfloat16)
-    model.save_pretrained(out_dir)
-    byte_tokenizer().save_pretrained(out_dir)
+    with os_errors("write the tiny base model", out_dir), atomic_directory(out_dir, overwrite=True) as tmp:
+        try:
+            model.save_pretrained(tmp)
+        except SafetensorError as e:  # safetensors reports an I/O error as its own type: "... (os error 28)"
+            m = re.search(r"os error (\d+)", str(e))
+            if m is None:
+                raise
+            raise OSError(int(m.group(1)), os.strerror(int(m.group(1)))) from None
+        byte_tokenizer().save_pretrained(tmp)
     return out_dir

@@ -1,33 +1,95 @@
 """Checkpoint directories that appear whole or not at all: written in a temporary sibling, fsynced,
 completed by a manifest (files, sizes, sha256), then renamed into place. An earlier checkpoint at the
-same path is swapped out only after the new one is complete."""
+same path is swapped out only after the new one is complete.
+
+The temporary sibling ``.NAME.tmp-XXXXXXXX`` has a lock file beside it (``...tmp-XXXXXXXX.lock``,
+created and flock-ed before the directory exists, removed after it is gone), held by the writing
+process for as long as it lives: the next write into the same parent removes the temporaries of
+killed processes (lock free) and never those of a live one. Every ``OSError`` of a write becomes one
+``SlimtuneError`` line naming what failed, where, and for a full disk the bytes needed and free."""
 
 from __future__ import annotations
 
 import ctypes
+import errno
+import fcntl
 import hashlib
 import json
+import logging
 import os
+import re
 import shutil
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from slimtune.checkpoint.writer import FileRecord
 from slimtune.errors import SlimtuneError
 
+log = logging.getLogger(__name__)
+
 MANIFEST_NAME = "slimtune_manifest.json"
 MANIFEST_FORMAT = "slimtune-checkpoint/1"
 
 
+_TEMP = re.compile(r"^\.(.+)\.tmp-[0-9a-f]{8}$")
+_OLD = re.compile(r"^\.(.+)\.old-[0-9a-f]{8}$")
+_REASONS = {
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EFBIG: "file too large (the file system's or the process's file-size limit, ulimit -f)",
+    errno.EROFS: "read-only file system",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+}
+
+
+def existing_ancestor(path: Path) -> Path:
+    """``path`` or its nearest ancestor that exists (where a directory about to be made will live)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def free_bytes(path: Path) -> int | None:
+    try:
+        return shutil.disk_usage(existing_ancestor(path)).free
+    except OSError:
+        return None
+
+
 def check_free_space(directory: Path, needed: int, margin: int = 16 * 1024 * 1024) -> None:
-    free = shutil.disk_usage(directory).free
-    if free < needed + margin:
+    """Refuse before writing ``needed`` bytes under ``directory`` (which need not exist yet) without room."""
+    free = free_bytes(directory)
+    if free is not None and free < needed + margin:
         raise SlimtuneError(
-            f"not enough disk space in {directory}: the checkpoint needs {needed:,} bytes (+{margin:,} margin), {free:,} bytes are free"
+            f"not enough disk space in {existing_ancestor(directory)}: the checkpoint needs {needed:,} bytes (+{margin:,} margin), "
+            f"{free:,} bytes are free"
         )
+
+
+def describe_os_error(e: OSError, what: str, where: Path, needed: int | None = None) -> str:
+    """One line for a failed write: ``cannot write /x/step-000002: no space left on device (needs ..., ... free)``."""
+    reason = _REASONS.get(e.errno, e.strerror or str(e))
+    if e.errno in (errno.ENOSPC, errno.EDQUOT) and needed is not None:
+        free = free_bytes(where)
+        reason += f" (needs {needed:,} bytes, {free:,} are free)" if free is not None else f" (needs {needed:,} bytes)"
+    detail = f" [{e.filename}]" if e.filename and Path(str(e.filename)) != Path(where) else ""
+    return f"cannot {what} {where}: {reason}{detail}"
+
+
+@contextmanager
+def os_errors(what: str, where: Path, needed: int | None = None) -> Iterator[None]:
+    """Turn an ``OSError`` inside the block into one ``SlimtuneError`` line (see ``describe_os_error``).
+
+    Example: ``with os_errors("write", path): path.write_text(text)``"""
+    try:
+        yield
+    except OSError as e:
+        raise SlimtuneError(describe_os_error(e, what, Path(where), needed)) from None
 
 
 def fsync_dir(path: Path) -> None:
@@ -96,20 +158,114 @@ def _exchange(a: Path, b: Path) -> bool:
     return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
 
 
+def reclaim_leftovers(parent: Path, say: Callable[[str], None] | None = None, lockless: bool = False) -> list[str]:
+    """Remove the temporary directories that killed processes left in ``parent`` (their lock is free);
+    a live writer's lock keeps its own. Ones without a lock file (left by a version without locks, or
+    not slimtune's) go only with ``lockless`` (a run directory, where that name is slimtune's).
+    Returns the names removed."""
+    say = say or log.info
+    removed = []
+    try:
+        entries = sorted(Path(parent).iterdir())
+    except OSError:
+        return removed
+    for path in entries:
+        if _TEMP.match(path.name) and path.is_dir():
+            lock = _lock_path(path)
+            fd = _try_lock(lock)
+            if fd is False or (fd is None and not lockless):
+                continue  # a live process is writing it, or it may not be ours
+            say(f"removing {path.name}, left by an interrupted save")
+            shutil.rmtree(path, ignore_errors=True)
+            _release(lock, fd)
+            removed.append(path.name)
+        elif path.name.endswith(".lock") and _TEMP.match(path.name[: -len(".lock")]) and not path.with_suffix("").exists():
+            fd = _try_lock(path)
+            if fd is not False:
+                _release(path, fd)
+        elif (m := _OLD.match(path.name)) and (path.parent / m.group(1)).is_dir() and path.is_dir():
+            say(f"removing {path.name}, left by an interrupted save")  # the swap finished: the previous copy
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path.name)
+    return removed
+
+
+def _lock_path(tmp: Path) -> Path:
+    return tmp.with_name(tmp.name + ".lock")
+
+
+def _try_lock(lock: Path) -> int | None | bool:
+    """The fd of ``lock`` locked by us (None: no lock file), or False while another process holds it."""
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return False
+    return fd
+
+
+def _release(lock: Path, fd: int | None) -> None:
+    try:
+        lock.unlink(missing_ok=True)
+    except OSError:
+        pass
+    if fd is not None:
+        os.close(fd)
+
+
+def _make_parents(path: Path) -> list[Path]:
+    """mkdir -p, returning the directories it created (deepest last), so a failure can take them back."""
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    created = []
+    try:
+        for d in reversed(missing):
+            d.mkdir(exist_ok=True)
+            created.append(d)
+    except BaseException:
+        _remove_empty(created)
+        raise
+    return created
+
+
+def _remove_empty(created: list[Path]) -> None:
+    for d in reversed(created):
+        try:
+            d.rmdir()
+        except OSError:
+            break
+
+
 @contextmanager
 def atomic_directory(target: Path, overwrite: bool = False) -> Iterator[Path]:
     """Yields an empty temporary sibling of ``target``; on normal exit it replaces ``target``.
-    On any exception the temporary directory is removed and ``target`` is untouched."""
+    On any exception the temporary directory (and any parent directory made for it) is removed and
+    ``target`` is untouched. Leftovers of killed writers in the same parent are removed first.
+
+    Example: ``with atomic_directory(Path("out/model")) as tmp: (tmp / "config.json").write_text("{}")``"""
     target = Path(target)
     parent = target.parent
     if target.exists() and not overwrite:
         raise SlimtuneError(f"{target} already exists; pass overwrite to replace it")
     if target.exists() and not target.is_dir():
         raise SlimtuneError(f"{target} exists and is not a directory")
-    parent.mkdir(parents=True, exist_ok=True)
+    created = _make_parents(parent)
+    reclaim_leftovers(parent)
     tmp = parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    lock = _lock_path(tmp)
+    fd = None
     try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # held until the temporary directory is gone
+        tmp.mkdir()
         yield tmp
         fsync_dir(tmp)
         if target.exists():
@@ -124,6 +280,11 @@ def atomic_directory(target: Path, overwrite: bool = False) -> Iterator[Path]:
         else:
             os.rename(tmp, target)
             fsync_dir(parent)
+        created = []  # they hold the target now
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        if fd is not None:
+            _release(lock, fd)
+        _remove_empty(created)

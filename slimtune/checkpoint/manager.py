@@ -3,6 +3,12 @@ checkpoints (each written atomically by ``save_checkpoint``, with the recipe sta
 point, what may change on resume, pruning (``keep_last_n``), leftovers of killed processes, damaged
 checkpoints, and ``metrics.jsonl``.
 
+Faults: every failed write is one ``SlimtuneError`` line (exit status 2) and never costs an earlier
+checkpoint. A damaged or incomplete ``step-N`` that the run must write again is moved aside to
+``step-N.damaged-<time>`` (never deleted). The recipe state carries the checkpoint step's metrics line,
+so a kill between a checkpoint's rename and that line loses nothing: resume writes it back. Paths under
+output_dir are compared relative to it, so a moved run directory resumes.
+
 Example::
 
     manager = CheckpointManager(out, keep_last_n=2)
@@ -13,23 +19,26 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import re
 import shutil
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
-from slimtune.checkpoint.atomic import MANIFEST_NAME, is_complete_checkpoint, read_manifest, sha256_file
-from slimtune.checkpoint.save import ADAPTER_DIR, SaveResult, save_checkpoint
-from slimtune.config import KEYS, Config
+from slimtune.checkpoint.atomic import MANIFEST_NAME, is_complete_checkpoint, os_errors, read_manifest, reclaim_leftovers, sha256_file
+from slimtune.checkpoint.save import ADAPTER_DIR, ExtraFile, SaveResult, save_checkpoint
+from slimtune.config import KEYS, PLACEHOLDER, Config
 from slimtune.errors import SlimtuneError
 from slimtune.formats.peft import ADAPTER_WEIGHTS
 
@@ -38,7 +47,7 @@ STATE_FORMAT = "slimtune-recipe-state/1"
 METRICS_NAME = "metrics.jsonl"
 PLOT_NAME = "loss.png"
 STEP_DIR = re.compile(r"^step-(\d+)$")
-_LEFTOVER = re.compile(r"^\.step-\d+\.(tmp|old|deleting)-|^\.recipe_state-")
+_LEFTOVER = re.compile(r"^\.step-\d+\.deleting-[0-9a-f]{8}$|^\.recipe_state-")  # temporaries: atomic.reclaim_leftovers
 
 
 @dataclass(frozen=True)
@@ -118,29 +127,32 @@ class CheckpointManager:
     def check_resumable(self, cfg: Config, point: ResumePoint) -> None:
         """Fields that define the model, the data order or the step arithmetic must match the checkpoint's;
         the others may change (each change is logged)."""
-        then = point.state["config"]
-        fixed = [k for k, key in KEYS.items() if key.fixed and k in then and then[k] != cfg.values[k]]
+        then, now = portable_config(point.state["config"]), portable_config(cfg.values)
+        fixed = [k for k, key in KEYS.items() if key.fixed and k in then and then[k] != now[k]]
         if fixed:
-            changes = "; ".join(f"{k} is {cfg.values[k]!r}, the checkpoint has {then[k]!r}" for k in fixed)
+            changes = "; ".join(f"{k} is {now[k]!r}, the checkpoint has {then[k]!r}" for k in fixed)
             raise SlimtuneError(f"cannot resume from {point.path}: {changes} (these must not change on resume)")
         for k, key in KEYS.items():
-            if not key.fixed and k not in ("resume", "overwrite") and k in then and then[k] != cfg.values[k]:
-                self.log(f"resume: {k} changed from {then[k]!r} to {cfg.values[k]!r} (allowed)")
+            if not key.fixed and k not in ("resume", "overwrite") and k in then and then[k] != now[k]:
+                self.log(f"resume: {k} changed from {then[k]!r} to {now[k]!r} (allowed)")
 
     def prepare(self, fresh_start: bool, overwrite: bool) -> None:
         """Create out, remove leftovers of interrupted saves and, for a fresh start with ``overwrite``,
         the previous run's checkpoints, metrics and plot. Nothing is written before this."""
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.remove_leftovers()
-        if fresh_start and overwrite:
-            self.clear_previous_run()
+        with os_errors("write to output_dir", self.out):
+            self.out.mkdir(parents=True, exist_ok=True)
+            self.remove_leftovers()
+            if fresh_start and overwrite:
+                self.clear_previous_run()
 
     def remove_leftovers(self) -> None:
-        """Temporary directories of saves or deletions a killed process left behind (never checkpoints)."""
+        """Temporary directories of saves or deletions killed processes left behind (never checkpoints,
+        never the temporaries of a live writer)."""
+        reclaim_leftovers(self.out, self.log, lockless=True)
         for path in self.out.iterdir():
             if _LEFTOVER.match(path.name):
                 self.log(f"removing {path.name}, left by an interrupted save")
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
+                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
 
     def clear_previous_run(self) -> None:
         """overwrite=true: the previous run's checkpoints, metrics and plot go (nothing else in out)."""
@@ -153,24 +165,35 @@ class CheckpointManager:
             self.log(f"overwrite: {len(doomed)} checkpoint(s) of the previous run in {self.out} removed")
 
     def save(self, model: nn.Module, step: int, state: dict, options: SaveOptions) -> SaveResult:
-        """Write ``step-N`` with the recipe state inside (copied in before the manifest, so a checkpoint
-        that has a manifest has its state)."""
+        """Write ``step-N`` with the recipe state inside (written before the manifest, so a checkpoint
+        that has a manifest has its state). A ``step-N`` already there is one the resume point passed
+        over (incomplete or damaged): it is moved aside, never deleted."""
         ckpt = self.step_path(step)
-        state_file = self.out / f".recipe_state-{os.getpid()}-{uuid.uuid4().hex[:8]}.pt"
-        torch.save(state, state_file)
-        try:
-            return save_checkpoint(
-                model,
-                ckpt,
-                adapter_only=options.adapter_only,
-                max_shard_size=options.max_shard_size,
-                dtype=options.dtype,
-                extra_files={STATE_NAME: state_file, **(options.extra_files or {})},
-                tokenizer_dir=options.tokenizer_dir,
-                progress=False,
-            )
-        finally:
-            state_file.unlink(missing_ok=True)
+        if ckpt.exists():
+            self.set_aside(ckpt)
+        state = {**state, "config": portable_config(state["config"])} if "config" in state else state
+        return save_checkpoint(
+            model,
+            ckpt,
+            adapter_only=options.adapter_only,
+            max_shard_size=options.max_shard_size,
+            dtype=options.dtype,
+            extra_files={STATE_NAME: ExtraFile(_state_size(state), partial(_write_state, state)), **(options.extra_files or {})},
+            tokenizer_dir=options.tokenizer_dir,
+            progress=False,
+        )
+
+    def set_aside(self, path: Path) -> Path:
+        """Rename a damaged checkpoint to ``NAME.damaged-<UTC time>``, where the user will see it."""
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        aside = path.with_name(f"{path.name}.damaged-{stamp}")
+        while aside.exists():
+            aside = path.with_name(f"{path.name}.damaged-{stamp}-{uuid.uuid4().hex[:4]}")
+        with os_errors("move aside the damaged checkpoint", path):
+            os.rename(path, aside)
+        problem = checkpoint_problem(aside) or "not the run's checkpoint"
+        self.log(f"{path.name} was damaged ({problem}); moved aside to {aside.name} (kept: delete it yourself once unneeded)")
+        return aside
 
     def prune(self) -> list[str]:
         """Delete complete checkpoints beyond the newest ``keep_last_n``; the newest complete one always stays."""
@@ -178,10 +201,60 @@ class CheckpointManager:
             return []
         complete = [p for _, p in self.step_dirs() if is_complete_checkpoint(p)]
         removed = []
-        for path in complete[max(1, self.keep_last_n) :]:
-            delete_checkpoint(path)
-            removed.append(path.name)
+        with os_errors("delete an old checkpoint in", self.out):
+            for path in complete[max(1, self.keep_last_n) :]:
+                delete_checkpoint(path)
+                removed.append(path.name)
         return removed
+
+
+def portable_config(values: dict) -> dict:
+    """Config values with paths under output_dir written as ``{output_dir}/...``: what a checkpoint stores
+    and what resume compares, so a run directory that was moved still resumes."""
+    root = values.get("output_dir")
+    if not root:
+        return dict(values)
+    portable = {}
+    for k, v in values.items():
+        key = KEYS.get(k)
+        if key is not None and key.kind == "path" and k != "output_dir" and isinstance(v, str):
+            v = v.replace(PLACEHOLDER, root)
+            if Path(v).is_relative_to(root):
+                v = str(PLACEHOLDER / Path(v).relative_to(root))
+        portable[k] = v
+    return portable
+
+
+def _state_size(state: object) -> int:
+    """An upper estimate of ``torch.save(state)``'s size: tensor bytes, an allowance per object and 1 MiB."""
+    total = 1024 * 1024
+
+    def walk(x: object) -> None:
+        nonlocal total
+        if isinstance(x, torch.Tensor):
+            total += x.untyped_storage().nbytes() + 4096
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                walk(k)
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+        else:
+            total += 256 + (len(x) if isinstance(x, (str, bytes)) else 0)
+
+    walk(state)
+    return total
+
+
+def _write_state(state: dict, path: Path) -> None:
+    with open(path, "wb") as f:  # a file object: torch's writer calls f.write, so a failed write is an OSError
+        try:
+            torch.save(state, f)
+        except RuntimeError as e:  # ... that torch's zip writer may replace with its own error on the way out
+            if isinstance(e.__context__, OSError):
+                raise e.__context__ from None
+            raise
 
 
 def checkpoint_problem(path: Path) -> str | None:
@@ -208,24 +281,36 @@ def delete_checkpoint(path: Path) -> None:
 
 class MetricsLog:
     """metrics.jsonl, one line per optimizer step. On resume, lines past the checkpoint's step (written
-    before the previous process stopped) are dropped, so the file describes one continuous run."""
+    before the previous process stopped) are dropped, so the file describes one continuous run; the
+    checkpoint step's own line, if a kill took it, is written back from ``last_record`` (the record the
+    recipe state carries)."""
 
-    def __init__(self, path: Path, keep_through_step: int):
+    def __init__(self, path: Path, keep_through_step: int, last_record: dict | None = None):
         self.path = path
-        kept = []
+        kept, steps = [], set()
         if keep_through_step and path.is_file():
-            for line in path.read_text().splitlines():
+            for line in path.read_text(errors="replace").splitlines():
                 try:
-                    if json.loads(line)["step"] <= keep_through_step:
+                    step = json.loads(line)["step"]
+                    if step <= keep_through_step:
                         kept.append(line)
+                        steps.add(step)
                 except (json.JSONDecodeError, KeyError, TypeError):
                     continue  # a line cut short by a kill
+        if keep_through_step and keep_through_step not in steps and last_record is not None:
+            kept.append(json.dumps(last_record))
         tmp = path.with_name(path.name + ".partial")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        tmp.replace(path)
+        with os_errors("write", tmp):
+            try:
+                tmp.write_text("".join(line + "\n" for line in kept))
+                tmp.replace(path)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    tmp.unlink(missing_ok=True)
+                raise
 
     def write(self, record: dict) -> None:
-        with open(self.path, "a") as f:
+        with os_errors("write", self.path), open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
 

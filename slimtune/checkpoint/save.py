@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from slimtune.checkpoint.atomic import atomic_directory, check_free_space, sha256_file, write_manifest
+from slimtune.checkpoint.atomic import atomic_directory, check_free_space, os_errors, sha256_file, write_manifest
 from slimtune.checkpoint.plan import plan_save
 from slimtune.checkpoint.staging import pool_for
 from slimtune.checkpoint.stream import StreamTensor, adapter_tensor_stream, merged_tensor_stream
@@ -38,6 +39,15 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32} 
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}  # as config.json does
 
 
+@dataclass(frozen=True)
+class ExtraFile:
+    """A file made straight inside the checkpoint by ``write(path)`` (the recipe state), after the
+    free-space check; ``size`` (an upper estimate) counts toward that check."""
+
+    size: int
+    write: Callable[[Path], None]
+
+
 @dataclass
 class SaveResult:
     path: Path
@@ -57,7 +67,7 @@ def write_checkpoint(
     tokenizer_dir: Path | None = None,
     adapter: list[StreamTensor] | None = None,
     adapter_config: dict | None = None,
-    extra_files: dict[str, Path] | None = None,
+    extra_files: dict[str, Path | ExtraFile] | None = None,
     options: WriteOptions = WriteOptions(),
     manifest_extra: dict | None = None,
     ranks: Ranks = SINGLE,
@@ -68,7 +78,10 @@ def write_checkpoint(
     ``whole_below`` bytes are written whole by one rank). The coordinator checks the disk space against
     the planned byte count, creates a temporary sibling and every shard at its final size; each rank
     writes its rows (``write_planned``); the coordinator adds the small files and the manifest last,
-    then renames. Any rank's failure stops every rank and leaves no checkpoint and no manifest."""
+    then renames. Any rank's failure stops every rank and leaves no checkpoint and no manifest. A failed
+    write (full disk, file-size limit, read-only file system) is one ``SlimtuneError`` line; nothing of
+    it stays behind (nor any parent directory made for it) and an earlier checkpoint at ``out_dir`` is
+    untouched."""
     start = time.perf_counter()
     out_dir = Path(out_dir)
     plan = plan_save(merged, adapter, parse_size(options.max_shard_size), ranks.world_size, whole_below)
@@ -84,15 +97,15 @@ def write_checkpoint(
     with bar:
         if not ranks.is_coordinator:
             ranks.agree(None, "creating the files")
-            records = write_planned(Path(ranks.broadcast(None, "creating the files")), plan, ranks, options, bar)
+            with os_errors("write", out_dir):
+                records = write_planned(Path(ranks.broadcast(None, "creating the files")), plan, ranks, options, bar)
             ranks.agree(None, "finishing the checkpoint")
             return SaveResult(out_dir, records, time.perf_counter() - start)
         pending = "creating the files"  # the step the other ranks wait at for the coordinator's status
         try:
-            needed = plan.size + sum(Path(p).stat().st_size for p in (extra_files or {}).values())
-            out_dir.parent.mkdir(parents=True, exist_ok=True)
+            needed = plan.size + sum(p.size if isinstance(p, ExtraFile) else Path(p).stat().st_size for p in (extra_files or {}).values())
             check_free_space(out_dir.parent, needed)
-            with atomic_directory(out_dir, options.overwrite) as tmp:
+            with os_errors("write", out_dir, needed), atomic_directory(out_dir, options.overwrite) as tmp:
                 create_files(tmp, plan)
                 pending = None
                 ranks.agree(None, "creating the files")
@@ -111,7 +124,11 @@ def write_checkpoint(
                         records += [_copy(src, tmp / src.name) for src in tokenizer_files(tokenizer_dir)]
                 for name, src in (extra_files or {}).items():
                     (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-                    records.append(_copy(Path(src), tmp / name, name))
+                    if isinstance(src, ExtraFile):
+                        src.write(tmp / name)
+                        records.append(_synced_record(tmp / name, name))
+                    else:
+                        records.append(_copy(Path(src), tmp / name, name))
                 write_manifest(tmp, records, manifest_extra)
         except BaseException as e:
             if pending:
@@ -131,7 +148,7 @@ def save_checkpoint(
     overwrite: bool = False,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     inflight_bytes: int = DEFAULT_INFLIGHT_BYTES,
-    extra_files: dict[str, Path] | None = None,
+    extra_files: dict[str, Path | ExtraFile] | None = None,
     progress: bool = True,
     tokenizer_dir: Path | None = None,
 ) -> SaveResult:
@@ -166,6 +183,10 @@ def _prefixed(record: FileRecord) -> FileRecord:
 
 def _copy(src: Path, dst: Path, name: str | None = None) -> FileRecord:
     shutil.copyfile(src, dst)
+    return _synced_record(dst, name)
+
+
+def _synced_record(dst: Path, name: str | None = None) -> FileRecord:
     fd = os.open(dst, os.O_RDONLY)
     try:
         os.fsync(fd)

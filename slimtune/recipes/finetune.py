@@ -16,6 +16,7 @@ metrics.jsonl) belongs to ``CheckpointManager``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -35,6 +36,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from slimtune.card import CardFacts, model_card
+from slimtune.checkpoint.atomic import os_errors
 from slimtune.checkpoint.manager import STATE_FORMAT, CheckpointManager, MetricsLog, SaveOptions, rng_state, set_rng_state
 from slimtune.checkpoint.save import ADAPTER_DIR, DTYPES, SaveResult
 from slimtune.config import Config
@@ -162,7 +164,8 @@ def run_finetune(cfg: Config, on_step: Callable[[dict], None] | None = None) -> 
     # --- Set-up 6: a fresh output_dir, or everything restored from the checkpoint. Writing starts here. ---
     manager.prepare(fresh_start=saved is None, overwrite=cfg.overwrite)
     if builtin_rows is not None:
-        write_jsonl(dataset_path, builtin_rows)
+        with os_errors("write the built-in dataset to", dataset_path):
+            write_jsonl(dataset_path, builtin_rows)
         say(f"built-in dataset written to {dataset_path}")
     if saved is None:
         global_step, epoch, step_in_epoch = 0, 0, 0
@@ -183,7 +186,7 @@ def run_finetune(cfg: Config, on_step: Callable[[dict], None] | None = None) -> 
         set_rng_state(saved["rng"])  # last: nothing may draw random numbers between here and the next step
         say(f"resumed from {resume_dir.name}: step {global_step}, epoch {epoch + 1}, step {step_in_epoch + 1} of the epoch next")
     docs = CheckpointDocs(tokenizer, cfg, data, hf_config, base_dtype)  # tokenizer with the chat template used, model card
-    metrics = MetricsLog(manager.metrics_path, keep_through_step=global_step)
+    metrics = MetricsLog(manager.metrics_path, keep_through_step=global_step, last_record=saved.get("metrics") if saved else None)
     trackers = Trackers.from_config(cfg, out, resume_step=global_step)
     prompt_format = prompt_format_of(data.shapes)
     memory = PeakMemory(device)
@@ -252,6 +255,7 @@ def run_finetune(cfg: Config, on_step: Callable[[dict], None] | None = None) -> 
             # --- Checkpointing: each epoch end, every save_every_n_steps, and where this invocation stops. ---
             if checkpoint_now:
                 state = recipe_state(cfg, global_step, position, optimizer, scheduler, scaler, dataset_sha, len(examples), total_steps)
+                state["metrics"] = {**record, "checkpoint": manager.step_path(global_step).name}  # rewritten on resume if a kill takes it
                 adapter_only = cfg.checkpoint.merged == "never" or (cfg.checkpoint.merged == "final" and global_step < total_steps)
                 facts = dict(step=global_step, total_steps=total_steps, epoch=epoch + 1, train_loss=step_loss, merged=not adapter_only)
                 extra = docs.files(eval=last_eval if "eval_loss" in record else None, **facts)
@@ -585,6 +589,12 @@ def plot_losses(metrics_path: Path, png_path: Path) -> Path | None:
     ax.set_title(f"{metrics_path.parent.name}: loss per step (dotted: checkpoints, dashed: resumed)")
     fig.tight_layout()
     tmp = png_path.with_name(png_path.name + ".partial.png")
-    fig.savefig(tmp)
-    tmp.replace(png_path)
+    with os_errors("write the loss curve", png_path):
+        try:
+            fig.savefig(tmp)
+            tmp.replace(png_path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            raise
     return png_path

@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     finetune = sub.add_parser(
         "finetune",
         help="QLoRA fine-tuning from a YAML config, with periodic bounded-memory checkpoints and exact resume",
-        description="Fine-tune LoRA adapters on an NF4 base from a local JSONL dataset. "
+        description="Fine-tune LoRA adapters on an NF4 base from local data files (JSONL, JSON, Parquet, Arrow, CSV). "
         f"Shipped configs: {', '.join(shipped_configs())}. Example: slimtune finetune --config tiny optimizer.lr=5e-3",
         epilog=schema_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -235,8 +235,8 @@ def run_finetune(cfg: Config, on_step: Callable[[dict], None] | None = None) -> 
             seconds = time.perf_counter() - started
             epoch_end = index + 1 == len(plan)
             position = (epoch + 1, 0) if epoch_end else (epoch, index + 1)
-            record = {"step": global_step, "epoch": epoch + 1, "loss": step_loss, "lr": lr, "tokens_per_s": tokens / seconds}
-            record["step_s"] = seconds
+            record = {"step": global_step, "epoch": epoch + 1, "loss": step_loss, "lr": lr}
+            record.update(tokens_per_s=tokens / seconds, step_s=seconds)
             if global_step == first_step_of_invocation and saved is not None:
                 record["resumed_from"] = saved["global_step"]
 

@@ -32,6 +32,8 @@ def eval_settings(tiny_base, tmp_path_factory) -> list[str]:
         "checkpoint.save_every_n_steps=3",
         "checkpoint.keep_last_n=null",
         "checkpoint.merged=never",
+        "training.sample_prompts=[Checkpoints are]",
+        "training.sample_max_new_tokens=4",
         "logging.progress_bar=false",
     ]
 
@@ -66,7 +68,17 @@ def test_eval_at_configured_steps_and_checkpoints_and_exact_resume(tmp_path, eva
     again = metrics(resumed)
     assert [r["loss"] for r in again] == [r["loss"] for r in rows]  # bit-identical training with eval on
     assert [r.get("eval_loss") for r in again] == [r.get("eval_loss") for r in rows]
+    assert [r.get("samples") for r in again] == [r.get("samples") for r in rows]  # sampling at checkpoints changes nothing either
+    assert [r["step"] for r in rows if "samples" in r] == [3, 6] and rows[2]["samples"][0]["prompt"] == "Checkpoints are"
     assert again[3]["resumed_from"] == 3 and "resumed_from" not in rows[3]
+
+    # an adapter-only checkpoint: generate takes the adapter on the NF4 base, with the tokenizer saved in adapter/
+    from slimtune.generate import SamplingOptions, generate, load_for_generation, prompt_ids
+
+    loaded = load_for_generation(straight / "step-000006", device="cpu")
+    assert loaded.form == "adapter" and loaded.prompt_format == "text"
+    text = generate(loaded, prompt_ids(loaded, prompt="Checkpoints are"), SamplingOptions(max_new_tokens=4, temperature=0))
+    assert text == rows[5]["samples"][0]["text"]  # what the recipe sampled in memory at that step
 
 
 def test_eval_path_and_plot(tmp_path, eval_settings, capsys, tiny_base):

@@ -175,3 +175,24 @@ def run_ranks(nproc: int, args: list[str]) -> int:
         print(f"slimtune {args[0]}: {nproc} ranks: {', '.join(parts)}", file=sys.stderr)
         return 2 if any(f.exitcode == 2 for f in e.failures.values()) else 1
     return 0
+
+
+def shard_model(model: torch.nn.Module, ranks: Ranks) -> torch.nn.Module:
+    """FSDP2 as torchtune and torchtitan apply it: ``fully_shard`` on every decoder layer, then on the
+    root. Every parameter (NF4 base weights, fp32 adapters, embeddings, norms) becomes a DTensor
+    sharded on dim 0 (``split_rows``); torchao's NF4Tensor implements the ops FSDP2 needs. The
+    model's weights must already be the same on every rank (same checkpoint, same seed)."""
+    if ranks.world_size == 1:
+        return model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    device = next(model.parameters()).device.type
+    mesh = init_device_mesh(device, (ranks.world_size,))
+    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    if not layers:
+        raise SlimtuneError(f"{type(model).__name__}: no decoder layers found to shard")
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model

@@ -21,6 +21,7 @@ from slimtune.checkpoint.plan import plan_save
 from slimtune.checkpoint.stream import StreamTensor, merged_tensor_stream
 from slimtune.distributed import split_rows
 from tests.conftest import ROOT, run_cli
+from tests.test_save import read_merged
 
 
 def _stream(shapes: dict[str, tuple[int, ...]]) -> list[StreamTensor]:
@@ -133,3 +134,39 @@ def test_sigkill_of_one_rank_mid_export_leaves_earlier_checkpoint(tiny_base, ada
     assert "Traceback" not in proc.stderr
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["merged"]  # no temporary directory left, no new manifest
+
+
+@pytest.mark.multiprocess
+def test_fsdp2_sharded_export_is_bit_identical_to_single_process_save_and_to_merge(tmp_path):
+    """2 ranks, FSDP2 on every decoder layer and the root (NF4 base and fp32 adapters sharded): each rank
+    writes the merged rows it holds. Same files, byte for byte, as one process saving the same weights;
+    the same as `slimtune merge --merge-base quantized` of the adapter it wrote; and it verifies."""
+    from slimtune.merge import merge_from_files
+    from slimtune.tiny import make_tiny_checkpoint
+    from slimtune.verify import verify_checkpoint
+
+    # 256-wide: every NF4 weight has an even number of scaler blocks, as FSDP2's split of NF4 needs
+    base = make_tiny_checkpoint(tmp_path / "base", seed=1, hidden_size=256, intermediate_size=512)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += [str(ROOT / "tests" / "dist_worker.py"), str(base), str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    single, dist = _manifest(tmp_path / "single"), _manifest(tmp_path / "dist")
+    assert len([p for p in dist if p.startswith("model-")]) >= 3
+    assert single == dist
+    for name in dist:
+        assert (tmp_path / "single" / name).read_bytes() == (tmp_path / "dist" / name).read_bytes()
+    # the offline merge writes tensors in the base file's order, the save in the model's: same tensors,
+    # bit for bit, in differently ordered files
+    merge_from_files(base, tmp_path / "dist", tmp_path / "merged", merge_base="quantized", progress=False)
+    remerged = read_merged(tmp_path / "merged")
+    exported = read_merged(tmp_path / "dist")
+    assert remerged.keys() == exported.keys()
+    for name, t in exported.items():
+        assert t.dtype == remerged[name].dtype and torch.equal(t.view(torch.uint8), remerged[name].view(torch.uint8)), name
+    report = verify_checkpoint(tmp_path / "dist", base, tmp_path / "dist", "quantized", progress=False)
+    assert report.ok, report.problems
+    for rank in (0, 1):
+        stats = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+        assert stats["peak_rss_mb"] <= stats["rss_before_mb"] + 256

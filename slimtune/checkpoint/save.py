@@ -151,11 +151,14 @@ def save_checkpoint(
     extra_files: dict[str, Path | ExtraFile] | None = None,
     progress: bool = True,
     tokenizer_dir: Path | None = None,
+    ranks: Ranks = SINGLE,
 ) -> SaveResult:
     """Write ``out_dir`` holding ``adapter/`` (PEFT) and, unless ``adapter_only``, the merged model in
     Hugging Face sharded safetensors with config and tokenizer files, then ``slimtune_manifest.json``.
     ``dtype`` defaults to the base dtype. ``extra_files`` (relative name -> path) are copied in (recipe state,
-    model card); the merged model's tokenizer files come from ``tokenizer_dir`` (default: the base's)."""
+    model card); the merged model's tokenizer files come from ``tokenizer_dir`` (default: the base's).
+    On an FSDP2-sharded model every rank calls this with its ``ranks``; each writes the merged rows of
+    the weights it holds into the same files (the cooperative export of ``write_checkpoint``)."""
     source_dir = getattr(model, "slimtune_source_dir", None)
     on_gpu = any(p.is_cuda for p in model.parameters())
     to_host = pool_for(chunk_bytes, inflight_bytes, pin_memory=on_gpu).to_host
@@ -174,6 +177,7 @@ def save_checkpoint(
         extra_files=extra_files,
         options=WriteOptions(max_shard_size, overwrite, chunk_bytes, inflight_bytes, progress),
         manifest_extra={"kind": "adapter" if adapter_only else "adapter+merged"},
+        ranks=ranks,
     )
 
 

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from slimtune.checkpoint.staging import to_host as plain_to_host
+from slimtune.errors import SlimtuneError
 from slimtune.formats.peft import PEFT_PREFIX
 from slimtune.formats.safetensors import dtype_size
 from slimtune.lora import LoRALinear, lora_modules, merge_lora_rows, qlora_linears
@@ -71,29 +72,76 @@ def base_rows(weight: torch.Tensor, start: int, end: int) -> torch.Tensor:
     return weight.detach()[start:end]
 
 
+class LocalRows:
+    """The rows of a tensor this process holds: all of a plain tensor, or a DTensor's Shard(0) local
+    shard (FSDP2's layout, rows split as ``split_rows``), addressed by global row numbers."""
+
+    def __init__(self, name: str, tensor: torch.Tensor):
+        self.name, self.shape, self.start = name, tuple(tensor.shape), 0
+        data = tensor.detach()
+        if _is_dtensor(data):
+            from torch.distributed.tensor import Replicate, Shard
+
+            from slimtune.distributed import split_rows
+
+            mesh, placements = data.device_mesh, data.placements
+            if mesh.ndim != 1 or not all(isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0) for p in placements):
+                raise SlimtuneError(f"{name}: placements {placements} on a {mesh.ndim}-D mesh; the export handles Shard(0) and Replicate")
+            local = data.to_local()
+            if isinstance(placements[0], Shard):
+                self.start, end = split_rows(self.shape[0], mesh.size())[mesh.get_local_rank()]
+                if local.shape[0] != end - self.start:
+                    expected = f"rows {self.start}:{end} of {self.shape[0]}"
+                    raise SlimtuneError(f"{name}: the local shard has {local.shape[0]} rows, expected {expected}")
+            data = local
+        self.data = data
+
+    def __call__(self, start: int, end: int) -> torch.Tensor:
+        """Rows [start, end) (global numbers) of the local data; any other rows are an error."""
+        s, e = start - self.start, end - self.start
+        if s < 0 or e > self.data.shape[0]:
+            held = f"{self.start}:{self.start + self.data.shape[0]}"
+            raise SlimtuneError(f"{self.name}: rows {start}:{end} asked of a rank that holds rows {held}")
+        return base_rows(self.data, s, e)
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: a DTensor all-gathered (a collective: every rank calls it, in the same order)."""
+    t = t.detach()
+    return t.full_tensor() if _is_dtensor(t) else t
+
+
 def tensor_source(name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None, to_host: ToHost = plain_to_host) -> StreamTensor:
     """A plain tensor (embedding, norm, bias) as a stream entry, cast per chunk if dtype differs."""
     out_dtype = dtype or tensor.dtype
-    data = tensor.detach()
-    if data.dim() == 0:
+    if tensor.dim() == 0:
+        data = full_tensor(tensor)
         return StreamTensor(name, (), out_dtype, lambda s, e: plain_to_host(data.reshape(1), out_dtype).reshape(()))
-    return StreamTensor(name, tuple(data.shape), out_dtype, lambda s, e: to_host(data[s:e], out_dtype))
+    local = LocalRows(name, tensor)
+    return StreamTensor(name, local.shape, out_dtype, lambda s, e: to_host(local(s, e), out_dtype))
 
 
 def merged_lora_source(name: str, module: LoRALinear, dtype: torch.dtype, to_host: ToHost = plain_to_host) -> StreamTensor:
     """W + scale * B @ A (and DoRA's rescale) for a LoRA linear: fp32 math on the weight's device, one
-    rounding to ``dtype``, then to the host."""
+    rounding to ``dtype``, then to the host. On an FSDP-sharded model each rank makes the rows it holds:
+    its local NF4 rows dequantized, its rows of B, and A all-gathered (r x in, small) when the stream is
+    made, so every rank gathers the same tensors in the same order."""
+    weight = LocalRows(name, module.weight)
     if module.lora_a is None:
-        return StreamTensor(
-            name, (module.out_features, module.in_features), dtype, lambda s, e: to_host(base_rows(module.weight, s, e), dtype)
-        )
-    a = module.lora_a.weight.detach()
-    b = module.lora_b.weight.detach()
-    magnitude = None if module.magnitude is None else module.magnitude.detach()
+        return StreamTensor(name, (module.out_features, module.in_features), dtype, lambda s, e: to_host(weight(s, e), dtype))
+    a = full_tensor(module.lora_a.weight)
+    b = LocalRows(name + " lora_B", module.lora_b.weight)
+    magnitude = None if module.magnitude is None else LocalRows(name + " magnitude", module.magnitude)
 
     def rows(start: int, end: int) -> torch.Tensor:
-        m = None if magnitude is None else magnitude[start:end]
-        merged = merge_lora_rows(base_rows(module.weight, start, end), a, b[start:end], module.scaling, m)
+        m = None if magnitude is None else magnitude(start, end)
+        merged = merge_lora_rows(weight(start, end), a, b(start, end), module.scaling, m)
         return to_host(merged, dtype)
 
     return StreamTensor(name, (module.out_features, module.in_features), dtype, rows)

@@ -1,0 +1,29 @@
+"""Run by tests/test_distributed.py under torchrun (2 ranks, gloo): the same QLoRA model on every rank,
+saved once by one process (rank 0, before sharding), then FSDP2-sharded and exported by both ranks
+together. Each rank writes its RSS before and at peak during the export to OUT/rank-R.json.
+Usage: python -m torch.distributed.run --standalone --nproc-per-node 2 tests/dist_worker.py BASE OUT"""
+
+import json
+import sys
+from pathlib import Path
+
+from slimtune import save_checkpoint
+from slimtune.distributed import init_distributed, shard_model, shutdown
+from slimtune.lora import LoRAConfig
+from slimtune.memory import peak_rss_mb, reset_peak_rss, rss_mb
+from slimtune.model import load_qlora_model
+from tests.conftest import perturb_adapters
+
+base, out = Path(sys.argv[1]), Path(sys.argv[2])
+ranks = init_distributed("cpu")
+model = load_qlora_model(base, LoRAConfig(rank=8, alpha=16), seed=0, progress=False)
+perturb_adapters(model)
+if ranks.is_coordinator:
+    save_checkpoint(model, out / "single", max_shard_size="400KB", progress=False)
+shard_model(model, ranks)
+assert all(type(p).__name__ == "DTensor" for p in model.parameters())  # every weight is sharded
+before = rss_mb()
+reset_peak_rss()
+save_checkpoint(model, out / "dist", max_shard_size="400KB", progress=False, ranks=ranks)
+(out / f"rank-{ranks.rank}.json").write_text(json.dumps({"rss_before_mb": before, "peak_rss_mb": peak_rss_mb()}))
+shutdown()

@@ -3,7 +3,9 @@
 #   1. the CUDA tests (save and merge on the GPU equal the CPU results; VRAM overhead of the save),
 #   2. the save and merge benches on the GPU for the llama3.2-1b shape, the NF4 dequantization bench,
 #   3. a tiny fine-tune on the GPU through the recipe (train, periodic save, resume), then its merged
-#      output reloaded and compared, and the multi-GPU (NCCL) path where the machine has 2+ GPUs.
+#      output reloaded and compared,
+#   4. torchrun with 1 process: the tiny config, and the cooperative export of an FSDP2-sharded model
+#      on NCCL compared byte for byte with the plain save (2 processes too where there are 2+ GPUs).
 # torchao is not on that image: carry its wheel in bench/wheels/ (gitignored), e.g.
 #   pip download --no-deps -d bench/wheels torchao==0.18.0
 # and pass carry=["bench/wheels"] to the device run. Every step runs even if an earlier one failed;
@@ -34,10 +36,18 @@ step "merge bench llama3.2-1b cuda" 150 $PY -m slimtune.bench merge --preset lla
 step "nf4 bench cuda" 60 $PY -m slimtune.bench nf4 --device cuda
 step "tiny fine-tune cuda" 120 $PY -m slimtune finetune --config tiny output_dir=/tmp/slimtune-gpu-tiny device=cuda
 if [ -f /tmp/slimtune-gpu-tiny/metrics.jsonl ]; then tail -n 2 /tmp/slimtune-gpu-tiny/metrics.jsonl; fi
+# torchrun, 1 process: the tiny config through the recipe under torchrun's environment, then the
+# cooperative export on NCCL (FSDP2 over a 1-rank CUDA mesh; the same files as the plain save?).
+TR="$PY -m torch.distributed.run --standalone"
+step "torchrun 1 process: tiny fine-tune" 120 $TR --nproc-per-node 1 -m slimtune finetune --config tiny output_dir=/tmp/slimtune-gpu-tr1 device=cuda
+$PY -c "from slimtune.tiny import make_tiny_checkpoint as m; m('/tmp/slimtune-gpu-base256', seed=1, hidden_size=256, intermediate_size=512)" >/dev/null
+rm -rf /tmp/slimtune-gpu-nccl1 && mkdir -p /tmp/slimtune-gpu-nccl1
+step "torchrun NCCL 1 process: FSDP2 export" 120 $TR --nproc-per-node 1 tests/dist_worker.py /tmp/slimtune-gpu-base256 /tmp/slimtune-gpu-nccl1 cuda
 NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
 if [ "$NGPU" -ge 2 ]; then
-  step "torchrun NCCL tiny fine-tune" 120 $PY -m torch.distributed.run --standalone --nproc-per-node 2 -m slimtune finetune --config tiny output_dir=/tmp/slimtune-gpu-ddp device=cuda
+  rm -rf /tmp/slimtune-gpu-nccl2 && mkdir -p /tmp/slimtune-gpu-nccl2
+  step "torchrun NCCL 2 processes: FSDP2 export" 120 $TR --nproc-per-node 2 tests/dist_worker.py /tmp/slimtune-gpu-base256 /tmp/slimtune-gpu-nccl2 cuda
 else
-  echo "== torchrun NCCL: skipped, $NGPU GPU on this machine"
+  echo "== torchrun NCCL 2 processes: skipped, $NGPU GPU on this machine"
 fi
 exit $FAILED

@@ -1,4 +1,6 @@
-"""Benchmarks (not tests): `python -m slimtune.bench save --preset NAME --out DIR` prints one JSON line.
+"""Benchmarks (not tests): `python -m slimtune.bench save --preset NAME --out DIR` prints one JSON line;
+so do `merge`, `nf4` and `dist-save` (`--nproc 2`: the cooperative export by 2 gloo ranks of an
+FSDP2-sharded model next to the single-process save of the same model; `--peer`: torchtune's way).
 
 The model is synthetic but of the real shape: random NF4 codes and scalers for every projection, random
 bf16 for embeddings and norms, LoRA r=8 on q_proj and v_proj. Figures are measured in this process:
@@ -266,6 +268,155 @@ def bench_merge(preset: str, out: Path, layers: int | None = None, device: str =
     }
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _dist_rank(rank: int, nproc: int, port: int, model: torch.nn.Module, target: Path, peer: bool, results) -> None:
+    """One forked rank: join, shard, export (and optionally the peer's gather + merge); report figures."""
+    import torch.distributed as dist
+
+    from slimtune.distributed import current_ranks, shard_model
+    from slimtune.memory import bytes_read_by_process
+
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nproc)
+        ranks = current_ranks()
+        shard_model(model, ranks)
+        before = rss_mb()
+        reset_peak_rss()
+        w0, r0 = bytes_written_by_process(), bytes_read_by_process()
+        result = save_checkpoint(model, target, progress=False, ranks=ranks)
+        row = {
+            "rank": rank,
+            "rss_before_mb": round(before, 1),
+            "peak_rss_mb": round(peak_rss_mb(), 1),
+            "overhead_mb": round(peak_rss_mb() - before, 1),
+            "bytes_written": bytes_written_by_process() - w0,
+            "bytes_read": bytes_read_by_process() - r0,
+            "export_s": round(result.seconds, 3),
+        }
+        if peer:
+            row["peer"] = _peer_gather_and_merge(model, ranks)
+        results.put(row)
+        dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which fails the bench
+        results.put({"rank": rank, "error": f"{type(e).__name__}: {e}"})
+
+
+def _peer_gather_and_merge(model: torch.nn.Module, ranks) -> dict:
+    """What torchtune's distributed LoRA recipe does at save time, on the same sharded model: the full
+    state dict gathered to rank 0's CPU (torch's ``get_model_state_dict(full_state_dict=True,
+    cpu_offload=True)``), NF4 weights upcast to bf16, then ``get_merged_lora_ckpt``'s merge
+    (W += alpha / r * B @ A, LoRA keys dropped). Rank 0's peak RSS over it (nothing written)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from slimtune.quant import is_nf4
+
+    before = rss_mb()
+    reset_peak_rss()
+    t0 = time.perf_counter()
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if ranks.is_coordinator:
+        for key in list(sd):
+            if is_nf4(sd[key]):
+                sd[key] = sd[key].to(torch.bfloat16)
+        for name, module in lora_modules(model).items():
+            a, b = sd.pop(f"{name}.lora_a.weight"), sd.pop(f"{name}.lora_b.weight")
+            sd[f"{name}.weight"] += module.scaling * b @ a
+    merged_bytes = sum(v.numel() * v.element_size() for v in sd.values())
+    seconds = time.perf_counter() - t0
+    del sd
+    peak = peak_rss_mb()
+    return {
+        "rss_before_mb": round(before, 1),
+        "peak_rss_mb": round(peak, 1),
+        "overhead_mb": round(peak - before, 1),
+        "state_dict_bytes": merged_bytes,
+        "seconds": round(seconds, 3),
+    }
+
+
+def bench_dist_save(preset: str, out: Path, nproc: int = 2, layers: int | None = None, peer: bool = False) -> dict:
+    """The cooperative export by ``nproc`` ranks next to the single-process save of the same model, in
+    one run, with the disk's fsync'd write speed measured in the same run. The synthetic model is built
+    once here and saved by this process; then ``nproc`` ranks are forked (the model shared copy-on-
+    write), join a gloo group, FSDP2-shard it (``shard_model``: each rank copies its rows of every
+    weight) and export it together. Each rank measures its own RSS (before; VmHWM reset) and its
+    write()/read() byte counters (reads = the sha256 read-back of files it did not write whole)."""
+    import multiprocessing
+
+    overrides = {"num_hidden_layers": layers} if layers else {}
+    config = preset_config(preset, **overrides)
+    model = synthetic_qlora_model(config)
+    out.mkdir(parents=True, exist_ok=True)
+    single_dir, dist_dir = out / f"dist-save-single-{preset}", out / f"dist-save-{nproc}r-{preset}"
+    for d in (single_dir, dist_dir):
+        shutil.rmtree(d, ignore_errors=True)
+    merged_bytes = sum(p.numel() for n, p in model.named_parameters() if ".lora_" not in n) * 2
+    disk = disk_write_mb_s(out, min(merged_bytes, 2 * 1024**3))
+
+    before = rss_mb()
+    reset_peak_rss()
+    w0 = bytes_written_by_process()
+    single = save_checkpoint(model, single_dir, progress=False)
+    single_written = bytes_written_by_process() - w0
+    single_peak = peak_rss_mb()
+    single_manifest = json.loads((single_dir / "slimtune_manifest.json").read_text())["files"]
+    single_bytes = single.total_bytes + (single_dir / "slimtune_manifest.json").stat().st_size
+    shutil.rmtree(single_dir)
+
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_dist_rank, args=(r, nproc, port, model, dist_dir, peer, results)) for r in range(nproc)]
+    for p in procs:
+        p.start()
+    rows = sorted((results.get() for _ in procs), key=lambda r: r["rank"])
+    for p in procs:
+        p.join()
+    failed = [r for r in rows if "error" in r]
+    if failed:
+        raise SystemExit(f"dist-save: {failed}")
+    manifest = json.loads((dist_dir / "slimtune_manifest.json").read_text())["files"]
+    output_bytes = sum(f["size"] for f in manifest) + (dist_dir / "slimtune_manifest.json").stat().st_size
+    shutil.rmtree(dist_dir)
+    seconds = rows[0]["export_s"]  # the coordinator's: from the plan to the rename, after every rank's fsync
+    written = sum(r["bytes_written"] for r in rows)
+    result = {
+        "preset": preset + (f"[{layers} layers]" if layers else ""),
+        "nproc": nproc,
+        "output_bytes": output_bytes,
+        "bytes_written": written,
+        "written_over_output": round(written / output_bytes, 4),
+        "bytes_read_back": [r["bytes_read"] for r in rows],
+        "export_s": seconds,
+        "write_mb_s": round(output_bytes / seconds / 1e6, 1),
+        "disk_mb_s": round(disk, 1),
+        "ratio": round(output_bytes / seconds / 1e6 / disk, 3),
+        "ranks": [{k: r[k] for k in ("rank", "rss_before_mb", "peak_rss_mb", "overhead_mb")} for r in rows],
+        "max_overhead_mb": max(r["overhead_mb"] for r in rows),
+        "identical_to_single": manifest == single_manifest,
+        "single": {
+            "save_s": round(single.seconds, 3),
+            "write_mb_s": round(single_bytes / single.seconds / 1e6, 1),
+            "ratio": round(single_bytes / single.seconds / 1e6 / disk, 3),
+            "bytes_written": single_written,
+            "rss_before_mb": round(before, 1),
+            "peak_rss_mb": round(single_peak, 1),
+            "overhead_mb": round(single_peak - before, 1),
+        },
+    }
+    if peer:
+        result["peer_rank0"] = rows[0]["peer"]
+    return result
+
+
 def bench_nf4(rows: int = 4096, cols: int = 14336, chunk_rows: int = 256, repeats: int = 3, device: str = "cpu") -> dict:
     """NF4 dequantization throughput: torchao's get_original_weight vs slimtune's row-chunked table
     lookup, on one weight (Llama-3-8B's MLP shape by default); bit-identity checked in the same run."""
@@ -321,9 +472,17 @@ def main(argv: list[str] | None = None) -> None:
     merge.add_argument("--out", type=Path, required=True)
     merge.add_argument("--layers", type=int, default=None, help="override the number of layers")
     merge.add_argument("--device", default="cpu", help="where the merge math runs (cpu or cuda)")
+    dsave = sub.add_parser("dist-save", help="cooperative export by N ranks (gloo, FSDP2-sharded synthetic model) vs one process")
+    dsave.add_argument("--preset", choices=sorted(PRESETS), default="llama3.2-1b")
+    dsave.add_argument("--out", type=Path, default=Path("bench-out"))
+    dsave.add_argument("--nproc", type=int, default=2)
+    dsave.add_argument("--layers", type=int, default=None, help="override the number of layers")
+    dsave.add_argument("--peer", action="store_true", help="also FSDP2 get_model_state_dict(full) + merge on rank 0 (torchtune's way)")
     nf4 = sub.add_parser("nf4", help="NF4 dequantization throughput vs torchao on a 4096x14336 weight")
     nf4.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
+    if args.command == "dist-save":
+        print(json.dumps(bench_dist_save(args.preset, args.out, args.nproc, args.layers, args.peer)))
     if args.command == "nf4":
         print(json.dumps(bench_nf4(device=args.device)))
     if args.command == "merge":

@@ -181,8 +181,9 @@ def shard_model(model: torch.nn.Module, ranks: Ranks) -> torch.nn.Module:
     """FSDP2 as torchtune and torchtitan apply it: ``fully_shard`` on every decoder layer, then on the
     root. Every parameter (NF4 base weights, fp32 adapters, embeddings, norms) becomes a DTensor
     sharded on dim 0 (``split_rows``); torchao's NF4Tensor implements the ops FSDP2 needs. The
-    model's weights must already be the same on every rank (same checkpoint, same seed)."""
-    if ranks.world_size == 1:
+    model's weights must already be the same on every rank (same checkpoint, same seed). Under a
+    process group of one rank it shards too (one shard: the same code path); alone it does nothing."""
+    if not (dist.is_available() and dist.is_initialized()):
         return model
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

@@ -215,12 +215,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _default_sigterm() -> None:
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _quiet_transformers()
     try:
         code = args.func(args) or 0
     except SlimtuneError as e:
+        _default_sigterm()  # the job is over for this rank: a late SIGTERM from torchrun just ends it
         if os.environ.get("RANK", "0") == "0":  # one line per job: the coordinator speaks for every rank
             print(f"slimtune {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -9,6 +9,8 @@ import hashlib
 import json
 import os
 import queue
+import socket
+import struct
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,7 +19,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from slimtune.checkpoint.plan import FilePlan, SavePlan, TensorSlot, plan_files, plan_save
+from slimtune.checkpoint.plan import SavePlan, TensorSlot, plan_files, plan_save
 from slimtune.checkpoint.stream import StreamTensor, row_chunks
 from slimtune.distributed import SINGLE, Ranks
 from slimtune.errors import SlimtuneError
@@ -103,17 +105,18 @@ def pipelined_write(writer, chunks: Iterator[torch.Tensor], inflight_bytes: int,
 
 class _RowSink:
     """Takes one rank's chunks of one file in plan order and writes each at its offset with pwrite
-    (hashing them too when this rank writes the whole file, so that file needs no read back)."""
+    (hashing them too when this rank writes the whole file, so that file needs no read back). Each
+    finished tensor is reported to ``done(global_slot)`` (the progress other ranks' hashers follow)."""
 
-    def __init__(self, fd: int, path: Path, slots: list[tuple[TensorSlot, int, int]], sha=None):
-        self.fd, self.path, self.sha = fd, path, sha
-        self.pieces = [(s, s.offset + a * s.row_bytes, (b - a) * s.row_bytes) for s, a, b in slots if b > a]
+    def __init__(self, fd: int, path: Path, slots: list[tuple[int, TensorSlot, int, int]], sha=None, done=None):
+        self.fd, self.path, self.sha, self.done_fn = fd, path, sha, done
+        self.pieces = [(g, s, s.offset + a * s.row_bytes, (b - a) * s.row_bytes) for g, s, a, b in slots if b > a]
         self.index, self.done = 0, 0
 
     def write(self, chunk: torch.Tensor) -> None:
         if self.index >= len(self.pieces):
             raise SlimtuneError(f"{self.path}: more data than the plan gives this rank")
-        slot, offset, nbytes = self.pieces[self.index]
+        g, slot, offset, nbytes = self.pieces[self.index]
         if chunk.dtype != slot.dtype:
             raise SlimtuneError(f"{self.path}: tensor {slot.name}: got {chunk.dtype}, the header says {slot.dtype}")
         data = tensor_bytes(chunk)
@@ -125,10 +128,76 @@ class _RowSink:
         self.done += len(data)
         if self.done == nbytes:
             self.index, self.done = self.index + 1, 0
+            if self.done_fn is not None:
+                self.done_fn(g)
 
     def check_complete(self) -> None:
         if self.index < len(self.pieces):
-            raise SlimtuneError(f"{self.path}: tensor {self.pieces[self.index][0].name}: the stream ended before its rows were written")
+            raise SlimtuneError(f"{self.path}: tensor {self.pieces[self.index][1].name}: the stream ended before its rows were written")
+
+
+class _Progress:
+    """How far each rank has written, for hashers that trail the writers on one host: rank r keeps, in
+    a small file of the temporary directory, the global index (over all files' tensors in plan order)
+    of the first tensor it still has rows to write; every tensor below the minimum over ranks is
+    complete in the page cache and can be read back and hashed while the ranks write on."""
+
+    NAME = ".slimtune-progress-{}"
+
+    def __init__(self, directory: Path, plan: SavePlan, rank: int):
+        self.slots = [(fi, s) for fi, f in enumerate(plan.files) for s in f.slots]
+        self.mine = [g for g, (_, s) in enumerate(self.slots) if s.ranges[rank][1] > s.ranges[rank][0]]
+        self.directory, self.world_size = directory, plan.world_size
+        self.fd = os.open(directory / self.NAME.format(rank), os.O_RDWR | os.O_CREAT, 0o644)
+        self.publish(self.mine[0] if self.mine else len(self.slots))
+        self.peers: list[int] = []
+
+    def publish(self, value: int) -> None:
+        _pwrite_all(self.fd, memoryview(struct.pack("<q", value)), 0)
+
+    def finished(self, g: int) -> None:
+        """Tensor ``g`` done: publish the next one this rank writes rows of."""
+        later = [m for m in self.mine if m > g]
+        self.publish(later[0] if later else len(self.slots))
+
+    def open_peers(self) -> None:
+        self.peers = [os.open(self.directory / self.NAME.format(r), os.O_RDONLY) for r in range(self.world_size)]
+
+    def complete_below(self) -> int:
+        return min(struct.unpack("<q", os.pread(fd, 8, 0))[0] for fd in self.peers)
+
+    def close(self) -> None:
+        for fd in [self.fd, *self.peers]:
+            os.close(fd)
+
+
+def _trailing_hash(directory: Path, plan: SavePlan, files: list[int], progress: _Progress, stop: threading.Event, hashes, errors) -> None:
+    """Hash ``files`` (indices) in order, each tensor as soon as every rank has written it."""
+    buf = bytearray(8 * 1024 * 1024)
+    view = memoryview(buf)
+    try:
+        g0 = {fi: next(g for g, (f, _) in enumerate(progress.slots) if f == fi) for fi in files if plan.files[fi].slots}
+        for fi in files:
+            f = plan.files[fi]
+            h = hashlib.sha256(f.header)
+            fd = os.open(directory / f.path, os.O_RDONLY)
+            try:
+                for k, slot in enumerate(f.slots):
+                    while progress.complete_below() <= g0[fi] + k:
+                        if stop.wait(0.02):
+                            return
+                    pos, end = slot.offset, slot.offset + slot.nbytes
+                    while pos < end:
+                        n = os.preadv(fd, [view[: min(len(buf), end - pos)]], pos)
+                        if n <= 0:
+                            raise SlimtuneError(f"{directory / f.path}: short read at byte {pos} while hashing")
+                        h.update(view[:n])
+                        pos += n
+            finally:
+                os.close(fd)
+            hashes[f.path] = h.hexdigest()
+    except BaseException as e:  # noqa: BLE001 - reported at the next status exchange
+        errors.append(e)
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -151,52 +220,89 @@ def create_files(directory: Path, plan: SavePlan) -> None:
 def write_planned(directory: Path, plan: SavePlan, ranks: Ranks, options: WriteOptions, bar: tqdm | None = None) -> list[FileRecord]:
     """Every rank's part: its rows of every tensor, file by file, straight at their offsets; fsync; then
     one status exchange per file (a failed rank stops every rank there). A file written whole by one
-    rank is hashed as it is written; any other file is read back by its planned hasher rank, in a
-    thread, while the ranks go on with the next file. Returns every file's record, on every rank."""
+    rank is hashed as it is written. Any other file is read back once by its planned hasher rank, in a
+    thread: on one host it trails the writers tensor by tensor (``_Progress``: the bytes are still in
+    the page cache); across hosts it starts after every rank's fsync of the file. Returns every file's
+    record, on every rank."""
     from slimtune.checkpoint.atomic import sha256_file
 
     rank = ranks.rank
     hashes: dict[str, str] = {}
-    readers: list[threading.Thread] = []
-    read_errors: list[BaseException] = []
+    errors: list[BaseException] = []
+    threads: list[threading.Thread] = []
+    stop = threading.Event()
+    mine = [i for i, h in enumerate(plan.hashers) if h == rank]
+    read_back = [i for i in mine if plan.files[i].sole_writer(plan.world_size) != rank]
+    trailing = ranks.world_size > 1 and len(set(ranks.gather(socket.gethostname(), "planning the hashes"))) == 1
+    progress = None
 
-    def read_back(path: str) -> None:
+    def after_fsync(path: str) -> None:
         try:
             hashes[path] = sha256_file(directory / path)
         except BaseException as e:  # noqa: BLE001 - reported at the next status exchange
-            read_errors.append(e)
+            errors.append(e)
 
     try:
-        for f, hasher in zip(plan.files, plan.hashers, strict=True):
+        if trailing:
             error = None
             try:
-                _write_file_part(directory, f, rank, hasher == rank and f.sole_writer(plan.world_size) == rank, options, bar, hashes)
+                progress = _Progress(directory, plan, rank)
+            except Exception as e:  # noqa: BLE001
+                error = e
+            ranks.agree(error, "starting the hashers")
+            progress.open_peers()
+            if read_back:
+                args = (directory, plan, read_back, progress, stop, hashes, errors)
+                threads.append(threading.Thread(target=_trailing_hash, args=args, name="slimtune-hash", daemon=True))
+                threads[-1].start()
+        for i, (f, hasher) in enumerate(zip(plan.files, plan.hashers, strict=True)):
+            error = None
+            try:
+                _write_file_part(directory, plan, i, rank, hasher == rank and i not in read_back, options, bar, hashes, progress)
             except Exception as e:  # noqa: BLE001 - every rank learns of it at the exchange below
                 error = e
             ranks.agree(error, f"writing {f.path}")
-            if hasher == rank and f.path not in hashes:
-                readers.append(threading.Thread(target=read_back, args=(f.path,), name="slimtune-hash", daemon=True))
-                readers[-1].start()
+            if not trailing and i in read_back:
+                threads.append(threading.Thread(target=after_fsync, args=(f.path,), name="slimtune-hash", daemon=True))
+                threads[-1].start()
+    except BaseException:
+        stop.set()
+        raise
     finally:
-        for t in readers:
+        for t in threads:
             t.join()
-    ranks.agree(read_errors[0] if read_errors else None, "hashing the files")
+        if progress is not None:
+            progress.close()
+    ranks.agree(errors[0] if errors else None, "hashing the files")
     for part in ranks.gather(hashes, "collecting the hashes"):
         hashes.update(part)
+    if trailing and ranks.is_coordinator:  # every hasher has finished: the progress files go
+        for r in range(ranks.world_size):
+            (directory / _Progress.NAME.format(r)).unlink(missing_ok=True)
     return [FileRecord(f.path, f.size, hashes[f.path]) for f in plan.files]
 
 
 def _write_file_part(
-    directory: Path, f: FilePlan, rank: int, hash_now: bool, options: WriteOptions, bar: tqdm | None, hashes: dict[str, str]
+    directory: Path,
+    plan: SavePlan,
+    index: int,
+    rank: int,
+    hash_now: bool,
+    options: WriteOptions,
+    bar: tqdm | None,
+    hashes: dict[str, str],
+    progress: _Progress | None,
 ) -> None:
-    mine = [(s, *s.ranges[rank]) for s in f.slots]
+    f = plan.files[index]
+    first = sum(len(p.slots) for p in plan.files[:index])  # global index of the file's first tensor
+    mine = [(first + k, s, *s.ranges[rank]) for k, s in enumerate(f.slots)]
     if not f.bytes_of(rank) and not hash_now:
         return
     path = directory / f.path
     fd = os.open(path, os.O_WRONLY)
     try:
-        sink = _RowSink(fd, path, mine, hashlib.sha256(f.header) if hash_now else None)
-        chunks = (c for s, a, b in mine for c in row_chunks(s.source, options.chunk_bytes, a, b))
+        sink = _RowSink(fd, path, mine, hashlib.sha256(f.header) if hash_now else None, progress.finished if progress else None)
+        chunks = (c for _, s, a, b in mine for c in row_chunks(s.source, options.chunk_bytes, a, b))
         pipelined_write(sink, chunks, options.inflight_bytes, bar)
         sink.check_complete()
         os.fsync(fd)

@@ -417,6 +417,72 @@ def bench_dist_save(preset: str, out: Path, nproc: int = 2, layers: int | None =
     return result
 
 
+MIXTRAL_WIDTHS = dict(
+    vocab_size=32000,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    max_position_embeddings=4096,
+)
+
+LOAD_CHILD = """
+import json, sys, time
+import slimtune
+from slimtune.lora import LoRAConfig
+from slimtune.memory import peak_rss_mb, reset_peak_rss, rss_mb
+from slimtune.model import load_qlora_model
+from slimtune.quant import is_nf4
+before = rss_mb()
+reset_peak_rss()
+start = time.perf_counter()
+model = load_qlora_model(sys.argv[1], LoRAConfig(), progress=False)
+seconds = time.perf_counter() - start
+peak, after = peak_rss_mb(), rss_mb()
+def nbytes(p):
+    if is_nf4(p):
+        return sum(t.numel() * t.element_size() for t in (p.quantized_data, p.quantized_scalers, p.quantization_factor))
+    return p.numel() * p.element_size()
+resident = sum(nbytes(p) for p in model.parameters()) / 2**20
+experts = [m for m in model.modules() if type(m).__name__ == "NF4Experts"]
+largest = max(p.numel() * 2 for m in experts for p in m.pieces.values()) / 2**20
+print(json.dumps(dict(load_s=seconds, rss_before_mb=before, peak_rss_mb=peak, rss_after_mb=after, model_mb=resident,
+                      largest_expert_tensor_bf16_mb=largest, expert_pieces=sum(len(m.pieces) for m in experts))))
+"""
+
+
+def bench_load_moe(out: Path, layers: int = 2) -> dict:
+    """Load a synthetic Mixtral of the real widths (hidden 4096, intermediate 14336, 8 experts; per-expert
+    tensors as published) as QLoRA in a fresh child process; its peak RSS during the load against what
+    it holds afterwards (the bound: at most the resident NF4 model + 512 MB)."""
+    import subprocess
+    import sys
+
+    from transformers import MixtralConfig
+
+    from slimtune.checkpoint.atomic import is_complete_checkpoint
+
+    config = MixtralConfig(**MIXTRAL_WIDTHS, num_hidden_layers=layers, dtype="bfloat16")
+    base = out / f"mixtral-{layers}l"
+    if not is_complete_checkpoint(base):
+        write_synthetic_base(config, base)
+    base_bytes = sum(p.stat().st_size for p in base.glob("*.safetensors"))
+    child = subprocess.run([sys.executable, "-c", LOAD_CHILD, str(base)], stdout=subprocess.PIPE, text=True)
+    if child.returncode:
+        raise SystemExit(f"load failed with exit code {child.returncode}")
+    stats = json.loads(child.stdout.strip().splitlines()[-1])
+    return {
+        "model": f"mixtral widths, {layers} layers",
+        "base_bytes": base_bytes,
+        **{k: round(v, 1) if isinstance(v, float) else v for k, v in stats.items()},
+        "peak_over_after_mb": round(stats["peak_rss_mb"] - stats["rss_after_mb"], 1),
+        "bound_mb": round(stats["rss_after_mb"] + 512, 1),
+        "within_bound": stats["peak_rss_mb"] <= stats["rss_after_mb"] + 512,
+    }
+
+
 def bench_nf4(rows: int = 4096, cols: int = 14336, chunk_rows: int = 256, repeats: int = 3, device: str = "cpu") -> dict:
     """NF4 dequantization throughput: torchao's get_original_weight vs slimtune's row-chunked table
     lookup, on one weight (Llama-3-8B's MLP shape by default); bit-identity checked in the same run."""
@@ -478,11 +544,17 @@ def main(argv: list[str] | None = None) -> None:
     dsave.add_argument("--nproc", type=int, default=2)
     dsave.add_argument("--layers", type=int, default=None, help="override the number of layers")
     dsave.add_argument("--peer", action="store_true", help="also FSDP2 get_model_state_dict(full) + merge on rank 0 (torchtune's way)")
+    load = sub.add_parser("load-moe", help="QLoRA load of a synthetic 2-layer Mixtral of real widths: peak RSS vs resident")
+    load.add_argument("--out", type=Path, required=True)
+    load.add_argument("--layers", type=int, default=2)
     nf4 = sub.add_parser("nf4", help="NF4 dequantization throughput vs torchao on a 4096x14336 weight")
     nf4.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
     if args.command == "dist-save":
         print(json.dumps(bench_dist_save(args.preset, args.out, args.nproc, args.layers, args.peer)))
+    if args.command == "load-moe":
+        args.out.mkdir(parents=True, exist_ok=True)
+        print(json.dumps(bench_load_moe(args.out, args.layers)))
     if args.command == "nf4":
         print(json.dumps(bench_nf4(device=args.device)))
     if args.command == "merge":

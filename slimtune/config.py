@@ -61,7 +61,8 @@ SCHEMA: tuple[Key, ...] = (
         "model.path",
         "path",
         None,
-        f"Local Hugging Face checkpoint directory (Llama, Mistral, Qwen2); '{PLACEHOLDER}' is replaced by output_dir.",
+        f"Local Hugging Face checkpoint directory of a supported family (README: Model families); '{PLACEHOLDER}' "
+        "is replaced by output_dir.",
         required=True,
         fixed=True,
     ),
@@ -70,7 +71,14 @@ SCHEMA: tuple[Key, ...] = (
     Key("lora.alpha", "float", 16.0, "LoRA alpha; the update is scaled by alpha / r (alpha / sqrt(r) with rsLoRA).", minimum=0, fixed=True),
     Key("lora.dropout", "float", 0.0, "Dropout on the adapter input during training.", minimum=0, maximum=1),
     Key("lora.use_rslora", "bool", False, "Rank-stabilised scaling alpha / sqrt(r).", fixed=True),
-    Key("lora.target_modules", "list[str]", list(DEFAULT_TARGETS), "Linear layers that get an adapter (NF4 base).", fixed=True),
+    Key(
+        "lora.target_modules",
+        "list[str]",
+        list(DEFAULT_TARGETS),
+        "Layers that get an adapter (NF4 base): all-linear (PEFT's convention: every linear layer except the output head, "
+        "resolved per family and printed at start) or layer names such as [q_proj, v_proj].",
+        fixed=True,
+    ),
     Key(
         "dataset.path",
         "path",

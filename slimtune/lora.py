@@ -11,7 +11,7 @@ from torch import nn
 
 from slimtune.quant import is_nf4
 
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DEFAULT_TARGETS = ("all-linear",)  # PEFT's convention: every linear layer except the output head, resolved per family
 
 
 @dataclass
@@ -37,7 +37,8 @@ def lora_scaling(rank: int, alpha: float, use_rslora: bool) -> float:
 class LoRALinear(nn.Module):
     """y = x W^T + b + scale * dropout(x) A^T B^T, W frozen (NF4 or plain), A and B trained in fp32.
     Parameter names keep the Hugging Face layout: ``weight`` and ``bias`` sit where nn.Linear had them.
-    With rank 0 it is a frozen (NF4) linear with no adapter."""
+    With rank 0 it is a frozen (NF4) linear with no adapter. With ``fan_in_fan_out`` (transformers'
+    Conv1D, GPT-2) the weight is stored [in, out] and y = x W + b, as PEFT's fan_in_fan_out."""
 
     def __init__(
         self,
@@ -50,12 +51,15 @@ class LoRALinear(nn.Module):
         bias: bool = False,
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str | None = None,
+        fan_in_fan_out: bool = False,
     ):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        self.fan_in_fan_out = fan_in_fan_out
+        shape = (in_features, out_features) if fan_in_fan_out else (out_features, in_features)
         self.rank, self.alpha, self.use_rslora = rank, alpha, use_rslora
         self.scaling = lora_scaling(rank, alpha, use_rslora) if rank else 0.0
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.lora_a = nn.Linear(in_features, rank, bias=False, dtype=torch.float32, device=device) if rank else None
@@ -69,7 +73,9 @@ class LoRALinear(nn.Module):
         nn.init.zeros_(self.lora_b.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if is_nf4(self.weight):
+        if self.fan_in_fan_out:
+            out = _FanInFanOutNF4.apply(x, self.weight) if is_nf4(self.weight) else x @ self.weight.to(x.dtype)
+        elif is_nf4(self.weight):
             from slimtune.quant.nf4 import linear_nf4  # saves the NF4 weight, not a dequantized copy, for backward
 
             out = linear_nf4(x, self.weight)
@@ -84,7 +90,21 @@ class LoRALinear(nn.Module):
 
     def extra_repr(self) -> str:
         kind = "nf4" if is_nf4(self.weight) else str(self.weight.dtype)
-        return f"in={self.in_features}, out={self.out_features}, rank={self.rank}, alpha={self.alpha}, base={kind}"
+        layout = ", fan_in_fan_out" if self.fan_in_fan_out else ""
+        return f"in={self.in_features}, out={self.out_features}, rank={self.rank}, alpha={self.alpha}, base={kind}{layout}"
+
+
+class _FanInFanOutNF4(torch.autograd.Function):
+    """x @ W for an NF4 weight stored [in, out] (Conv1D); saves the NF4 weight, not a dequantized copy."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.nf4_weight = weight
+        return x @ weight.get_original_weight().to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad @ ctx.nf4_weight.get_original_weight().to(grad.dtype).t(), None
 
 
 @torch.no_grad()

@@ -196,6 +196,12 @@ def merged_file_stream(
             keys.append(key)  # untie: the adapter changes lm_head but not the embedding
         else:
             raise SlimtuneError(f"adapter {adapter.path}: target module {key.rsplit('.', 1)[0]} is missing from base {base.dir}")
+    frozen_nf4 = set()
+    if merge_base == "quantized":  # MoE experts were NF4 in training too (slimtune.families)
+        from slimtune.families import frozen_nf4_keys
+        from slimtune.formats.hf import load_config
+
+        frozen_nf4 = frozen_nf4_keys(load_config(base.dir))
     stream = []
     for key in keys:
         source_key = INPUT_EMBEDDING if key not in base.location and key not in base.bnb else key
@@ -227,6 +233,9 @@ def merged_file_stream(
             stream.append(
                 _merged_source(key, base, m, adapter, out_dtype, merge_base, chunk_bytes, torch.device(device), to_host, replaced)
             )
+        elif key in frozen_nf4 and key not in base.bnb:
+            read = _base_rows_fn(base, key, merge_base, chunk_bytes)
+            stream.append(StreamTensor(key, tuple(base.shape(key)), out_dtype, lambda s, e, r=read, d=out_dtype: to_host(r(s, e), d)))
         else:
             rows = (
                 (lambda s, e, k=source_key, d=out_dtype: to_host(base.rows(k, s, e), d))

@@ -10,9 +10,24 @@ from pathlib import Path
 import torch
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import PretrainedConfig
 
 from slimtune.errors import SlimtuneError
+from slimtune.families import (
+    ALL_LINEAR,
+    NF4Experts,
+    Placement,
+    check_supported,
+    checkpoint_layout,
+    family_name,
+    forward_renamings,
+    fused_experts,
+    is_linear,
+    materialise_buffers,
+    meta_model,
+    output_head,
+    resolve_targets,
+)
 from slimtune.formats.hf import checkpoint_files, load_config
 from slimtune.formats.safetensors import SafetensorsReader
 from slimtune.lora import LoRAConfig, LoRALinear, lora_modules, qlora_linears
@@ -27,47 +42,57 @@ def config_dtype(config: PretrainedConfig) -> torch.dtype:
 
 
 def build_qlora_skeleton(config: PretrainedConfig, lora: LoRAConfig) -> nn.Module:
-    """The transformers model with every target nn.Linear replaced by a LoRALinear, all parameters on
-    the meta device (no memory), buffers (rotary tables) real."""
+    """The transformers model with every target linear (nn.Linear, or Conv1D with fan_in_fan_out)
+    replaced by a LoRALinear and fused MoE experts by frozen NF4Experts, all parameters on the meta
+    device (no memory), buffers (rotary tables, embed_scale) computed as transformers does. The
+    published checkpoint layout is kept as ``model.slimtune_layout``; the resolved targets as
+    ``model.slimtune_targets``."""
+    from transformers.pytorch_utils import Conv1D
+
     dtype = config_dtype(config)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    _rebuild_meta_buffers(model)
-    linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+    model = meta_model(config, dtype)
+    check_supported(model)
+    layout = checkpoint_layout(model)  # from the pristine transformers model, before any replacement
+    rename = forward_renamings(model)
+    materialise_buffers(model)
+    targets = resolve_targets(model, lora.target_modules)
+    wanted = set(targets) | set(resolve_targets(model, lora.quantize_modules))
+    head = output_head(model) if ALL_LINEAR in list(lora.target_modules) + list(lora.quantize_modules) else None
+    linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if is_linear(m)})
     found = set()
-    wanted = set(lora.target_modules) | set(lora.quantize_modules)
     for name, module in list(model.named_modules()):
         leaf = name.rsplit(".", 1)[-1]
-        if leaf in wanted and isinstance(module, nn.Linear):
+        if leaf in wanted and is_linear(module) and module is not head:
             found.add(leaf)
+            conv = isinstance(module, Conv1D)
+            in_f, out_f = (module.weight.shape[0], module.nf) if conv else (module.in_features, module.out_features)
             replacement = LoRALinear(
-                module.in_features,
-                module.out_features,
-                lora.rank if leaf in lora.target_modules else 0,
+                in_f,
+                out_f,
+                lora.rank if leaf in targets else 0,
                 lora.alpha,
                 lora.dropout,
                 lora.use_rslora,
                 bias=module.bias is not None,
                 dtype=dtype,
                 device="meta",
+                fan_in_fan_out=conv,
             )
             model.set_submodule(name, replacement)
     missing = [t for t in sorted(wanted) if t not in found]
     if missing:
-        raise SlimtuneError(f"target module(s) {missing} not found in {type(model).__name__}; its linear layers are {linears}")
+        others = sorted({type(m).__name__ for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in missing})
+        kind = f" (they are {others}, not linear layers)" if others else ""
+        raise SlimtuneError(
+            f"target module(s) {missing} not found in {family_name(config)} ({type(model).__name__}){kind}; "
+            f"its linear layers are {linears}, or use all-linear"
+        )
+    for name in fused_experts(model):
+        model.set_submodule(name, NF4Experts(model.get_submodule(name)))
+    model.slimtune_layout = layout
+    model.slimtune_targets = targets
+    model.slimtune_rename = rename
     return model
-
-
-def _rebuild_meta_buffers(model: nn.Module) -> None:
-    """Buffers computed in __init__ (rotary inv_freq) are empty on meta: rebuild their modules on CPU."""
-    for name, module in list(model.named_modules()):
-        if any(b.is_meta for b in module.buffers(recurse=False)):
-            config = getattr(module, "config", None)
-            if config is None:
-                bad = [n for n, b in module.named_buffers(recurse=False) if b.is_meta]
-                raise SlimtuneError(f"cannot materialise buffer(s) {bad} of {name or type(module).__name__}")
-            with torch.device("cpu"):
-                model.set_submodule(name, type(module)(config))
 
 
 def set_tensor(model: nn.Module, name: str, value: torch.Tensor, trainable: bool = False) -> None:
@@ -93,13 +118,11 @@ def init_lora(model: nn.Module, seed: int = 0, device: torch.device | str = "cpu
 
 
 def expected_checkpoint_keys(model: nn.Module) -> dict[str, tuple[torch.Size, torch.dtype]]:
-    """Names, shapes and dtypes the base checkpoint must provide (tied copies and adapters excluded)."""
-    keys = {}
-    for name, p in model.named_parameters():
-        if ".lora_a." in name or ".lora_b." in name:
-            continue
-        keys[name] = (p.shape, p.dtype)
-    return keys
+    """Names, shapes and dtypes the base checkpoint provides, in the family's published layout (tied
+    copies and adapters excluded)."""
+    dtypes = {name: p.dtype for name, p in model.named_parameters()}
+    dtype = config_dtype(model.config)
+    return {p.key: (torch.Size(p.shape), dtypes.get(p.param, dtype)) for p in model.slimtune_layout}
 
 
 def load_qlora_model(
@@ -108,13 +131,19 @@ def load_qlora_model(
     seed: int = 0,
     progress: bool = True,
 ) -> nn.Module:
-    """Load a local HF causal-LM checkpoint as a QLoRA model (NF4 targets + fresh LoRA adapters)."""
+    """Load a local HF causal-LM checkpoint as a QLoRA model (NF4 targets + fresh LoRA adapters).
+    Each tensor is read, converted as transformers converts it (renamed, or placed as rows of a fused
+    parameter), quantized when it is an NF4 weight, and dropped before the next one is read.
+
+    Example: ``model = load_qlora_model("path/to/Qwen3-0.6B", LoRAConfig(rank=16, alpha=32))``"""
     model_dir = Path(model_dir)
     lora = lora or LoRAConfig()
     config = load_config(model_dir)
+    model = build_qlora_skeleton(config, lora)  # an unsupported architecture fails here, before any file is read
     headers = checkpoint_files(model_dir)
-    model = build_qlora_skeleton(config, lora)
-    expected = expected_checkpoint_keys(model)
+    layout = {p.key: p for p in model.slimtune_layout}
+    by_param = {p.param: p for p in model.slimtune_layout if p.whole}
+    rename = model.slimtune_rename
     targets = {f"{name}.weight" for name in qlora_linears(model)}
     loaded: set[str] = set()
     total = sum(e.nbytes for h in headers for e in h.tensors.values())
@@ -122,26 +151,22 @@ def load_qlora_model(
         for header in headers:
             with SafetensorsReader(header.path) as reader:
                 for key, entry in reader.tensors.items():
-                    if key not in expected:
+                    place = layout.get(key)
+                    if place is None:  # the model's own names, or legacy names transformers renames on load
+                        renamed = rename(key)
+                        place = layout.get(renamed) or by_param.get(renamed)
+                    if place is None or place.key in loaded:
                         log.warning("%s: tensor %s is not used by %s; skipped", header.path, key, type(model).__name__)
                         bar.update(entry.nbytes)
                         continue
-                    shape, dtype = expected[key]
-                    if tuple(entry.shape) != tuple(shape):
-                        raise SlimtuneError(f"{header.path}: tensor {key} has shape {list(entry.shape)}, the model expects {list(shape)}")
-                    value = reader.read(key)
-                    if value.dtype != dtype:
-                        value = value.to(dtype)
-                    if key in targets:
-                        if can_quantize(value.shape):
-                            value = quantize_nf4(value)
-                        else:
-                            log.warning("%s: %s %s does not divide into NF4 blocks; kept in %s", header.path, key, list(value.shape), dtype)
-                    set_tensor(model, key, value)
-                    loaded.add(key)
+                    if tuple(entry.shape) != tuple(place.shape):
+                        expected = list(place.shape)
+                        raise SlimtuneError(f"{header.path}: tensor {key} has shape {list(entry.shape)}, the model expects {expected}")
+                    _place(model, place, reader.read(key), place.param in targets, header.path)
+                    loaded.add(place.key)
                     bar.update(entry.nbytes)
     tied = _tie_embeddings(model, config)
-    missing = sorted(set(expected) - loaded - tied)
+    missing = [p.key for p in model.slimtune_layout if p.key not in loaded and p.param not in tied]
     if missing:
         raise SlimtuneError(f"{model_dir}: checkpoint lacks tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     init_lora(model, seed)
@@ -149,6 +174,36 @@ def load_qlora_model(
         p.requires_grad_(".lora_a." in name or ".lora_b." in name)
     model.slimtune_source_dir = model_dir
     return model
+
+
+def _place(model: nn.Module, place: Placement, value: torch.Tensor, nf4_target: bool, path: Path) -> None:
+    """Put one checkpoint tensor where transformers' conversion puts it, in the model dtype."""
+    module_name, _, attr = place.param.rpartition(".")
+    module = model.get_submodule(module_name)
+    dtype = config_dtype(model.config)
+    if isinstance(module, NF4Experts):
+        module.add_piece(attr, place.row0, value.to(dtype) if value.dtype != dtype else value)
+        return
+    target = module._parameters.get(attr) if attr in module._parameters else module._buffers.get(attr)
+    if target is None and attr not in module._buffers:
+        raise SlimtuneError(f"model has no parameter {place.param}")
+    if value.dtype != target.dtype:
+        value = value.to(target.dtype)
+    if place.whole:
+        value = value.reshape(place.param_shape)
+        if nf4_target:
+            if can_quantize(value.shape):
+                value = quantize_nf4(value)
+            else:
+                log.warning("%s: %s %s does not divide into NF4 blocks; kept in %s", path, place.key, list(value.shape), value.dtype)
+        set_tensor(model, place.param, value)
+        return
+    if isinstance(module, LoRALinear):
+        raise SlimtuneError(f"{path}: {place.key} is part of linear {module_name}, which slimtune holds whole; not supported")
+    if target.is_meta:  # a parameter assembled from several checkpoint tensors: rows as they arrive
+        set_tensor(model, place.param, torch.empty(place.param_shape, dtype=target.dtype))
+        target = getattr(module, attr)
+    target.data.view(-1, place.cols)[place.row0 : place.row0 + place.num_rows] = value.reshape(-1, place.cols)
 
 
 def _tie_embeddings(model: nn.Module, config: PretrainedConfig) -> set[str]:

@@ -14,6 +14,7 @@ from torch import nn
 
 from slimtune.checkpoint.staging import to_host as plain_to_host
 from slimtune.errors import SlimtuneError
+from slimtune.families import NF4Experts
 from slimtune.formats.peft import PEFT_PREFIX
 from slimtune.formats.safetensors import dtype_size
 from slimtune.lora import LoRALinear, lora_modules, merge_lora_rows, qlora_linears
@@ -131,11 +132,20 @@ def merged_lora_source(name: str, module: LoRALinear, dtype: torch.dtype, to_hos
     """W + scale * B @ A (and DoRA's rescale) for a LoRA linear: fp32 math on the weight's device, one
     rounding to ``dtype``, then to the host. On an FSDP-sharded model each rank makes the rows it holds:
     its local NF4 rows dequantized, its rows of B, and A all-gathered (r x in, small) when the stream is
-    made, so every rank gathers the same tensors in the same order."""
+    made, so every rank gathers the same tensors in the same order. A fan_in_fan_out weight (Conv1D,
+    [in, out]) gets the transposed update: rows of (B @ A)^T are A[:, rows]^T @ B^T."""
+    shape = tuple(module.weight.shape)
     weight = LocalRows(name, module.weight)
     if module.lora_a is None:
-        return StreamTensor(name, (module.out_features, module.in_features), dtype, lambda s, e: to_host(weight(s, e), dtype))
+        return StreamTensor(name, shape, dtype, lambda s, e: to_host(weight(s, e), dtype))
     a = full_tensor(module.lora_a.weight)
+    if module.fan_in_fan_out:
+        bt = full_tensor(module.lora_b.weight).t().contiguous()
+
+        def rows_t(start: int, end: int) -> torch.Tensor:
+            return to_host(merge_lora_rows(weight(start, end), bt, a[:, start:end].t(), module.scaling), dtype)
+
+        return StreamTensor(name, shape, dtype, rows_t)
     b = LocalRows(name + " lora_B", module.lora_b.weight)
     magnitude = None if module.magnitude is None else LocalRows(name + " magnitude", module.magnitude)
 
@@ -144,30 +154,48 @@ def merged_lora_source(name: str, module: LoRALinear, dtype: torch.dtype, to_hos
         merged = merge_lora_rows(weight(start, end), a, b(start, end), module.scaling, m)
         return to_host(merged, dtype)
 
-    return StreamTensor(name, (module.out_features, module.in_features), dtype, rows)
+    return StreamTensor(name, shape, dtype, rows)
 
 
 def merged_tensor_stream(model: nn.Module, dtype: torch.dtype | None = None, to_host: ToHost = plain_to_host) -> list[StreamTensor]:
-    """The merged model, in Hugging Face names and parameter order; tied weights appear once.
+    """The merged model in the family's published layout (transformers' conversions reversed, as
+    save_pretrained writes it: per-expert MoE tensors, GPT-NeoX's embed_out); tied weights appear once.
     Chunks are computed where the model lives (CPU or GPU) and handed to the writer by ``to_host``."""
+    layout = getattr(model, "slimtune_layout", None)
+    if layout is None:
+        raise ValueError("model was not built by slimtune.model (no checkpoint layout)")
     loras = qlora_linears(model)
     stream: list[StreamTensor] = []
-    adapter_prefixes = tuple(f"{name}.{part}" for name in loras for part in ("lora_a.", "lora_b.", "magnitude"))
-    for name, param in model.named_parameters():
-        if name.startswith(adapter_prefixes):
-            continue  # folded into the merged weight
-        module_name, _, attr = name.rpartition(".")
-        module = loras.get(module_name)
-        if module is not None and attr == "weight":
-            stream.append(merged_lora_source(name, module, dtype or module.weight.dtype, to_host))
+    for place in layout:
+        module_name, _, attr = place.param.rpartition(".")
+        module = model.get_submodule(module_name)
+        if isinstance(module, LoRALinear) and attr == "weight":
+            src = merged_lora_source(place.key, loras[module_name], dtype or module.weight.dtype, to_host)
+        elif isinstance(module, NF4Experts):
+            src = _expert_source(module, attr, dtype or next(iter(module.pieces.values())).dtype, to_host)
         else:
-            stream.append(tensor_source(name, param, dtype, to_host))
-    for name, buf in model.named_buffers():
-        module_name, _, attr = name.rpartition(".")
-        owner = model.get_submodule(module_name)
-        if attr not in owner._non_persistent_buffers_set:
-            stream.append(tensor_source(name, buf, dtype, to_host))
+            data = getattr(module, attr).detach()
+            cast = dtype if data.is_floating_point() else None
+            src = tensor_source(place.key, data if place.whole or data.dim() < 2 else data.reshape(-1, data.shape[-1]), cast, to_host)
+        if not place.whole:
+            src = _rows_of(src, place)
+        stream.append(src)
     return stream
+
+
+def _expert_source(module: NF4Experts, attr: str, dtype: torch.dtype, to_host: ToHost) -> StreamTensor:
+    """A fused expert parameter viewed [E * rows, cols], from the pieces the experts layer holds."""
+    e, rows, cols = module.shapes[attr]
+    return StreamTensor(attr, (e * rows, cols), dtype, lambda s, t: to_host(module.rows(attr, s, t), dtype))
+
+
+def _rows_of(src: StreamTensor, place) -> StreamTensor:
+    """The rows of a parameter (``src``: its [-1, last dim] view) that one published tensor holds."""
+    r0, tail = place.row0, tuple(place.shape[1:])
+    if not place.shape:
+        return StreamTensor(place.key, (), src.dtype, lambda s, e: src.rows(r0, r0 + 1).reshape(()))
+    per = place.num_rows // place.shape[0]
+    return StreamTensor(place.key, tuple(place.shape), src.dtype, lambda s, e: src.rows(r0 + s * per, r0 + e * per).reshape(e - s, *tail))
 
 
 def adapter_tensor_stream(model: nn.Module) -> list[StreamTensor]:

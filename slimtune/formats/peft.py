@@ -95,6 +95,9 @@ def adapter_config_dict(model: nn.Module, base_model_name_or_path: str = "") -> 
         raise ValueError("model has no LoRA modules")
     first = modules[0]
     targets = sorted({name.rsplit(".", 1)[-1] for name in lora_modules(model)})
+    fan_in_fan_out = {getattr(m, "fan_in_fan_out", False) for m in modules}
+    if len(fan_in_fan_out) > 1:  # PEFT has one flag per adapter
+        raise SlimtuneError(f"adapters on both Conv1D and nn.Linear layers ({targets}) cannot be one PEFT adapter; target one kind")
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -106,7 +109,7 @@ def adapter_config_dict(model: nn.Module, base_model_name_or_path: str = "") -> 
         "use_dora": first.magnitude is not None,
         "target_modules": targets,
         "bias": "none",
-        "fan_in_fan_out": False,
+        "fan_in_fan_out": fan_in_fan_out.pop(),
         "modules_to_save": None,
         "rank_pattern": {},
         "alpha_pattern": {},

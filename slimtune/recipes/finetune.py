@@ -140,6 +140,7 @@ def run_finetune(cfg: Config, on_step: Callable[[dict], None] | None = None) -> 
     # --- Set-up 4: the model, NF4 base + fp32 adapters, in the compute dtype, on the device. ---
     lora = LoRAConfig(cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.use_rslora, list(cfg.lora.target_modules))
     model = load_qlora_model(model_dir, lora, seed=cfg.seed, progress=cfg.logging.progress_bar)
+    say(f"lora targets ({', '.join(lora.target_modules)}): {', '.join(model.slimtune_targets)}")
     base_dtype = config_dtype(model.config)
     cast_frozen(model, dtype)
     model.to(device)

@@ -176,8 +176,7 @@ def check_supported(model: nn.Module) -> None:
         elif any(p.dim() >= 3 for p in params.values()):
             shapes = {n: list(p.shape) for n, p in params.items()}
             raise SlimtuneError(
-                f"{name}: layer {mod_name} ({type(module).__name__}, {shapes}) is not supported; "
-                f"supported families: {supported_names()}"
+                f"{name}: layer {mod_name} ({type(module).__name__}, {shapes}) is not supported; supported families: {supported_names()}"
             )
 
 

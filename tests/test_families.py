@@ -212,3 +212,25 @@ def test_readme_family_table_comes_from_families():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert family_table() in readme
     assert all(f"| {f.name} |" in family_table() for f in FAMILIES)
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "gpt2"])
+def test_finetune_recipe_with_default_targets(model_type, tmp_path, capsys):
+    """`slimtune finetune` on a family's checkpoint with chat data and no target list: all-linear,
+    resolved and printed; the step checkpoint is in the family's published layout and reloads."""
+    family = family_of(model_type)
+    write_base(family, tmp_path / "base")
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": MESSAGES}) + "\n" for _ in range(4)))
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        f"output_dir: {tmp_path / 'run'}\nmodel:\n  path: {tmp_path / 'base'}\ndataset:\n  path: {data}\n"
+        "training:\n  batch_size: 2\n  max_steps: 2\nlogging:\n  progress_bar: false\n"
+    )
+    assert slimtune_main(["finetune", "--config", str(config)]) in (0, None)
+    out = capsys.readouterr().out
+    assert f"lora targets (all-linear): {', '.join(default_targets(model_type))}" in out
+    (ckpt,) = sorted((tmp_path / "run").glob("step-*"))
+    assert tensor_keys(ckpt) == tensor_keys(tmp_path / "base")
+    reloaded = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16)
+    assert type(reloaded).__name__ == type(AutoModelForCausalLM.from_config(tiny_config(family))).__name__

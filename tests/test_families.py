@@ -206,6 +206,20 @@ def test_unsupported_architecture_is_one_clear_error(tmp_path):
         load_qlora_model(tmp_path / "vit", LoRAConfig(), progress=False)
 
 
+def test_cli_error_for_a_non_linear_target_is_one_line_exit_2(tmp_path, capsys):
+    write_base(family_of("mixtral"), tmp_path / "base")
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"messages": MESSAGES}) + "\n")
+    code = slimtune_main(
+        ["finetune", "--config", "tiny", f"output_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'base'}"]
+        + [f"dataset.path={data}", "lora.target_modules=[q_proj, w1]", "logging.progress_bar=false"]
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "Mixtral" in err[0] and "['w1']" in err[0] and "no LoRA on experts" in err[0] and "all-linear" in err[0]
+    assert not list((tmp_path / "run").glob("step-*"))
+
+
 def test_readme_family_table_comes_from_families():
     from slimtune.families import family_table
 

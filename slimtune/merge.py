@@ -197,7 +197,9 @@ def merged_file_stream(
         else:
             raise SlimtuneError(f"adapter {adapter.path}: target module {key.rsplit('.', 1)[0]} is missing from base {base.dir}")
     frozen_nf4 = set()
-    if merge_base == "quantized":  # MoE experts were NF4 in training too (slimtune.families)
+    # MoE experts were NF4 in training too (slimtune.families); transformers is imported only for a base
+    # that has expert tensors at all
+    if merge_base == "quantized" and any(".experts." in k for k in base.keys):
         from slimtune.families import frozen_nf4_keys
         from slimtune.formats.hf import load_config
 

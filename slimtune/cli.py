@@ -1,13 +1,17 @@
-"""The `slimtune` command: one subcommand per job; every failure prints one clear line and exits 2."""
+"""The `slimtune` command: one subcommand per job. Exit statuses: 0 success, 1 `verify` found problems,
+2 bad input or environment (one line naming the file, key or tensor), 3 internal error (one line; the
+traceback with SLIMTUNE_DEBUG=1)."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import traceback
 from pathlib import Path
 
-from slimtune.errors import SlimtuneError
+from slimtune.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_OK, EXIT_PROBLEMS, REPORT_HINT, SlimtuneError
+from slimtune.formats.strict_json import safe_text
 
 
 def _quiet_transformers() -> None:
@@ -110,13 +114,23 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"FAIL {problem}")
     verdict = "OK" if report.ok else f"FAILED ({len(report.problems)} problems)"
     print(f"verify {args.path}: {report.files_checked} files checked against the manifest: {verdict}")
-    return 0 if report.ok else 1
+    return EXIT_OK if report.ok else EXIT_PROBLEMS
 
 
 def cmd_inspect(args: argparse.Namespace) -> None:
     from slimtune.inspect import inspect_path
 
     print("\n".join(inspect_path(args.path)))
+
+
+def _size(text: str) -> str:
+    from slimtune.memory import parse_size
+
+    try:
+        parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -187,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="merge into W itself (original, default) or into dequant(NF4(W)), the weights a QLoRA adapter was trained against",
     )
     merge.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="output dtype (default: the base's)")
-    merge.add_argument("--max-shard-size", default="5GB", help='largest shard (default "5GB", decimal units)')
+    merge.add_argument("--max-shard-size", default="5GB", type=_size, help='largest shard (default "5GB", decimal units)')
     merge.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the merge math runs (default: cpu)")
     merge.add_argument("--overwrite", action="store_true", help="replace an existing output directory (atomically, once complete)")
     merge.add_argument(
@@ -221,20 +235,51 @@ def _default_sigterm() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+def _one_line(text: str) -> str:
+    lines = [line.strip() for line in safe_text(text).splitlines() if line.strip()]
+    return " ".join(lines)[:2000] if lines else ""
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    _quiet_transformers()
+    """Run one subcommand; returns the exit status (0 ok, 1 verify found problems, 2 bad input or
+    environment, 3 internal error). Every failure is one line on stderr; no traceback unless
+    SLIMTUNE_DEBUG=1."""
+    for stream in (sys.stdout, sys.stderr):  # names with lone surrogates or odd bytes must still print
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
+    command = "slimtune"
     try:
-        code = args.func(args) or 0
+        args = build_parser().parse_args(argv)
+        command = f"slimtune {args.command}"
+        _quiet_transformers()
+        return args.func(args) or EXIT_OK
     except SlimtuneError as e:
         _default_sigterm()  # the job is over for this rank: a late SIGTERM from torchrun just ends it
         if os.environ.get("RANK", "0") == "0":  # one line per job: the coordinator speaks for every rank
-            print(f"slimtune {args.command}: error: {e}", file=sys.stderr)
-        return 2
+            print(f"{command}: error: {_one_line(str(e))}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
-        print(f"slimtune {args.command}: interrupted", file=sys.stderr)
+        print(f"{command}: interrupted", file=sys.stderr)
         return 130
-    return code
+    except SystemExit as e:  # argparse: usage errors are bad input (2), --help is success
+        return e.code if isinstance(e.code, int) else EXIT_BAD_INPUT
+    except MemoryError:
+        print(f"{command}: error: out of memory", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except OSError as e:  # the environment: disk full, read-only, permissions, missing files
+        where = f"{safe_text(str(e.filename))}: " if e.filename is not None else ""
+        print(f"{command}: error: {where}{_one_line(e.strerror or str(e))}", file=sys.stderr)
+        _debug_traceback()
+        return EXIT_BAD_INPUT
+    except Exception as e:  # noqa: BLE001 - anything else is a bug: one line, status 3
+        print(f"{command}: internal error: {type(e).__name__}: {_one_line(str(e))[:500]}; {REPORT_HINT}", file=sys.stderr)
+        _debug_traceback()
+        return EXIT_INTERNAL
+
+
+def _debug_traceback() -> None:
+    if os.environ.get("SLIMTUNE_DEBUG") == "1":
+        traceback.print_exc()
 
 
 if __name__ == "__main__":

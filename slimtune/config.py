@@ -261,9 +261,21 @@ def shipped_configs() -> list[str]:
 
 def read_config_source(path_or_name: str) -> tuple[str, dict]:
     """The raw YAML mapping of a config file, or of a shipped config by name."""
+    if "\x00" in path_or_name:
+        raise SlimtuneError(f"config path {path_or_name!r} contains a NUL byte")
     path = Path(path_or_name).expanduser()
+    if path.is_dir():
+        raise SlimtuneError(f"{path}: is a directory, expected a YAML config file")
     if path.is_file():
-        text, label = path.read_text(), str(path)
+        label = str(path)
+        try:
+            if path.stat().st_size > MAX_CONFIG_BYTES:
+                raise SlimtuneError(f"{path}: {path.stat().st_size:,} bytes; a config file may have at most {MAX_CONFIG_BYTES:,}")
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise SlimtuneError(f"{path}: not UTF-8 text (byte {e.start})") from None
+        except OSError as e:
+            raise SlimtuneError(f"{path}: cannot read: {e.strerror or e}") from None
     elif path_or_name in shipped_configs():
         text = (resources.files("slimtune") / "configs" / f"{path_or_name}.yaml").read_text()
         label = f"{path_or_name}.yaml"
@@ -271,10 +283,7 @@ def read_config_source(path_or_name: str) -> tuple[str, dict]:
         raise SlimtuneError(
             f"no config file {path_or_name!r}, and no shipped config of that name (shipped: {', '.join(shipped_configs())})"
         )
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise SlimtuneError(f"{label}: not valid YAML ({e})") from None
+    data = _safe_yaml(text, label)
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -305,11 +314,35 @@ def parse_override(text: str) -> tuple[str, Any]:
     if not sep or not key:
         raise SlimtuneError(f"override {text!r} must look like key=value (e.g. optimizer.lr=1e-4)")
     _check_known(key, f"override {text!r}")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError as e:
-        raise SlimtuneError(f"override {text!r}: value is not a YAML scalar ({e})") from None
+    value = _safe_yaml(raw, f"override {text!r}") if raw.strip() else None
     return key, value
+
+
+MAX_CONFIG_BYTES = 1024 * 1024
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def _safe_yaml(text: str, label: str) -> Any:
+    """yaml.safe_load, refusing what a config never needs and PyYAML handles badly: anchors and aliases
+    (exponential expansion), nesting deeper than 64, integers of thousands of digits."""
+    if _flow_depth(text) > 64:  # PyYAML's scanner is quadratic in flow nesting: refuse before it runs
+        raise SlimtuneError(f"{label}: YAML nested deeper than 64 levels")
+    try:
+        depth = 0
+        for event in yaml.parse(text, Loader=_LOADER):
+            if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
+                raise SlimtuneError(f"{label}: YAML anchors and aliases (& and *) are not allowed in a config")
+            if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+                depth += 1
+                if depth > 64:
+                    raise SlimtuneError(f"{label}: YAML nested deeper than 64 levels")
+            elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+                depth -= 1
+        return yaml.load(text, Loader=_LOADER)  # noqa: S506 - a safe loader (libyaml's when present)
+    except yaml.YAMLError as e:
+        raise SlimtuneError(f"{label}: not valid YAML ({' '.join(str(e).split())[:300]})") from None
+    except (ValueError, RecursionError, OverflowError) as e:  # e.g. int() of a 5,000-digit number
+        raise SlimtuneError(f"{label}: YAML value cannot be read ({type(e).__name__}: {str(e)[:200]})") from None
 
 
 def load_config(path_or_name: str, overrides: list[str] | tuple[str, ...] = (), values: dict[str, Any] | None = None) -> Config:
@@ -332,13 +365,22 @@ def validate(values: dict[str, Any], label: str = "config") -> Config:
     checked = {}
     for key in SCHEMA:
         checked[key.name] = _check_value(key, values.get(key.name, key.default), label)
-    output_dir = Path(checked["output_dir"]).expanduser().resolve()
-    checked["output_dir"] = str(output_dir)
-    for key in SCHEMA:
-        if key.kind == "path" and key.name != "output_dir" and checked[key.name] is not None:
-            checked[key.name] = _resolve(checked[key.name], output_dir)
-        if key.kind == "list[path]" and checked[key.name] is not None:
-            checked[key.name] = [_resolve(p, output_dir) for p in checked[key.name]]
+    try:
+        output_dir = Path(checked["output_dir"]).expanduser().resolve()
+        for parent in (output_dir, *output_dir.parents):
+            if parent.exists():
+                if not parent.is_dir():
+                    what = "output_dir" if parent == output_dir else f"output_dir's parent {parent}"
+                    raise SlimtuneError(f"{label}: config key 'output_dir' = {output_dir}: {what} exists and is not a directory")
+                break
+        checked["output_dir"] = str(output_dir)
+        for key in SCHEMA:
+            if key.kind == "path" and key.name != "output_dir" and checked[key.name] is not None:
+                checked[key.name] = _resolve(checked[key.name], output_dir)
+            if key.kind == "list[path]" and checked[key.name] is not None:
+                checked[key.name] = [_resolve(p, output_dir) for p in checked[key.name]]
+    except (OSError, RuntimeError, ValueError) as e:  # a name too long, a loop of links, ...
+        raise SlimtuneError(f"{label}: a path in the config cannot be used ({type(e).__name__}: {e})"[:400]) from None
     return Config(checked)
 
 
@@ -375,15 +417,21 @@ def _check_value(key: Key, value: Any, label: str) -> Any:
     elif key.kind == "int":
         if isinstance(value, bool) or not isinstance(value, int):
             raise _type_error(key, value, label, "an integer")
+        if not -(2**63) <= value < 2**64 or (key.name == "seed" and value < 0):
+            raise SlimtuneError(
+                f"{label}: config key {key.name!r} must be {'in [0, 2**64)' if key.name == 'seed' else 'a 64-bit integer'}, got {value}"
+            )
     elif key.kind == "float":
         if isinstance(value, str) and _NUMBER.match(value.strip()):
             value = float(value)  # PyYAML reads 1e-4 (no dot) as a string
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
             raise _type_error(key, value, label, "a number")
         value = float(value)
     elif key.kind in ("str", "path"):
         if not isinstance(value, str) or not value.strip():
             raise _type_error(key, value, label, "a non-empty string")
+        if "\x00" in value or not _encodable(value):
+            raise SlimtuneError(f"{label}: config key {key.name!r} holds a NUL byte or invalid Unicode")
     elif key.kind in ("list[str]", "list[path]"):
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
@@ -420,6 +468,32 @@ def _check_value(key: Key, value: Any, label: str) -> Any:
         except ValueError as e:
             raise SlimtuneError(f"{label}: config key {key.name!r}: {e}") from None
     return value
+
+
+_QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\']|\'\')*\'', re.S)
+
+
+def _flow_depth(text: str) -> int:
+    depth = deepest = 0
+    for ch in re.sub(r"[^\[\]{}]+", "", _QUOTED.sub("", text)):
+        depth = depth + 1 if ch in "[{" else max(0, depth - 1)
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond the float range
+        return False
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def _expected(key: Key) -> str:

@@ -3,14 +3,14 @@ for adapters r, alpha, targets, rsLoRA/DoRA), from headers only: nothing is load
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 
-from slimtune.checkpoint.atomic import MANIFEST_NAME
 from slimtune.errors import SlimtuneError
+from slimtune.formats.manifest import MANIFEST_NAME, read_manifest
 from slimtune.formats.peft import ADAPTER_CONFIG
 from slimtune.formats.safetensors import read_header
+from slimtune.formats.strict_json import load_json, safe_name
 
 
 def _human(n: float) -> str:
@@ -22,7 +22,7 @@ def _human(n: float) -> str:
 
 
 def describe_adapter(directory: Path) -> list[str]:
-    config = json.loads((directory / ADAPTER_CONFIG).read_text())
+    config = load_json(directory / ADAPTER_CONFIG, expect=dict, max_bytes=16 * 1024 * 1024, what=ADAPTER_CONFIG)
     lines = [
         f"adapter {directory}",
         f"  peft_type {config.get('peft_type')}  r {config.get('r')}  lora_alpha {config.get('lora_alpha')}  "
@@ -42,7 +42,7 @@ def describe_files(files: list[Path], root: Path) -> list[str]:
         header = read_header(path)
         lines.append(f"{path.relative_to(root) if path != root else path.name}  ({_human(path.stat().st_size)})")
         for name, e in header.tensors.items():
-            lines.append(f"  {name:64s} {e.type_name:5s} {str(list(e.shape)):20s} {e.nbytes:>14,d}")
+            lines.append(f"  {safe_name(name):64s} {e.type_name:5s} {str(list(e.shape)):20s} {e.nbytes:>14,d}")
             tensors, params, nbytes = tensors + 1, params + e.numel, nbytes + e.nbytes
             dtypes[e.type_name] += e.nbytes
     by_dtype = ", ".join(f"{d} {_human(b)}" for d, b in dtypes.most_common())
@@ -58,7 +58,7 @@ def inspect_path(path: str | Path) -> list[str]:
         raise SlimtuneError(f"{path}: no such file or directory")
     lines: list[str] = []
     if (path / MANIFEST_NAME).is_file():
-        manifest = json.loads((path / MANIFEST_NAME).read_text())
+        manifest = read_manifest(path)
         lines.append(f"slimtune checkpoint {path}: {len(manifest['files'])} files in the manifest ({manifest.get('kind', '?')})")
     for adapter_dir in (path, path / "adapter"):
         if (adapter_dir / ADAPTER_CONFIG).is_file():

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import os
+import re
 
 _MB = 1024 * 1024
 
@@ -54,22 +56,33 @@ def bytes_read_by_process() -> int:
 
 
 def parse_size(size: str | int) -> int:
-    """'5GB' -> 5_000_000_000 (decimal units, as Hugging Face shards), '512MiB' -> binary units."""
+    """'5GB' -> 5_000_000_000 (decimal units, as Hugging Face shards), '512MiB' -> binary units. A
+    positive, finite size of at most 2**63 bytes; anything else ('abc', 'nanGB', '1e400GB', '-1GB')
+    raises ValueError."""
+    if isinstance(size, bool) or not isinstance(size, (int, str)):
+        raise ValueError(f"cannot read size {size!r}: expected a number with an optional unit like '5GB'")
     if isinstance(size, int):
-        return size
-    text = size.strip().upper()
-    units = {"KIB": 1024, "MIB": _MB, "GIB": 1024**3, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
-    for unit, factor in units.items():
-        if text.endswith(unit):
-            number = text[: -len(unit)].strip()
-            try:
-                return int(float(number) * factor)
-            except ValueError:
+        value = size
+    else:
+        text = size.strip().upper()
+        units = {"KIB": 1024, "MIB": _MB, "GIB": 1024**3, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
+        factor, number = 1, text
+        for unit, f in units.items():
+            if text.endswith(unit):
+                factor, number = f, text[: -len(unit)].strip()
                 break
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"cannot read size {size!r}: expected a number with an optional unit like '5GB'") from None
+        if not _SIZE_NUMBER.fullmatch(number):
+            raise ValueError(f"cannot read size {size!r}: expected a number with an optional unit like '5GB'")
+        x = float(number) * factor
+        if not math.isfinite(x):
+            raise ValueError(f"size {size!r} is not a finite number of bytes")
+        value = int(x)
+    if not 0 < value <= 2**63:
+        raise ValueError(f"size {size!r}: expected a positive number of bytes (at most 2**63)")
+    return value
+
+
+_SIZE_NUMBER = re.compile(r"[0-9]{1,30}(\.[0-9]{0,30})?([eE][+-]?[0-9]{1,3})?")
 
 
 def cpu_count() -> int:

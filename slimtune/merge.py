@@ -23,6 +23,7 @@ from slimtune.formats.peft import Adapter, AdapterModule, SavedTensor, read_adap
 from slimtune.formats.safetensors import COMPUTE_DTYPES, SafetensorsReader
 from slimtune.formats.strict_json import safe_name
 from slimtune.lora import merge_lora_rows
+from slimtune.memory import parse_size
 
 log = logging.getLogger(__name__)
 
@@ -267,6 +268,10 @@ def merge_from_files(
     (sharded safetensors, index, config without quantization_config, tokenizer files, manifest).
     With ``ranks`` of a process group (``slimtune merge --nproc N``), every rank calls this and merges
     its row range of every tensor into the same files (see ``write_checkpoint``)."""
+    try:
+        parse_size(max_shard_size)
+    except ValueError as e:
+        raise SlimtuneError(f"max shard size: {e}") from None
     if merge_base not in ("original", "quantized"):
         raise SlimtuneError(f"merge base {merge_base!r}: expected 'original' or 'quantized'")
     if isinstance(dtype, str):

@@ -173,11 +173,16 @@ def _escape(text: str) -> str:
 
 @pytest.mark.parametrize(
     "raw, needle",
-    [("[]", "expected a JSON object, found array"), ('"x"', "found string"), ("null", "found null"), ("5", "found integer"),
-     ('{"r": NaN, "lora_alpha": 8, "target_modules": ["q_proj"]}', "NaN"),
-     ('{"r": 4, "lora_alpha": Infinity, "target_modules": ["q_proj"]}', "Infinity"),
-     ('{"r": 4, "lora_alpha": 1e400, "target_modules": ["q_proj"]}', "out of range"),
-     ('{"r": 4, "r": 8, "lora_alpha": 8, "target_modules": ["q_proj"]}', "duplicate key")],  # fmt: skip
+    [
+        ("[]", "expected a JSON object, found array"),
+        ('"x"', "found string"),
+        ("null", "found null"),
+        ("5", "found integer"),
+        ('{"r": NaN, "lora_alpha": 8, "target_modules": ["q_proj"]}', "NaN"),
+        ('{"r": 4, "lora_alpha": Infinity, "target_modules": ["q_proj"]}', "Infinity"),
+        ('{"r": 4, "lora_alpha": 1e400, "target_modules": ["q_proj"]}', "out of range"),
+        ('{"r": 4, "r": 8, "lora_alpha": 8, "target_modules": ["q_proj"]}', "duplicate key"),
+    ],  # fmt: skip
 )
 def test_malformed_adapter_config_json_is_refused(raw, needle, base_model, tiny_base, tmp_path):
     adapter = _plain(base_model, tmp_path)

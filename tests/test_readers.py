@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import struct
@@ -80,8 +81,11 @@ def _ref_dtype(name: str) -> str:
         ('{"\\ud800":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}', "surrogate"),
         ('{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"x":' + "[" * 1000 + "]" * 1000 + "}}", "nested deeper"),
         ('{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,0]}}', "contiguous"),
-        ('{"a":{"dtype":"F32","shape":[4611686018427387904,4,0],"data_offsets":[0,0]},"b":{"dtype":"F32","shape":[1],'
-         '"data_offsets":[0,4]}}', "overflows"),  # fmt: skip
+        (
+            '{"a":{"dtype":"F32","shape":[4611686018427387904,4,0],"data_offsets":[0,0]},"b":{"dtype":"F32","shape":[1],'
+            '"data_offsets":[0,4]}}',
+            "overflows",
+        ),  # fmt: skip
         ('{"a":{"dtype":"Q4","shape":[1],"data_offsets":[0,4]}}', "unknown dtype"),
     ],
 )
@@ -213,3 +217,101 @@ def test_header_length_limit_is_the_references(tmp_path):
     path.write_bytes(struct.pack("<Q", 100_000_001) + b"{}")
     with pytest.raises(SlimtuneError, match="over the format's limit"):
         read_header(path)
+
+
+# --- exit statuses -----------------------------------------------------------------------------------
+def _cli(argv, capsys):
+    from slimtune.cli import main
+
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_exit_status_2_one_line_for_bad_input_even_with_unprintable_names(tmp_path, capsys):
+    odd = tmp_path / os.fsdecode(b"bad\xff\xfe.safetensors")  # a name with undecodable bytes (lone surrogates)
+    odd.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}")
+    code, out, err = _cli(["inspect", odd], capsys)
+    assert code == 2 and err.startswith("slimtune inspect: error:") and len(err.strip().splitlines()) == 1
+    assert "Traceback" not in err
+    for size in ("abc", "nanGB", "1e400GB", "-5GB", "0"):
+        code, out, err = _cli(
+            ["merge", "--base", tmp_path, "--adapter", tmp_path, "--out", tmp_path / "o", "--max-shard-size", size], capsys
+        )
+        assert code == 2 and "max-shard-size" in err and "Traceback" not in err, (size, err)
+
+
+def test_exit_status_1_only_for_problems_found_and_3_for_internal_errors(tmp_path, capsys, monkeypatch):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    save_file({"w": torch.ones(2)}, ckpt / "model.safetensors")
+    (ckpt / "slimtune_manifest.json").write_text(
+        json.dumps({"format": "slimtune-checkpoint/1", "files": [{"path": "model.safetensors", "size": 1, "sha256": "0" * 64}]})
+    )
+    code, out, err = _cli(["verify", ckpt], capsys)
+    assert code == 1 and "FAIL" in out and "Traceback" not in out + err
+
+    import slimtune.inspect
+
+    def boom(path):
+        raise RuntimeError("unexpected\nsecond line")
+
+    monkeypatch.setattr(slimtune.inspect, "inspect_path", boom)
+    monkeypatch.delenv("SLIMTUNE_DEBUG", raising=False)
+    code, out, err = _cli(["inspect", ckpt], capsys)
+    assert code == 3 and len(err.strip().splitlines()) == 1 and "internal error: RuntimeError" in err and "report" in err
+    monkeypatch.setenv("SLIMTUNE_DEBUG", "1")
+    code, out, err = _cli(["inspect", ckpt], capsys)
+    assert code == 3 and "Traceback" in err
+
+
+def test_index_config_and_shard_faults_are_refused_before_anything_is_built(tmp_path):
+    from slimtune.formats.hf import checkpoint_files, load_config, read_config_dict
+
+    d = tmp_path / "m"
+    d.mkdir()
+    save_file({"a": torch.zeros(2)}, d / "one.safetensors")
+    save_file({"a": torch.ones(2)}, d / "two.safetensors")
+    with pytest.raises(SlimtuneError, match="tensor a is in both one.safetensors and two.safetensors"):
+        checkpoint_files(d)
+    index_faults = [
+        (None, "weight_map must be an object"),
+        ([], "weight_map must be"),
+        ({"a": 5}, "expected a file name"),
+        ({"a": "../x"}, "expected a file name"),
+        ({"a": "one.safetensors", "b": "one.safetensors"}, "does not hold it"),
+    ]
+    for weight_map, needle in index_faults:
+        (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        with pytest.raises(SlimtuneError, match=needle):
+            checkpoint_files(d)
+    (d / "config.json").mkdir()
+    with pytest.raises(SlimtuneError, match="not a regular file"):
+        read_config_dict(d)
+    (d / "config.json").rmdir()
+    good = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 300}
+    huge = {
+        "hidden_size": 131072,
+        "intermediate_size": 1 << 20,
+        "num_hidden_layers": 1024,
+        "vocab_size": 1 << 22,
+        "num_local_experts": 4096,
+    }
+    config_faults = [
+        ({"hidden_size": 10**9}, "hidden_size must be an integer in"),
+        ({"num_hidden_layers": 10**6}, "num_hidden_layers"),
+        ({"head_dim": 1e9}, "head_dim"),
+        ({"hidden_size": 0}, "hidden_size"),
+        ({"vocab_size": "300"}, "vocab_size"),
+        ({"num_attention_heads": True}, "num_attention_heads"),
+        ({"hidden_size": 65}, "not a multiple"),
+        ({"model_type": None}, "model_type"),
+        (huge, "parameters"),
+    ]
+    for change, needle in config_faults:
+        (d / "config.json").write_text(json.dumps({**good, **change}))
+        with pytest.raises(SlimtuneError, match=needle):
+            load_config(d)
+    (d / "config.json").write_text("[]")
+    with pytest.raises(SlimtuneError, match="expected a JSON object"):
+        load_config(d)

@@ -86,7 +86,7 @@ def load_bnb_weight(
         raise SlimtuneError(
             f"{where}: tensor {safe_name(key)}: 4-bit weight of shape {safe_name(repr(shape))[:80]}, expected 2 positive integers"
         )
-    if dtype_name not in _FLOAT_DTYPES:
+    if not isinstance(dtype_name, str) or dtype_name not in _FLOAT_DTYPES:
         raise SlimtuneError(f"{label}: dtype {safe_name(repr(dtype_name))[:40]}, expected one of {sorted(_FLOAT_DTYPES)}")
     shape, dtype = (shape[0], shape[1]), _FLOAT_DTYPES[dtype_name]
     numel = shape[0] * shape[1]

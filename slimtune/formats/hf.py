@@ -192,6 +192,13 @@ def read_index(index: str | Path) -> tuple[dict[str, str], int | None]:
     return weight_map, total
 
 
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError as e:  # a name too long for the filesystem, a loop of links, ...
+        raise SlimtuneError(f"{path}: cannot access: {e.strerror or e}") from None
+
+
 def checkpoint_files(model_dir: str | Path) -> list[SafetensorsHeader]:
     """Headers of the checkpoint's safetensors files, checked, in index order (or name order). With an
     index, every shard it names must exist and hold exactly the tensors it maps there; without one, no
@@ -202,7 +209,7 @@ def checkpoint_files(model_dir: str | Path) -> list[SafetensorsHeader]:
         weight_map, _ = read_index(index)
         names = list(dict.fromkeys(weight_map.values()))
         for name in names:
-            if not (model_dir / name).is_file():
+            if not _is_file(model_dir / name):
                 raise SlimtuneError(f"{index}: lists {safe_name(name)}, which is missing from {model_dir}")
         headers = [read_header(model_dir / name) for name in names]
         for h in headers:

@@ -1,0 +1,113 @@
+"""slimtune_manifest.json, the file that makes a directory a complete checkpoint: every file's relative
+path, size and sha256. One reader (checked field by field) and one checker for everyone: ``verify``,
+resume and the run directory's pruning all ask ``manifest_problems``.
+
+Example::
+
+    problems = manifest_problems(Path("run/step-000100"))  # [] when every byte is as recorded
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterable
+from pathlib import Path, PurePosixPath
+
+from tqdm.auto import tqdm
+
+from slimtune.errors import SlimtuneError
+from slimtune.formats.strict_json import json_kind, load_json, safe_name
+
+MANIFEST_NAME = "slimtune_manifest.json"
+MANIFEST_FORMAT = "slimtune-checkpoint/1"
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def sha256_file(path: str | Path, block: int = 8 * 1024 * 1024) -> str:
+    """The sha256 of a file, read in blocks (the one hashing helper; writers hash as they write)."""
+    h = hashlib.sha256()
+    buf = bytearray(block)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def sha256_bytes(data: bytes | str) -> str:
+    """The sha256 of bytes (a str as UTF-8): what the file holding them will hash to."""
+    return hashlib.sha256(data.encode("utf-8") if isinstance(data, str) else data).hexdigest()
+
+
+def read_manifest(directory: str | Path) -> dict:
+    """The manifest of a checkpoint directory, checked: the expected format, and ``files`` a list of
+    {path (relative, inside the directory), size (integer >= 0), sha256 (64 hex digits)}, no path twice."""
+    path = Path(directory) / MANIFEST_NAME
+    if not path.exists():
+        raise SlimtuneError(f"{directory}: no {MANIFEST_NAME}; not a complete slimtune checkpoint")
+    data = load_json(path, expect=dict, what="manifest")
+    if data.get("format") != MANIFEST_FORMAT:
+        raise SlimtuneError(f"{path}: format {safe_name(repr(data.get('format')))[:80]}, expected {MANIFEST_FORMAT!r}")
+    files = data.get("files")
+    if not isinstance(files, list):
+        raise SlimtuneError(f"{path}: files must be a list, found {json_kind(files)}")
+    seen = set()
+    for i, entry in enumerate(files):
+        if not isinstance(entry, dict):
+            raise SlimtuneError(f"{path}: files[{i}] must be an object, found {json_kind(entry)}")
+        rel, size, digest = entry.get("path"), entry.get("size"), entry.get("sha256")
+        if not isinstance(rel, str) or not _is_inside(rel):
+            raise SlimtuneError(
+                f"{path}: files[{i}].path must be a relative path inside the checkpoint, found {safe_name(repr(rel))[:120]}"
+            )
+        if rel in seen:
+            raise SlimtuneError(f"{path}: {safe_name(rel)} is listed twice")
+        seen.add(rel)
+        if type(size) is not int or size < 0:
+            raise SlimtuneError(f"{path}: files[{i}].size must be a non-negative integer, found {json_kind(size)}")
+        if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
+            raise SlimtuneError(f"{path}: files[{i}].sha256 must be 64 lowercase hex digits")
+    return data
+
+
+def _is_inside(rel: str) -> bool:
+    p = PurePosixPath(rel)
+    return bool(rel) and "\\" not in rel and "\x00" not in rel and not p.is_absolute() and ".." not in p.parts and rel == p.as_posix()
+
+
+def manifest_problems(directory: str | Path, only: Iterable[str] | None = None, progress: bool = False, extra: bool = True) -> list[str]:
+    """Every way the directory differs from its manifest: unreadable manifest, missing files, sizes and
+    sha256 (of the files in ``only``, or all), and (``extra``) files on disk the manifest does not list.
+    Empty when the checkpoint is exactly as written."""
+    directory = Path(directory)
+    try:
+        manifest = read_manifest(directory)
+    except SlimtuneError as e:
+        return [str(e)]
+    listed = {f["path"]: f for f in manifest["files"]}
+    problems = []
+    if extra:
+        on_disk = {p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST_NAME}
+        problems += [f"{directory / safe_name(rel)}: not listed in the manifest" for rel in sorted(on_disk - set(listed))]
+    wanted = sorted(listed) if only is None else list(only)
+    for rel in tqdm(wanted, desc="sha256", unit="file", disable=not progress):
+        entry = listed.get(rel)
+        path = directory / rel
+        try:
+            problems += _file_problems(path, entry)
+        except OSError as e:
+            problems.append(f"{path}: cannot read: {e.strerror or e}")
+    return problems
+
+
+def _file_problems(path: Path, entry: dict | None) -> list[str]:
+    if entry is None:
+        return [f"{path}: not listed in the manifest"]
+    if not path.is_file():
+        return [f"{path}: listed in the manifest but missing"]
+    if path.stat().st_size != entry["size"]:
+        return [f"{path}: {path.stat().st_size} bytes, the manifest says {entry['size']}"]
+    if sha256_file(path) != entry["sha256"]:
+        return [f"{path}: sha256 differs from the manifest (changed or corrupted bytes)"]
+    return []

@@ -1,0 +1,385 @@
+"""Seeded fuzzers for every reader slimtune owns, run in one process so the memory they cost can be
+measured: ``python -m tests.fuzz_readers --seed 0`` prints one JSON line of figures (cases per reader,
+refusals, unexpected exceptions, slowest case, peak RSS growth). tests/test_fuzz.py asserts on them.
+
+A case passes when the reader accepts the input or raises SlimtuneError; anything else (an exception of
+another type, a case slower than 10 s, memory growth beyond 256 MB from files under 1 MB) is a failure."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import yaml
+from safetensors.torch import save_file
+
+from slimtune.errors import SlimtuneError
+from tests.mutate import mutate_bytes, mutate_json, mutated_safetensors
+
+MODULES = [f"model.layers.{i}.{part}" for i in range(2) for part in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")]
+KINDS = {"": "LlamaForCausalLM", "model": "LlamaModel", "model.embed_tokens": "embedding", "lm_head": "linear"}
+KINDS.update({m: "linear" for m in MODULES})
+
+
+def _vm(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+class Runner:
+    def __init__(self):
+        self.stats: dict[str, dict[str, int]] = {}
+        self.failures: list[str] = []
+        self.slowest, self.slowest_reader = 0.0, ""
+        self.largest_input = 0
+
+    def case(self, reader: str, fn, size: int = 0) -> None:
+        s = self.stats.setdefault(reader, {"cases": 0, "accepted": 0, "refused": 0, "crashed": 0, "ms": 0})
+        s["cases"] += 1
+        self.largest_input = max(self.largest_input, size)
+        t = time.perf_counter()
+        try:
+            fn()
+            s["accepted"] += 1
+        except SlimtuneError as e:
+            s["refused"] += 1
+            str(e).encode("utf-8")  # the message itself must print
+        except BaseException as e:  # noqa: BLE001 - that is what a fuzzer looks for
+            s["crashed"] += 1
+            if len(self.failures) < 20:
+                self.failures.append(f"{reader}: {type(e).__name__}: {str(e)[:200]} | {traceback.format_exc().splitlines()[-3][:200]}")
+        took = time.perf_counter() - t
+        s["ms"] += took * 1000
+        if took > self.slowest:
+            self.slowest, self.slowest_reader = took, reader
+
+
+def fuzz_safetensors(run: Runner, rng: random.Random, tmp: Path, n: int) -> None:
+    from slimtune.formats.safetensors import SafetensorsReader
+
+    path = tmp / "f.safetensors"
+    for _ in range(n):
+        data = mutated_safetensors(rng)
+        path.write_bytes(data)
+
+        def read():
+            with SafetensorsReader(path) as r:  # every accepted tensor is read: allocation is bounded by the file
+                for name, e in r.tensors.items():
+                    if e.dtype is not None and e.nbytes:
+                        r.read(name)
+
+        run.case("safetensors", read, len(data))
+
+
+def _shards(tmp: Path) -> tuple[Path, dict]:
+    d = tmp / "sharded"
+    d.mkdir()
+    save_file({"a": torch.zeros(2, 2), "b": torch.ones(3)}, d / "model-00001-of-00002.safetensors")
+    save_file({"c": torch.zeros(4, dtype=torch.bfloat16)}, d / "model-00002-of-00002.safetensors")
+    shard1, shard2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    index = {"metadata": {"total_size": 36}, "weight_map": {"a": shard1, "b": shard1, "c": shard2}}
+    return d, index
+
+
+def fuzz_index(run: Runner, rng: random.Random, tmp: Path, n: int) -> None:
+    from slimtune.formats.hf import INDEX_NAME, checkpoint_files
+    from slimtune.verify import VerifyReport, check_safetensors_and_index
+
+    d, index = _shards(tmp)
+    for i in range(n):
+        text = mutate_json(index, rng).encode("utf-8", "surrogatepass")
+        if rng.random() < 0.2:
+            text = mutate_bytes(text, rng)
+        (d / INDEX_NAME).write_bytes(text)
+        run.case("index", lambda: checkpoint_files(d), len(text))
+        if i % 5 == 0:
+            run.case("index", lambda: check_safetensors_and_index(d, VerifyReport()), len(text))
+
+
+LLAMA_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300,
+                "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "head_dim": 16,
+                "rope_theta": 10000.0, "torch_dtype": "bfloat16"}  # fmt: skip
+
+
+def fuzz_config(run: Runner, rng: random.Random, tmp: Path, n: int) -> None:
+    from slimtune.formats.hf import load_config, read_config_dict
+
+    d = tmp / "cfg"
+    d.mkdir()
+    for i in range(n):
+        text = mutate_json(LLAMA_CONFIG, rng).encode("utf-8", "surrogatepass")
+        if rng.random() < 0.15:
+            text = mutate_bytes(text, rng)
+        (d / "config.json").write_bytes(text)
+        run.case("config.json", lambda: read_config_dict(d), len(text))
+        if i % 25 == 0:  # the full path: transformers' own checks
+            run.case("config.json", lambda: load_config(d), len(text))
+    shutil.rmtree(d / "config.json", ignore_errors=True)
+    (d / "config.json").unlink(missing_ok=True)
+    (d / "config.json").mkdir()
+    run.case("config.json", lambda: read_config_dict(d))
+
+
+def _adapter_dir(tmp: Path) -> Path:
+    from slimtune.formats.peft import lora_key
+
+    d = tmp / "adapter"
+    d.mkdir()
+    gen = torch.Generator().manual_seed(0)
+    tensors = {}
+    for m in MODULES:
+        tensors[lora_key(m, "lora_A")] = torch.randn(4, 64, generator=gen)
+        tensors[lora_key(m, "lora_B")] = torch.randn(64, 4, generator=gen)
+    tensors["base_model.model.lm_head.weight"] = torch.randn(300, 64, generator=gen)
+    save_file(tensors, d / "adapter_model.safetensors")
+    return d
+
+
+ADAPTER_CONFIG = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
+                  "target_modules": ["q_proj", "v_proj", "down_proj"], "bias": "none", "fan_in_fan_out": False,
+                  "use_rslora": False, "use_dora": False, "modules_to_save": ["lm_head"], "rank_pattern": {"q_proj": 4},
+                  "alpha_pattern": {"v_proj": 16}, "layers_to_transform": None, "layers_pattern": None,
+                  "init_lora_weights": True, "exclude_modules": None}  # fmt: skip
+
+
+def fuzz_adapter_config(run: Runner, rng: random.Random, tmp: Path, n: int) -> None:
+    from slimtune.formats.peft import read_adapter, resolve
+
+    d = _adapter_dir(tmp)
+    base_keys = {f"{m}.weight" for m in MODULES} | {"lm_head.weight", "model.embed_tokens.weight"}
+    for _ in range(n):
+        text = mutate_json(ADAPTER_CONFIG, rng).encode("utf-8", "surrogatepass")
+        if rng.random() < 0.15:
+            text = mutate_bytes(text, rng)
+        (d / "adapter_config.json").write_bytes(text)
+
+        def read():
+            adapter = read_adapter(d)
+            resolve(adapter, KINDS, "lm_head", base_keys)
+
+        run.case("adapter_config.json", read, len(text))
+
+
+def _random_object(rng: random.Random, depth: int = 0):
+    choice = rng.randrange(9 if depth < 3 else 5)
+    if choice == 0:
+        return torch.randn(rng.randint(0, 4), rng.randint(1, 8))
+    if choice == 1:
+        return rng.choice([0, -1, 2**70, 1.5, float("nan"), True, None, "x", b"\x00"])
+    if choice == 2:
+        return torch.zeros(2, dtype=rng.choice([torch.int64, torch.bool, torch.uint8, torch.float16, torch.complex64]))
+    if choice == 3:
+        return torch.tensor(float(rng.choice(["nan", "inf", "1.0"])))
+    if choice == 4:
+        return rng.choice(["base_model.model.m.lora_A.weight", "\ud800", ""])
+    if choice == 5:
+        return [_random_object(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+    if choice == 6:
+        return (_random_object(rng, depth + 1),)
+    q = "base_model.model.model.layers.0.self_attn.q_proj"
+    keys = [
+        f"{q}.lora_A.weight",
+        f"{q}.lora_B.weight",
+        f"{q}.lora_magnitude_vector",
+        "base_model.model.lm_head.weight",
+        "x",
+        1,
+        ("t",),
+        None,
+    ]
+    return {rng.choice(keys): _random_object(rng, depth + 1) for _ in range(rng.randint(0, 4))}
+
+
+def fuzz_bin_adapter(run: Runner, rng: random.Random, tmp: Path, n: int) -> None:
+    from slimtune.formats.peft import read_adapter
+
+    d = tmp / "bin_adapter"
+    d.mkdir()
+    (d / "adapter_config.json").write_text(json.dumps({**ADAPTER_CONFIG, "target_modules": ["q_proj"], "rank_pattern": {}}))
+    valid = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(4, 64),
+             "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.randn(64, 4)}  # fmt: skip
+    torch.save(valid, d / "adapter_model.bin")
+    valid_bytes = (d / "adapter_model.bin").read_bytes()
+    for _ in range(n):
+        r = rng.random()
+        if r < 0.6:
+            try:
+                torch.save(_random_object(rng, 2) if rng.random() < 0.3 else {**valid, **_random_object(rng, 2)}, d / "adapter_model.bin")
+            except Exception:  # noqa: BLE001 - an object torch cannot even save is no test case
+                continue
+        else:
+            (d / "adapter_model.bin").write_bytes(mutate_bytes(valid_bytes, rng))
+        run.case("adapter_model.bin", lambda: read_adapter(d), (d / "adapter_model.bin").stat().st_size)
+
+
+def fuzz_manifest(run: Runner, rng: random.Random, tmp: Path, n: int) -> None:
+    from slimtune.formats.manifest import MANIFEST_NAME, manifest_problems, read_manifest, sha256_file
+
+    d = tmp / "ckpt"
+    d.mkdir()
+    (d / "a.bin").write_bytes(b"hello")
+    (d / "sub").mkdir()
+    (d / "sub" / "b.json").write_text("{}")
+    manifest = {"format": "slimtune-checkpoint/1", "kind": "adapter", "files": [
+        {"path": "a.bin", "size": 5, "sha256": sha256_file(d / "a.bin")},
+        {"path": "sub/b.json", "size": 2, "sha256": sha256_file(d / "sub" / "b.json")}]}  # fmt: skip
+    for _ in range(n):
+        text = mutate_json(manifest, rng).encode("utf-8", "surrogatepass")
+        if rng.random() < 0.15:
+            text = mutate_bytes(text, rng)
+        (d / MANIFEST_NAME).write_bytes(text)
+        run.case("manifest", lambda: (read_manifest(d), manifest_problems(d)), len(text))
+
+
+def fuzz_yaml(run: Runner, rng: random.Random, tmp: Path, n: int) -> None:
+    from importlib import resources
+
+    from slimtune.config import load_config
+
+    seed = yaml.safe_load((resources.files("slimtune") / "configs" / "tiny.yaml").read_text())
+    seed["output_dir"] = str(tmp / "run")
+    path = tmp / "c.yaml"
+    extras = [
+        "a: &x [1, 2]\nb: *x\n",
+        "seed: " + "9" * 5000 + "\n",
+        "seed: 18446744073709551616\n",
+        "x: " + "[" * 500 + "]" * 500 + "\n",
+        "output_dir: " + str(path) + "\n",
+        "? [a]\n: b\n",
+        "\t\x00",
+        "seed: !!python/object:os.system ls\n",
+        "lora: {rank: 1e400}\n",
+    ]
+    for _ in range(n):
+        r = rng.random()
+        if r < 0.6:
+            text = _json_as_yaml(seed, rng)
+            if rng.random() < 0.5:
+                try:
+                    text = yaml.safe_dump(json.loads(text))
+                except (ValueError, RecursionError, yaml.YAMLError):
+                    pass
+        elif r < 0.85:
+            text = mutate_bytes(yaml.safe_dump(seed).encode(), rng).decode("utf-8", "replace")
+        else:
+            text = yaml.safe_dump(seed) + rng.choice(extras)
+        try:
+            path.write_text(text, encoding="utf-8", errors="surrogatepass")
+        except (UnicodeError, ValueError):
+            continue
+        run.case("yaml", lambda: load_config(str(path)), len(text))
+
+
+def _json_as_yaml(seed: dict, rng: random.Random) -> str:
+    try:
+        return mutate_json(seed, rng)  # JSON is YAML (mostly): NaN, huge numbers, duplicate keys, deep nesting
+    except (ValueError, RecursionError):
+        return "{}"
+
+
+def fuzz_quant_state(run: Runner, rng: random.Random, tmp: Path, n: int) -> None:
+    from slimtune.formats.bnb import QUANT_STATE_SUFFIX, load_bnb_weight
+
+    state = {"quant_type": "nf4", "blocksize": 64, "dtype": "bfloat16", "shape": [8, 64], "nested_blocksize": 256, "nested_offset": 0.1}
+    tensors = {"w.weight.absmax": torch.rand(8), "w.weight.quant_map": torch.linspace(-1, 1, 16)}
+    packed = torch.zeros(256, 1, dtype=torch.uint8)
+    for _ in range(n):
+        text = mutate_json(state, rng).encode("utf-8", "surrogatepass")
+        if rng.random() < 0.15:
+            text = mutate_bytes(text, rng)
+        small = dict(tensors)
+        small["w.weight" + QUANT_STATE_SUFFIX] = torch.tensor(list(text), dtype=torch.uint8)
+        if rng.random() < 0.2:
+            small["w.weight.absmax"] = torch.randint(0, 255, (8,), dtype=torch.uint8)
+            small["w.weight.nested_absmax"] = torch.rand(rng.choice([1, 2]))
+            small["w.weight.nested_quant_map"] = torch.rand(rng.choice([256, 16]))
+
+        def read_small(key, small=small):
+            if key not in small:
+                raise SlimtuneError(f"bitsandbytes tensor {key} is missing")
+            return small[key]
+
+        def load():
+            w = load_bnb_weight("w.weight", read_small, lambda a, b: packed.view(-1)[a:b], "fuzz.safetensors", rng.choice([256, 255, 128]))
+            w.rows(0, w.shape[0])
+
+        run.case("bnb quant state", load, len(text))
+
+
+FUZZERS = {
+    "safetensors": (fuzz_safetensors, 4000),
+    "index": (fuzz_index, 2000),
+    "config.json": (fuzz_config, 1500),
+    "adapter_config.json": (fuzz_adapter_config, 2000),
+    "adapter_model.bin": (fuzz_bin_adapter, 400),
+    "manifest": (fuzz_manifest, 1500),
+    "yaml": (fuzz_yaml, 600),
+    "bnb quant state": (fuzz_quant_state, 1500),
+}
+
+
+def _warm_up(tmp: Path) -> None:
+    """Import what the readers import lazily (transformers' config classes), so no case pays for it."""
+    from slimtune.formats.hf import load_config
+
+    d = tmp / "warm"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(LLAMA_CONFIG))
+    load_config(d)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply every fuzzer's case count")
+    args = parser.parse_args(argv)
+    import logging
+
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    logging.disable(logging.WARNING)  # readers log what PEFT would warn about; the figures are what counts here
+    run = Runner()
+    shm = Path("/dev/shm")  # memory-backed where there is one: the cases are tiny files written and read
+    tmp = Path(tempfile.mkdtemp(prefix="slimtune-fuzz-", dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None))
+    try:
+        _warm_up(tmp)
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here on
+        baseline = _vm("VmRSS")
+        start = time.perf_counter()
+        for i, (fn, n) in enumerate(FUZZERS.values()):
+            fn(run, random.Random(args.seed * 1000 + i), tmp, max(1, int(n * args.scale)))
+        seconds = time.perf_counter() - start
+        peak_growth = _vm("VmHWM") - baseline
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    result = {
+        "seed": args.seed,
+        "cases": sum(s["cases"] for s in run.stats.values()),
+        "crashed": sum(s["crashed"] for s in run.stats.values()),
+        "per_reader": run.stats,
+        "slowest_case_s": round(run.slowest, 3),
+        "slowest_reader": run.slowest_reader,
+        "seconds": round(seconds, 1),
+        "largest_input_bytes": run.largest_input,
+        "peak_rss_growth_mb": round(peak_growth / 2**20, 1),
+        "failures": run.failures,
+    }
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main()["crashed"] == 0 else 1)

@@ -21,7 +21,6 @@ file's columns to these keys first):
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from collections import Counter
@@ -33,6 +32,7 @@ from typing import Any
 import torch
 
 from slimtune.errors import SlimtuneError
+from slimtune.formats.manifest import sha256_bytes, sha256_file
 from slimtune.formats.strict_json import loads_json
 from slimtune.tiny import DEMO_TEXTS
 
@@ -153,14 +153,14 @@ def load_data(spec: DataSpec, tokenizer, rows: dict[str, list[dict]] | None = No
     if spec.packed:
         train, held_out = pack(train, spec.max_seq_len, spec.seed), pack(held_out, spec.max_seq_len, spec.seed)
     extra = f"|fraction={spec.eval_fraction!r}|packed={spec.packed}|inputs={spec.train_on_inputs}|columns={sorted(spec.columns.items())}"
-    sha = _sha_text(";".join(identity) + extra)
+    sha = sha256_bytes(";".join(identity) + extra)
     return Data(train, held_out, dropped, files, sha, shapes, documents)
 
 
 def _source(path: str, rows: dict[str, list[dict]]) -> tuple[Iterable[Record], str]:
     if path in rows and not Path(path).is_file():
-        return (Record(r, f"built-in dataset:{i + 1}") for i, r in enumerate(rows[path])), _sha_text(jsonl_text(rows[path]))
-    return read_rows(path), file_sha256(path)
+        return (Record(r, f"built-in dataset:{i + 1}") for i, r in enumerate(rows[path])), sha256_bytes(jsonl_text(rows[path]))
+    return read_rows(path), sha256_file(path)
 
 
 def _tokenize_all(
@@ -321,18 +321,6 @@ def _read_with_datasets(path: Path, kind: str) -> Iterator[Record]:
         raise SlimtuneError(f"{path}: cannot read as {kind} ({type(e).__name__}: {message})") from None
     if count == 0:
         raise SlimtuneError(f"{path}: no examples (the file is empty)")
-
-
-def file_sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _sha_text(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------------

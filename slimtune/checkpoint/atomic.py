@@ -13,7 +13,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -27,11 +26,9 @@ from pathlib import Path
 
 from slimtune.checkpoint.writer import FileRecord
 from slimtune.errors import SlimtuneError
+from slimtune.formats.manifest import MANIFEST_FORMAT, MANIFEST_NAME, read_manifest, sha256_file  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
-
-MANIFEST_NAME = "slimtune_manifest.json"
-MANIFEST_FORMAT = "slimtune-checkpoint/1"
 
 
 _TEMP = re.compile(r"^\.(.+)\.tmp-[0-9a-f]{8}$")
@@ -114,35 +111,12 @@ def write_manifest(directory: Path, records: list[FileRecord], extra: dict | Non
     fsync_dir(directory)
 
 
-def read_manifest(directory: Path) -> dict:
-    path = Path(directory) / MANIFEST_NAME
-    if not path.is_file():
-        raise SlimtuneError(f"{directory}: no {MANIFEST_NAME}; not a complete slimtune checkpoint")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise SlimtuneError(f"{path}: not valid JSON ({e})") from None
-    if data.get("format") != MANIFEST_FORMAT:
-        raise SlimtuneError(f"{path}: format {data.get('format')!r}, expected {MANIFEST_FORMAT!r}")
-    return data
-
-
 def is_complete_checkpoint(directory: Path) -> bool:
     try:
         read_manifest(directory)
         return True
     except SlimtuneError:
         return False
-
-
-def sha256_file(path: Path, block: int = 8 * 1024 * 1024) -> str:
-    h = hashlib.sha256()
-    buf = bytearray(block)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
 
 
 def _exchange(a: Path, b: Path) -> bool:

@@ -36,10 +36,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from slimtune.checkpoint.atomic import MANIFEST_NAME, is_complete_checkpoint, os_errors, read_manifest, reclaim_leftovers, sha256_file
+from slimtune.checkpoint.atomic import MANIFEST_NAME, is_complete_checkpoint, os_errors, reclaim_leftovers
 from slimtune.checkpoint.save import ADAPTER_DIR, ExtraFile, SaveResult, save_checkpoint
 from slimtune.config import KEYS, PLACEHOLDER, Config
 from slimtune.errors import SlimtuneError
+from slimtune.formats.manifest import manifest_problems
 from slimtune.formats.peft import ADAPTER_WEIGHTS
 
 STATE_NAME = "recipe_state.pt"
@@ -262,13 +263,14 @@ def checkpoint_problem(path: Path) -> str | None:
     state and adapter must match the sizes and hashes the manifest recorded."""
     if not is_complete_checkpoint(path):
         return f"incomplete (no {MANIFEST_NAME})"
-    files = {f["path"]: f for f in read_manifest(path)["files"]}
     for name in (STATE_NAME, f"{ADAPTER_DIR}/{ADAPTER_WEIGHTS}"):
-        entry, file = files.get(name), path / name
-        if entry is None or not file.is_file():
-            return f"no {name}"
-        if file.stat().st_size != entry["size"] or sha256_file(file) != entry["sha256"]:
-            return f"{name} does not match its manifest entry"
+        problems = manifest_problems(path, only=[name], extra=False)
+        if problems:
+            return (
+                f"no {name}"
+                if problems[0].endswith(("missing", "not listed in the manifest"))
+                else f"{name} does not match its manifest entry"
+            )
     return None
 
 

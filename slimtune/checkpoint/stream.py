@@ -15,7 +15,7 @@ from torch import nn
 from slimtune.checkpoint.staging import to_host as plain_to_host
 from slimtune.errors import SlimtuneError
 from slimtune.families import NF4Experts
-from slimtune.formats.peft import PEFT_PREFIX
+from slimtune.formats.peft import lora_key
 from slimtune.formats.safetensors import dtype_size
 from slimtune.lora import LoRALinear, lora_modules, merge_lora_rows, qlora_linears
 from slimtune.quant import is_nf4
@@ -202,8 +202,8 @@ def adapter_tensor_stream(model: nn.Module) -> list[StreamTensor]:
     """The adapters under PEFT's key names, in their training dtype (fp32)."""
     stream = []
     for name, module in lora_modules(model).items():
-        stream.append(tensor_source(f"{PEFT_PREFIX}{name}.lora_A.weight", module.lora_a.weight))
-        stream.append(tensor_source(f"{PEFT_PREFIX}{name}.lora_B.weight", module.lora_b.weight))
+        stream.append(tensor_source(lora_key(name, "lora_A"), module.lora_a.weight))
+        stream.append(tensor_source(lora_key(name, "lora_B"), module.lora_b.weight))
         if module.magnitude is not None:
-            stream.append(tensor_source(f"{PEFT_PREFIX}{name}.lora_magnitude_vector", module.magnitude))
+            stream.append(tensor_source(lora_key(name, "magnitude"), module.magnitude))
     return stream

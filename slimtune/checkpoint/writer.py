@@ -24,6 +24,7 @@ from slimtune.checkpoint.stream import StreamTensor, row_chunks
 from slimtune.distributed import SINGLE, Ranks
 from slimtune.errors import SlimtuneError
 from slimtune.formats.hf import INDEX_NAME, index_dict
+from slimtune.formats.manifest import sha256_bytes
 from slimtune.formats.safetensors import tensor_bytes
 from slimtune.memory import parse_size
 
@@ -326,7 +327,7 @@ def write_json(path: Path, data: object) -> FileRecord:
         f.write(raw)
         f.flush()
         os.fsync(f.fileno())
-    return FileRecord(path.name, len(raw), hashlib.sha256(raw).hexdigest())
+    return FileRecord(path.name, len(raw), sha256_bytes(raw))
 
 
 def write_sharded(out_dir: Path, stream: list[StreamTensor], options: WriteOptions = WriteOptions()) -> list[FileRecord]:

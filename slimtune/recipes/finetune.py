@@ -55,7 +55,7 @@ from slimtune.data import (
 from slimtune.errors import SlimtuneError
 from slimtune.formats.hf import load_config as load_hf_config
 from slimtune.formats.hf import tokenizer_files
-from slimtune.formats.peft import ADAPTER_WEIGHTS, PEFT_PREFIX
+from slimtune.formats.peft import ADAPTER_WEIGHTS, lora_key
 from slimtune.generate import FORMAT_NAME, format_record, prompt_format_of
 from slimtune.lora import LoRAConfig, lora_modules, lora_parameters
 from slimtune.memory import peak_rss_mb, reset_peak_rss, rss_mb
@@ -396,7 +396,7 @@ def load_adapter_weights(model: nn.Module, path: Path) -> None:
     with torch.no_grad():
         for name, module in lora_modules(model).items():
             for attr, peft_name in (("lora_a", "lora_A"), ("lora_b", "lora_B")):
-                key = f"{PEFT_PREFIX}{name}.{peft_name}.weight"
+                key = lora_key(name, peft_name)
                 if key not in tensors:
                     raise SlimtuneError(f"{path}: no tensor {key}")
                 getattr(module, attr).weight.copy_(tensors[key])

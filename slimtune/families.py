@@ -296,10 +296,16 @@ def checkpoint_layout(model: nn.Module) -> list[Placement]:
 def forward_renamings(model: nn.Module):
     """transformers' load-time renamings (legacy names included), for checkpoints not in the published layout."""
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightRenaming, apply_renamings
+    from transformers.core_model_loading import WeightRenaming
 
     renamings = [c for c in get_model_conversion_mapping(model) if isinstance(c, WeightRenaming)]
-    return lambda key: apply_renamings(key, renamings)
+
+    def rename(key: str) -> str:  # each renaming in turn, as from_pretrained does (apply_renamings, 5.2x only)
+        for renaming in renamings:
+            key, _ = renaming.rename_source_key(key)
+        return key
+
+    return rename
 
 
 def _numel(shape) -> int:

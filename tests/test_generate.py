@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import io
 import json
+import math
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from slimtune.cli import main
@@ -36,16 +38,41 @@ def demo_checkpoint(tmp_path_factory) -> Path:
     return result.checkpoint
 
 
+def _bf16_ulp(x: float) -> float:
+    return 2.0 ** (math.floor(math.log2(max(abs(x), 2**-30))) - 7)
+
+
 def test_greedy_is_equal_on_merged_and_adapter_on_nf4_base(demo_checkpoint):
+    """The two forms differ only by the one bf16 rounding of each merged weight, so their greedy tokens are
+    the same except where the top two logits are that close (a near-tie). Stepped together on the merged
+    form's choices: every step agrees, or both forms rank the two tokens within 4 bf16 ulps of each other."""
     merged = load_for_generation(demo_checkpoint, form="merged", device="cpu")
     adapter = load_for_generation(demo_checkpoint, form="adapter", device="cpu")
     assert (merged.form, adapter.form) == ("merged", "adapter") and merged.prompt_format == "chat"
     greedy = SamplingOptions(max_new_tokens=24, temperature=0.0)
+    steps, ties = 0, 0
     for prompt in ("Can training resume?", "Is the adapter loadable?", "What is written last in a checkpoint?"):
         ids = prompt_ids(merged, prompt=prompt)
         assert ids == prompt_ids(adapter, prompt=prompt)
         a, b = generate(merged, ids, greedy), generate(adapter, ids, greedy)
-        assert a == b and len(a) > 0
+        assert len(a) > 0 and len(b) > 0
+        seq, clear = list(ids), True
+        with torch.no_grad():
+            for _ in range(greedy.max_new_tokens):
+                lm = merged.model(torch.tensor([seq])).logits[0, -1].float()
+                la = adapter.model(torch.tensor([seq])).logits[0, -1].float()
+                tm, ta = int(lm.argmax()), int(la.argmax())
+                top2 = lm.topk(2).values
+                clear = clear and float(top2[0] - top2[1]) > 8 * _bf16_ulp(float(lm.abs().max()))
+                steps += 1
+                if tm != ta:
+                    gap = max(float(lm[tm] - lm[ta]), float(la[ta] - la[tm]))
+                    assert gap <= 4 * _bf16_ulp(float(lm.abs().max())), f"{prompt!r}: forms disagree by {gap} at step {len(seq) - len(ids)}"
+                    ties += 1
+                seq.append(tm)
+        if clear:  # no near-tie anywhere on the way: generate() (with its KV cache) gives the same text on both forms
+            assert a == b, prompt
+    assert ties <= steps // 8, f"{ties} near-ties in {steps} steps"
 
 
 def test_sampling_is_deterministic_with_a_seed(demo_checkpoint):

@@ -23,18 +23,27 @@ def bf16_ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def assert_within_one_ulp(cpu: dict, gpu: dict) -> None:
-    # GPU and CPU sum the r products of B @ A in different orders: the fp32 result may differ in its
-    # last bits, which can move the single bf16 rounding by one unit, never more.
+    """GPU and CPU sum the r products of B @ A in different orders: the fp32 result may differ in its last
+    bits, which can move the single bf16 rounding by one unit. Where base and delta almost cancel, the
+    result is far smaller than its terms and those fp32 bits are several of its own bf16 units: there the
+    difference must stay within a few fp32 units of the tensor's scale (a wrong merge is off by the delta)."""
     assert cpu.keys() == gpu.keys()
-    worst, moved, total = 0, 0, 0
+    worst, moved, total, cancel = 0, 0, 0, 0
     for name in cpu:
         d = bf16_ulp_distance(cpu[name], gpu[name])
-        worst, moved, total = max(worst, int(d.max())), moved + int((d > 0).sum()), total + d.numel()
-        assert int(d.max()) <= 1, f"{name}: {int(d.max())} bf16 ulps apart, {int((d > 1).sum())} elements > 1 ulp"
-    print(f"GPU vs CPU: max {worst} bf16 ulp, {moved} of {total} elements moved by one")
+        scale = float(cpu[name].float().abs().max())
+        close = (cpu[name].float() - gpu[name].float()).abs() <= scale * 2**-18
+        bad = (d > 1) & ~close
+        worst, moved, total, cancel = max(worst, int(d.max())), moved + int((d > 0).sum()), total + d.numel(), cancel + int((d > 1).sum())
+        assert not bool(bad.any()), f"{name}: {int(bad.sum())} elements more than 1 bf16 ulp and 2**-18 of the scale apart"
+    print(f"GPU vs CPU: {moved} of {total} elements moved by one bf16 ulp, {cancel} near-cancellations further (max {worst} ulps)")
 
 
 def test_ulp_distance_counts_units():
+    a = {"w": torch.tensor([0.02, 1e-6], dtype=torch.bfloat16)}
+    with pytest.raises(AssertionError):  # off by a LoRA-sized delta: caught
+        assert_within_one_ulp(a, {"w": torch.tensor([0.021, 1e-6], dtype=torch.bfloat16)})
+    assert_within_one_ulp(a, {"w": torch.tensor([0.02, 1.03e-6], dtype=torch.bfloat16)})  # a cancellation: fine
     one = torch.tensor([1.0, -1.0, 0.0], dtype=torch.bfloat16)
     nxt = torch.tensor([1.0078125, -1.0078125, -0.0], dtype=torch.bfloat16)  # 1 + 2**-7: one bf16 ulp up
     assert bf16_ulp_distance(one, nxt).tolist() == [1, 1, 0]

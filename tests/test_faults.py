@@ -385,3 +385,33 @@ def test_leftovers_of_dead_writers_go_and_a_live_writer_keeps_its_own(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [".older.tmp-89abcdef", ".user.tmp-notmine", "new"]  # lockless: maybe not ours
     CheckpointManager(tmp_path).remove_leftovers()  # in a run directory those names are slimtune's
     assert sorted(p.name for p in tmp_path.iterdir()) == [".user.tmp-notmine", "new"]
+
+
+def test_a_fresh_run_that_fails_before_its_first_checkpoint_leaves_nothing(tmp_path):
+    """The embedded base and the built-in data are written, then the model load fails (no such target):
+    the run's own directory goes, a directory the user had keeps only what it held, and a base written
+    outside it goes too. Once a checkpoint exists, a later failure keeps the run directory."""
+    from slimtune.config import load_config
+    from slimtune.recipes.finetune import run_finetune
+
+    bad = {"lora.target_modules": ["no_such_proj"], "logging.progress_bar": False}
+    fresh = tmp_path / "fresh" / "run"
+    with pytest.raises(SlimtuneError, match="no_such_proj"):
+        run_finetune(load_config("tiny", values={**bad, "output_dir": str(fresh)}))
+    assert not fresh.exists()
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    outside = tmp_path / "elsewhere" / "base"
+    with pytest.raises(SlimtuneError, match="no_such_proj"):
+        run_finetune(load_config("tiny", values={**bad, "output_dir": str(mine), "model.path": str(outside)}))
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"] and not outside.exists()
+
+    done = tmp_path / "done"
+    ok = {"output_dir": str(done), "logging.progress_bar": False, "training.max_steps": 2, "checkpoint.save_every_n_steps": 2}
+    run_finetune(load_config("tiny", values=ok))
+    kept = sorted(p.name for p in done.iterdir())
+    with pytest.raises(SlimtuneError):
+        run_finetune(load_config("tiny", values={**ok, **bad, "resume": True, "training.max_steps": 4}))
+    assert sorted(p.name for p in done.iterdir()) == kept

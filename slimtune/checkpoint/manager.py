@@ -209,6 +209,53 @@ class CheckpointManager:
         return removed
 
 
+class CreatedByRun:
+    """What a fresh run adds: ``out`` itself or its new entries, and the embedded base or built-in data
+    where they lie outside it. ``undo()`` removes them when the run fails before its first complete
+    checkpoint, so a failed command leaves nothing behind; once a checkpoint exists the run directory is
+    resumable state and stays as it is. A directory that held a complete checkpoint before is never touched,
+    nor is a checkpoint set aside as damaged.
+
+    Example::
+
+        created = CreatedByRun(out, [model_dir, dataset_path])
+        try:
+            train()
+        except BaseException:
+            created.undo(print)
+            raise
+    """
+
+    def __init__(self, out: Path, others: list[Path]):
+        self.out = Path(out)
+        self.existed = self.out.exists()
+        self.entries = set(os.listdir(self.out)) if self.out.is_dir() else set()
+        self.had_checkpoint = any(is_complete_checkpoint(p) for _, p in CheckpointManager(self.out).step_dirs())
+        self.others = [Path(p) for p in others if not Path(p).exists() and not Path(p).is_relative_to(self.out)]
+
+    def undo(self, log: Callable[[str], None]) -> None:
+        if self.had_checkpoint or any(is_complete_checkpoint(p) for _, p in CheckpointManager(self.out).step_dirs()):
+            return
+        if not self.existed:
+            doomed = [self.out]
+        elif self.out.is_dir():
+            doomed = [self.out / n for n in os.listdir(self.out) if n not in self.entries and ".damaged-" not in n]
+        else:
+            doomed = []
+        doomed += self.others
+        removed = []
+        for path in doomed:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+            if not path.exists():
+                removed.append(path.name)
+        if removed:
+            log(f"the run failed before its first checkpoint: removed what it created ({', '.join(sorted(removed))})")
+
+
 def portable_config(values: dict) -> dict:
     """Config values with paths under output_dir written as ``{output_dir}/...``: what a checkpoint stores
     and what resume compares, so a run directory that was moved still resumes."""

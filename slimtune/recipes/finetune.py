@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 
 from slimtune.card import CardFacts, model_card
 from slimtune.checkpoint.atomic import os_errors
-from slimtune.checkpoint.manager import STATE_FORMAT, CheckpointManager, MetricsLog, SaveOptions, rng_state, set_rng_state
+from slimtune.checkpoint.manager import STATE_FORMAT, CheckpointManager, CreatedByRun, MetricsLog, SaveOptions, rng_state, set_rng_state
 from slimtune.checkpoint.save import ADAPTER_DIR, DTYPES, SaveResult
 from slimtune.config import Config
 from slimtune.data import (
@@ -85,7 +85,17 @@ class FinetuneResult:
 
 
 def run_finetune(cfg: Config, on_step: Callable[[dict], None] | None = None) -> FinetuneResult:
-    """Train LoRA adapters on a QLoRA model as ``cfg`` says; ``on_step`` sees each step's metrics record."""
+    """Train LoRA adapters on a QLoRA model as ``cfg`` says; ``on_step`` sees each step's metrics record.
+    A fresh run that fails before its first checkpoint leaves nothing behind (CreatedByRun)."""
+    created = CreatedByRun(Path(cfg.output_dir), [Path(cfg.model.path), Path(cfg.dataset.path)])
+    try:
+        return _finetune(cfg, on_step)
+    except BaseException:
+        created.undo(say)
+        raise
+
+
+def _finetune(cfg: Config, on_step: Callable[[dict], None] | None) -> FinetuneResult:
     out = Path(cfg.output_dir)
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)

@@ -131,7 +131,7 @@ def write_synthetic_base(config: LlamaConfig, out_dir: Path, max_shard_size: str
     ]
     with atomic_directory(out_dir, overwrite=True) as tmp:
         write_sharded(tmp, stream, WriteOptions(max_shard_size=max_shard_size))
-        write_json(tmp / "config.json", export_config_dict(config, "bfloat16"))
+        write_json(tmp / "config.json", export_config_dict(config, stream))
     return out_dir
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from slimtune.checkpoint.save import DTYPE_NAMES, DTYPES, SaveResult, write_checkpoint
+from slimtune.checkpoint.save import DTYPES, SaveResult, write_checkpoint
 from slimtune.checkpoint.staging import BufferPool, pool_for
 from slimtune.checkpoint.staging import to_host as plain_to_host
 from slimtune.checkpoint.stream import StreamTensor, ToHost
@@ -18,7 +18,7 @@ from slimtune.checkpoint.writer import DEFAULT_CHUNK_BYTES, DEFAULT_INFLIGHT_BYT
 from slimtune.distributed import SINGLE, Ranks
 from slimtune.errors import SlimtuneError
 from slimtune.formats.bnb import BnbNF4Weight, aux_owner, is_aux_key, load_bnb_weight
-from slimtune.formats.hf import checkpoint_files, module_kinds, read_config_dict
+from slimtune.formats.hf import checkpoint_files, export_config_dict, module_kinds, read_config_dict
 from slimtune.formats.peft import Adapter, AdapterModule, SavedTensor, read_adapter, resolve
 from slimtune.formats.safetensors import COMPUTE_DTYPES, SafetensorsReader
 from slimtune.formats.strict_json import safe_name
@@ -290,16 +290,10 @@ def merge_from_files(
     try:
         adapter = read_adapter(adapter_dir)
         stream = merged_file_stream(base, adapter, dtype, merge_base, chunk_bytes, device, pool.to_host)
-        config = {k: v for k, v in base.config.items() if k not in ("quantization_config", "_name_or_path")}
-        floats = [t.dtype for t in stream if t.dtype in COMPUTE_DTYPES]
-        if floats:
-            config["torch_dtype"] = config["dtype"] = DTYPE_NAMES.get(dtype or floats[0], str(floats[0]))
-        if OUTPUT_EMBEDDING in {t.name for t in stream} and config.get("tie_word_embeddings"):
-            config["tie_word_embeddings"] = False
         return write_checkpoint(
             out_dir,
             merged=stream,
-            config=config,
+            config=export_config_dict(base.config, stream),
             tokenizer_dir=base.dir,
             options=WriteOptions(max_shard_size, overwrite, chunk_bytes, inflight_bytes, progress),
             manifest_extra={"kind": "merged", "merge_base": merge_base, "base": str(Path(base_dir)), "adapter": str(adapter.path)},

@@ -3,8 +3,9 @@ a tiny random model written by transformers with a chat-template tokenizer, load
 default targets (all-linear), trained two steps, saved; then the oracles are transformers and PEFT
 themselves: (a) the merged save reloads in plain transformers with the in-memory model's logits, (b) PEFT
 applies the adapter to the NF4-round-tripped base with the same logits, (c) the same greedy tokens,
-(d) `slimtune merge --merge-base quantized` is bit-identical to the in-training merged save, (e) the
-merged and adapter keys are the ones transformers' save_pretrained and PEFT's save_pretrained write."""
+(d) `slimtune merge --merge-base quantized` is bit-identical to the in-training merged save (every tensor
+and every file both write), (e) the merged and adapter keys are the ones transformers' save_pretrained
+and PEFT's save_pretrained write."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
+from slimtune.checkpoint.atomic import read_manifest
 from slimtune.checkpoint.save import save_checkpoint
 from slimtune.cli import main as slimtune_main
 from slimtune.errors import SlimtuneError
@@ -175,6 +177,12 @@ def test_family_end_to_end(family, tmp_path):
     assert set(offline) == set(saved)
     for k, t in saved.items():
         assert t.dtype == offline[k].dtype and torch.equal(t.view(torch.uint8), offline[k].view(torch.uint8)), k
+    # ... and so is every file both write (shards, index, config, tokenizer): one order, one config rule
+    offline_files, saved_files = (
+        {f["path"]: f["sha256"] for f in read_manifest(d)["files"]} for d in (tmp_path / "offline", ckpt)
+    )
+    assert set(offline_files) == {p for p in saved_files if not p.startswith("adapter/")}
+    assert {p: saved_files[p] for p in offline_files} == offline_files
 
 
 def test_moe_experts_are_nf4_and_stream_per_expert(tmp_path):

@@ -1,7 +1,16 @@
 """The save plan: which bytes go where, from shapes alone, before any byte is made. Every rank computes
 the same plan (as DCP's SavePlanner does), so no rank has to send another one a header or an offset:
-files (the PEFT adapter, then the Hugging Face shards, packed greedily in stream order as transformers
-does), each file's header, every tensor's absolute byte offset, and the rows each rank writes.
+files (the PEFT adapter, then the Hugging Face shards, packed greedily as transformers does), each
+file's header, every tensor's absolute byte offset, and the rows each rank writes.
+
+Tensor order is canonical, decided here from names and dtypes alone, whatever order a stream comes in
+(the model's for the in-training save, the base files' for the offline merge): so the save, the merge
+and every rank of a distributed export write the same bytes. Tensors are packed into shards in natural
+order of their names (digit runs compared as numbers: ``layers.2`` before ``layers.10``, so each shard
+holds whole consecutive layers, as a reader of the index expects); inside each file they are laid out
+by element size, largest first, then in the same natural order (the safetensors reference's
+``serialize`` rule, with its lexical order made natural), which keeps every tensor aligned to its
+element size. For the usual single-dtype checkpoint both orders are the natural name order.
 
 Rows are split as FSDP2 shards dim 0 (``split_rows``), so a rank of a sharded model writes exactly the
 rows it holds; a tensor below ``whole_below`` bytes (and every 0-d tensor) is written whole by one owner
@@ -14,6 +23,7 @@ rank, taken round-robin. Example::
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -22,7 +32,7 @@ from slimtune.checkpoint.stream import StreamTensor
 from slimtune.distributed import split_rows
 from slimtune.formats.hf import shard_name
 from slimtune.formats.peft import ADAPTER_DIR_NAME, ADAPTER_WEIGHTS
-from slimtune.formats.safetensors import build_header
+from slimtune.formats.safetensors import build_header, dtype_size
 
 ADAPTER_WEIGHTS_PATH = f"{ADAPTER_DIR_NAME}/{ADAPTER_WEIGHTS}"
 SAFETENSORS_METADATA = {"format": "pt"}
@@ -101,8 +111,25 @@ class SavePlan:
         return h.hexdigest()
 
 
+def natural_key(name: str) -> tuple:
+    """Sort key of a tensor name with its digit runs compared as numbers (``layers.2`` < ``layers.10``);
+    the name itself breaks ties (``01`` vs ``1``)."""
+    parts = re.split(r"(\d+)", name)  # even positions text, odd positions digits: comparable position by position
+    return (tuple(int(p) if i % 2 else p for i, p in enumerate(parts)), name)
+
+
+def shard_order(tensors: list[StreamTensor]) -> list[StreamTensor]:
+    """The order tensors are packed into shards in: natural order of their names."""
+    return sorted(tensors, key=lambda t: natural_key(t.name))
+
+
+def file_order(tensors: list[StreamTensor]) -> list[StreamTensor]:
+    """The order of tensors inside one file: element size, largest first, then natural name order."""
+    return sorted(tensors, key=lambda t: (-dtype_size(t.dtype), natural_key(t.name)))
+
+
 def _pack(stream: list[StreamTensor], max_shard_bytes: int) -> list[list[StreamTensor]]:
-    """Greedy packing in stream order, as transformers does: a tensor larger than the limit gets a shard alone."""
+    """Greedy packing in the given order, as transformers does: a tensor larger than the limit gets a shard alone."""
     shards: list[list[StreamTensor]] = [[]]
     size = 0
     for t in stream:
@@ -121,20 +148,23 @@ def plan_save(
     world_size: int = 1,
     whole_below: int = 0,
 ) -> SavePlan:
-    """The plan for a checkpoint of ``adapter`` (PEFT weights, if given) and ``merged`` (HF shards)."""
+    """The plan for a checkpoint of ``adapter`` (PEFT weights, if given) and ``merged`` (HF shards), in
+    the canonical order (module docstring) whatever the order of the streams."""
     groups: list[tuple[str, list[StreamTensor]]] = []
     if adapter is not None:
         groups.append((ADAPTER_WEIGHTS_PATH, adapter))
-    shards = _pack(merged, max_shard_bytes)
+    shards = _pack(shard_order(merged), max_shard_bytes)
     groups += [(shard_name(i, len(shards)), tensors) for i, tensors in enumerate(shards)]
     return plan_files(groups, world_size, whole_below, sum(t.nbytes for t in merged))
 
 
 def plan_files(groups: list[tuple[str, list[StreamTensor]]], world_size: int = 1, whole_below: int = 0, merged_bytes: int = 0) -> SavePlan:
-    """The plan for safetensors files given as (relative path, tensors in file order)."""
+    """The plan for safetensors files given as (relative path, tensors); each file's tensors are laid out
+    in ``file_order``."""
     owner = 0
     files = []
     for path, tensors in groups:
+        tensors = file_order(tensors)
         header, entries = build_header([(t.name, t.dtype, t.shape) for t in tensors], SAFETENSORS_METADATA)
         slots = []
         for t, entry in zip(tensors, entries, strict=True):

@@ -30,13 +30,12 @@ from slimtune.checkpoint.writer import (
 )
 from slimtune.distributed import SINGLE, Ranks
 from slimtune.errors import SlimtuneError
-from slimtune.formats.hf import INDEX_NAME, export_config_dict, index_dict, tokenizer_files
+from slimtune.formats.hf import INDEX_NAME, export_config_dict, index_dict, read_config_dict, tokenizer_files
 from slimtune.formats.peft import ADAPTER_CONFIG, ADAPTER_DIR_NAME, adapter_config_dict
 from slimtune.memory import parse_size
 
 ADAPTER_DIR = ADAPTER_DIR_NAME
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # as the CLI and configs spell them
-DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}  # as config.json does
 
 
 @dataclass(frozen=True)
@@ -163,10 +162,9 @@ def save_checkpoint(
     on_gpu = any(p.is_cuda for p in model.parameters())
     to_host = pool_for(chunk_bytes, inflight_bytes, pin_memory=on_gpu).to_host
     merged = [] if adapter_only else merged_tensor_stream(model, dtype, to_host)
-    hf_config = getattr(model, "config", None)
-    config = None
-    if merged and hf_config is not None:
-        config = export_config_dict(hf_config, DTYPE_NAMES.get(dtype or merged[0].dtype))
+    # the base's config.json, as the offline merge writes it (not model.config: training changes use_cache)
+    base_config = read_config_dict(source_dir) if source_dir is not None else getattr(model, "config", None)
+    config = export_config_dict(base_config, merged) if merged and base_config is not None else None
     return write_checkpoint(
         out_dir,
         merged=merged,

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from slimtune.errors import SlimtuneError
-from slimtune.formats.safetensors import SafetensorsHeader, read_header
+from slimtune.formats.safetensors import COMPUTE_DTYPES, SafetensorsHeader, read_header
 from slimtune.formats.strict_json import json_kind, load_json, safe_name, safe_text
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
+
+    from slimtune.checkpoint.stream import StreamTensor
 
 INDEX_NAME = "model.safetensors.index.json"
 TOKENIZER_FILES = (
@@ -160,14 +163,29 @@ def module_kinds(config: dict, shapes: dict[str, tuple[int, ...]]) -> tuple[dict
     return kinds, output
 
 
-def export_config_dict(config: PretrainedConfig, dtype_name: str | None = None) -> dict:
-    """The config to write beside merged weights: no quantization_config, dtype as written."""
-    data = config.to_dict()
+def export_config_dict(config: dict | PretrainedConfig, tensors: Iterable[StreamTensor] = ()) -> dict:
+    """The config.json written beside merged weights: one rule for the in-training save, the offline
+    merge and the distributed export, so they write the same bytes. It is the base's config as given
+    (its config.json as ``read_config_dict`` reads it; a transformers config only for a model built
+    without one, by ``to_dict``), keys in their order, less ``quantization_config`` and
+    ``_name_or_path``; ``dtype`` and ``torch_dtype`` name the float dtype that holds most of the
+    written bytes; ``tie_word_embeddings`` is false when the output embedding is written as a tensor of
+    its own (an adapter that changes it unties it). ``tensors``: what is written (stream entries).
+
+    Example: ``export_config_dict(read_config_dict(base_dir), merged_stream)``"""
+    data = dict(config) if isinstance(config, dict) else config.to_dict()
     data.pop("quantization_config", None)
     data.pop("_name_or_path", None)
-    if dtype_name:
-        data["torch_dtype"] = dtype_name
-        data["dtype"] = dtype_name
+    names, float_bytes = set(), {}
+    for t in tensors:
+        names.add(t.name)
+        if t.dtype in COMPUTE_DTYPES:  # the dtypes a merge computes in and casts to
+            float_bytes[t.dtype] = float_bytes.get(t.dtype, 0) + t.nbytes
+    if float_bytes:
+        dtype = max(float_bytes, key=lambda d: (float_bytes[d], str(d)))
+        data["torch_dtype"] = data["dtype"] = str(dtype).removeprefix("torch.")
+    if data.get("tie_word_embeddings", True) is not False and any(f"{n}.weight" in names for n in OUTPUT_EMBEDDING_NAMES):
+        data["tie_word_embeddings"] = False
     return data
 
 

@@ -276,7 +276,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _dist_rank(rank: int, nproc: int, port: int, model: torch.nn.Module, target: Path, peer: bool, results) -> None:
+def _dist_rank(rank: int, nproc: int, port: int, model: torch.nn.Module, target: Path, peer: bool, max_shard_size: str, results) -> None:
     """One forked rank: join, shard, export (and optionally the peer's gather + merge); report figures."""
     import torch.distributed as dist
 
@@ -291,7 +291,7 @@ def _dist_rank(rank: int, nproc: int, port: int, model: torch.nn.Module, target:
         before = rss_mb()
         reset_peak_rss()
         w0, r0 = bytes_written_by_process(), bytes_read_by_process()
-        result = save_checkpoint(model, target, progress=False, ranks=ranks)
+        result = save_checkpoint(model, target, max_shard_size=max_shard_size, progress=False, ranks=ranks)
         row = {
             "rank": rank,
             "rss_before_mb": round(before, 1),
@@ -342,6 +342,41 @@ def _peer_gather_and_merge(model: torch.nn.Module, ranks) -> dict:
     }
 
 
+def dist_export(model: torch.nn.Module, target: Path, nproc: int = 2, max_shard_size: str = "5GB", peer: bool = False) -> list[dict]:
+    """The cooperative export of ``model`` to ``target`` by ``nproc`` forked ranks (the model shared
+    copy-on-write): each joins a gloo group, FSDP2-shards the model (``shard_model``: it copies its rows
+    of every weight) and calls ``save_checkpoint`` with its ``Ranks``. Returns one row per rank, in rank
+    order, measured in that rank: RSS before the save, peak RSS (VmHWM, reset before the save) and its
+    difference, bytes written and read back, seconds (and the peer's figures with ``peer``).
+    Example: ``rows = dist_export(synthetic_qlora_model(preset_config("tiny")), Path("out/x"))``"""
+    import multiprocessing
+    import queue
+
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_dist_rank, args=(r, nproc, port, model, target, peer, max_shard_size, results)) for r in range(nproc)]
+    for p in procs:
+        p.start()
+    rows: list[dict] = []
+    while len(rows) < nproc:
+        try:
+            rows.append(results.get(timeout=2))
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:  # killed (OOM, signal) before it could report: stop the others too
+                for p in procs:
+                    p.kill()
+                raise SystemExit(f"dist-save: rank(s) {dead} died with exit code(s) {[procs[r].exitcode for r in dead]}") from None
+    rows.sort(key=lambda r: r["rank"])
+    for p in procs:
+        p.join()
+    failed = [r for r in rows if "error" in r]
+    if failed:
+        raise SystemExit(f"dist-save: {failed}")
+    return rows
+
+
 def bench_dist_save(preset: str, out: Path, nproc: int = 2, layers: int | None = None, peer: bool = False) -> dict:
     """The cooperative export by ``nproc`` ranks next to the single-process save of the same model, in
     one run, with the disk's fsync'd write speed measured in the same run. The synthetic model is built
@@ -349,8 +384,6 @@ def bench_dist_save(preset: str, out: Path, nproc: int = 2, layers: int | None =
     write), join a gloo group, FSDP2-shard it (``shard_model``: each rank copies its rows of every
     weight) and export it together. Each rank measures its own RSS (before; VmHWM reset) and its
     write()/read() byte counters (reads = the sha256 read-back of files it did not write whole)."""
-    import multiprocessing
-
     overrides = {"num_hidden_layers": layers} if layers else {}
     config = preset_config(preset, **overrides)
     model = synthetic_qlora_model(config)
@@ -371,18 +404,7 @@ def bench_dist_save(preset: str, out: Path, nproc: int = 2, layers: int | None =
     single_bytes = single.total_bytes + (single_dir / "slimtune_manifest.json").stat().st_size
     shutil.rmtree(single_dir)
 
-    ctx = multiprocessing.get_context("fork")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_dist_rank, args=(r, nproc, port, model, dist_dir, peer, results)) for r in range(nproc)]
-    for p in procs:
-        p.start()
-    rows = sorted((results.get() for _ in procs), key=lambda r: r["rank"])
-    for p in procs:
-        p.join()
-    failed = [r for r in rows if "error" in r]
-    if failed:
-        raise SystemExit(f"dist-save: {failed}")
+    rows = dist_export(model, dist_dir, nproc, peer=peer)
     manifest = json.loads((dist_dir / "slimtune_manifest.json").read_text())["files"]
     output_bytes = sum(f["size"] for f in manifest) + (dist_dir / "slimtune_manifest.json").stat().st_size
     shutil.rmtree(dist_dir)

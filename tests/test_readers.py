@@ -14,8 +14,10 @@ import safetensors
 import torch
 from safetensors.torch import load_file, save_file
 
+from slimtune.checkpoint.stream import tensor_source
+from slimtune.checkpoint.writer import WriteOptions, write_safetensors
 from slimtune.errors import SlimtuneError
-from slimtune.formats.safetensors import SafetensorsReader, SafetensorsWriter, read_header
+from slimtune.formats.safetensors import SafetensorsReader, build_header, read_header
 from slimtune.formats.strict_json import MAX_DEPTH, loads_json, safe_name
 from tests.mutate import mutated_safetensors, safetensors_file
 
@@ -115,9 +117,8 @@ def test_reference_dtypes_and_empty_tensors_are_read_written_and_read_back(tmp_p
     header = read_header(ref)
     assert header.tensors["huge_empty"].shape == (2**62, 0) and header.tensors["c64"].type_name == "C64"
     ours = tmp_path / "ours.safetensors"
-    with SafetensorsReader(ref) as r, SafetensorsWriter(ours, [(k, e.dtype, e.shape) for k, e in r.tensors.items()]) as w:
-        for k in r.tensors:
-            w.write(r.read(k))
+    with SafetensorsReader(ref) as r:
+        write_safetensors(ours, [tensor_source(k, r.read(k)) for k in r.tensors], WriteOptions(progress=False))
     back = load_file(ours)
     for k, v in tensors.items():
         assert back[k].dtype == v.dtype and back[k].shape == v.shape
@@ -125,16 +126,21 @@ def test_reference_dtypes_and_empty_tensors_are_read_written_and_read_back(tmp_p
 
 
 def test_writer_never_writes_what_a_reader_would_refuse(tmp_path):
+    def one(name: str) -> list:
+        return [tensor_source(name, torch.ones(1))]
+
     with pytest.raises(SlimtuneError, match="surrogate"):
-        SafetensorsWriter(tmp_path / "s.safetensors", [("bad\ud800", torch.float32, (1,))])
+        write_safetensors(tmp_path / "s.safetensors", one("bad\ud800"))
     with pytest.raises(SlimtuneError, match="surrogate"):
-        SafetensorsWriter(tmp_path / "m.safetensors", [("a", torch.float32, (1,))], {"k": "\udc00"})
+        build_header([("a", torch.float32, (1,))], {"k": "\udc00"})
     with pytest.raises(SlimtuneError, match="cannot be stored"):
-        SafetensorsWriter(tmp_path / "n.safetensors", [("__metadata__", torch.float32, (1,))])
+        write_safetensors(tmp_path / "n.safetensors", one("__metadata__"))
+    assert not list(tmp_path.iterdir())  # refused before any file was made
     path = tmp_path / "u.safetensors"
-    with SafetensorsWriter(path, [("é\U0001f600", torch.float32, (2,))], {"naïve": "ü"}) as w:
-        w.write(torch.ones(2))
+    write_safetensors(path, one("é\U0001f600"), WriteOptions(progress=False))
     assert _verdict_reference(path.read_bytes()) and list(load_file(path)) == ["é\U0001f600"]
+    header, _ = build_header([("é", torch.float32, (2,))], {"naïve": "ü"})  # non-ASCII metadata too
+    assert _verdict_reference(header + torch.ones(2).numpy().tobytes())
 
 
 def test_strict_json_refuses_what_serde_json_refuses():

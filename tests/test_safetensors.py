@@ -1,3 +1,4 @@
+import hashlib
 import json
 import struct
 
@@ -5,8 +6,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from slimtune.checkpoint.stream import StreamTensor, tensor_source
+from slimtune.checkpoint.writer import WriteOptions, write_safetensors
 from slimtune.errors import SlimtuneError
-from slimtune.formats.safetensors import SafetensorsReader, SafetensorsWriter, read_header
+from slimtune.formats.safetensors import SafetensorsReader, read_header
+
+
+def stream_of(tensors: dict[str, torch.Tensor]) -> list[StreamTensor]:
+    return [tensor_source(k, v) for k, v in tensors.items()]
 
 
 def test_streamed_file_reads_back_with_the_reference_library(tmp_path):
@@ -18,28 +25,26 @@ def test_streamed_file_reads_back_with_the_reference_library(tmp_path):
         "empty": torch.empty(0, 4),
     }
     path = tmp_path / "x.safetensors"
-    with SafetensorsWriter(path, [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()], {"format": "pt"}) as w:
-        w.write(tensors["a"][:2])
-        w.write(tensors["a"][2:])
-        for k in ("b", "c", "scalar"):
-            w.write(tensors[k])
+    record = write_safetensors(path, stream_of(tensors), WriteOptions(chunk_bytes=16, progress=False))  # "a": a row a chunk
     loaded = load_file(path)
     for k, v in tensors.items():
         assert torch.equal(loaded[k], v), k
-    assert path.stat().st_size == w.size
+    assert path.stat().st_size == record.size and record.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
     header_len = struct.unpack("<Q", path.read_bytes()[:8])[0]
     assert header_len % 8 == 0
 
 
-def test_writer_refuses_wrong_dtype_excess_bytes_and_early_close(tmp_path):
-    path = tmp_path / "x.safetensors"
-    w = SafetensorsWriter(path, [("a", torch.float32, (2, 2))])
-    with pytest.raises(SlimtuneError, match="tensor a"):
-        w.write(torch.zeros(2, 2, dtype=torch.bfloat16))
-    with pytest.raises(SlimtuneError, match="more bytes"):
-        w.write(torch.zeros(3, 2))
-    with pytest.raises(SlimtuneError, match="closed before"):
-        w.close()
+def test_writer_refuses_wrong_dtype_excess_bytes_and_a_short_stream(tmp_path):
+    def source(rows):
+        return [StreamTensor("a", (2, 2), torch.float32, rows)]
+
+    options = WriteOptions(progress=False)
+    with pytest.raises(SlimtuneError, match="tensor a: got torch.bfloat16"):
+        write_safetensors(tmp_path / "d.safetensors", source(lambda s, e: torch.zeros(e - s, 2, dtype=torch.bfloat16)), options)
+    with pytest.raises(SlimtuneError, match="tensor a: more bytes"):
+        write_safetensors(tmp_path / "m.safetensors", source(lambda s, e: torch.zeros(e - s + 1, 2)), options)
+    with pytest.raises(SlimtuneError, match="tensor a: the stream ended before its rows were written"):
+        write_safetensors(tmp_path / "s.safetensors", source(lambda s, e: torch.zeros(0, 2)), options)
 
 
 def test_reader_reads_row_ranges_of_reference_files(tmp_path):
@@ -105,7 +110,13 @@ def test_pipelined_write_propagates_a_producer_error_and_stops(tmp_path):
         yield torch.zeros(4)
         raise RuntimeError("producer failed")
 
-    w = SafetensorsWriter(tmp_path / "p.safetensors", [("a", torch.float32, (8,))])
+    class Sink:
+        written: list[torch.Tensor] = []
+
+        def write(self, chunk):
+            self.written.append(chunk)
+
+    sink = Sink()
     with pytest.raises(RuntimeError, match="producer failed"):
-        pipelined_write(w, chunks(), inflight_bytes=1)
-    w._file.close()
+        pipelined_write(sink, chunks(), inflight_bytes=1)
+    assert len(sink.written) == 1  # what came before the error was written, nothing after

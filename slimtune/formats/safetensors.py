@@ -1,17 +1,15 @@
 """The safetensors format, streamed. The reference library writes from a whole state dict and reads by
-mapping whole files; slimtune writes the header from known shapes and then the bytes in offset order, and
-reads any row range of a tensor into a buffer of its own. Format: 8-byte little-endian header length N,
+mapping whole files; slimtune builds the header from known shapes (``build_header``; the one writer,
+``slimtune.checkpoint.writer``, then puts the bytes at their offsets) and reads any row range of a tensor
+into a buffer of its own. Format: 8-byte little-endian header length N,
 N bytes of JSON, then the data buffer with each tensor's [begin, end) offsets relative to it."""
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 import torch
 
@@ -126,76 +124,6 @@ def _utf8(text: str, what: str) -> str:
     except UnicodeEncodeError:
         raise SlimtuneError(f"{what} {safe_repr(text)} is not valid Unicode (lone surrogate); safetensors cannot store it") from None
     return text
-
-
-class SafetensorsWriter:
-    """Writes one safetensors file whose tensors are all declared up front; ``write`` takes the next bytes
-    (whole tensors or row chunks) in declaration order. Hashes as it writes, so the manifest needs no
-    second read. Use as a context manager; ``close`` checks every declared byte arrived and fsyncs."""
-
-    def __init__(self, path: str | Path, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None = None):
-        self.path = Path(path)
-        header, self.entries = build_header(tensors, metadata)
-        self.size = len(header) + (self.entries[-1].end if self.entries else 0)
-        self._sha = hashlib.sha256()
-        self._file: BinaryIO = open(self.path, "wb")
-        self._index = 0
-        self._written_in_tensor = 0
-        self._skip_empty()
-        self._emit(header)
-
-    def _skip_empty(self) -> None:
-        while self._index < len(self.entries) and self.entries[self._index].nbytes == 0:
-            self._index += 1
-
-    def _emit(self, data: bytes | memoryview) -> None:
-        self._file.write(data)
-        self._sha.update(data)
-
-    def write(self, chunk: torch.Tensor) -> None:
-        """Append the next contiguous piece of the current tensor (it must be on the CPU). Empty pieces
-        (of empty tensors, which hold no bytes) are ignored."""
-        if chunk.numel() == 0:
-            return
-        if self._index >= len(self.entries):
-            raise SlimtuneError(f"{self.path}: more data than the header declares")
-        entry = self.entries[self._index]
-        if chunk.dtype != entry.dtype:
-            raise SlimtuneError(f"{self.path}: tensor {entry.name}: got {chunk.dtype}, header says {entry.dtype}")
-        nbytes = chunk.numel() * chunk.element_size()
-        if self._written_in_tensor + nbytes > entry.nbytes:
-            raise SlimtuneError(f"{self.path}: tensor {entry.name}: more bytes than its shape {list(entry.shape)}")
-        if nbytes:
-            self._emit(tensor_bytes(chunk))
-        self._written_in_tensor += nbytes
-        if self._written_in_tensor == entry.nbytes:
-            self._index += 1
-            self._written_in_tensor = 0
-            self._skip_empty()
-
-    @property
-    def sha256(self) -> str:
-        return self._sha.hexdigest()
-
-    def close(self) -> None:
-        if self._file.closed:
-            return
-        missing = [e.name for e in self.entries[self._index :] if e.nbytes]
-        if missing:
-            self._file.close()
-            raise SlimtuneError(f"{self.path}: closed before tensor(s) {missing[:3]} were written")
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-
-    def __enter__(self) -> SafetensorsWriter:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self._file.close()
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

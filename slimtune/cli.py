@@ -28,13 +28,22 @@ def cmd_demo(args: argparse.Namespace) -> None:
     run_demo(args.out, args.base, steps=args.steps, targets=targets)
 
 
-def cmd_finetune(args: argparse.Namespace) -> None:
+def cmd_finetune(args: argparse.Namespace) -> int:
     from slimtune.config import load_config
+    from slimtune.distributed import launched_by_torchrun, run_ranks, shutdown
 
+    if args.nproc < 1:
+        raise SlimtuneError(f"--nproc {args.nproc}: expected 1 or more processes")
     cfg = load_config(args.config, args.overrides)  # every key checked before any work starts
+    if args.nproc > 1 and not launched_by_torchrun():
+        return run_ranks(args.nproc, ["finetune", "--config", str(args.config), *args.overrides])
     from slimtune.recipes.finetune import run_finetune
 
-    run_finetune(cfg)
+    try:
+        run_finetune(cfg)  # under torchrun it joins the process group: every rank runs the recipe
+    finally:
+        shutdown()
+    return 0
 
 
 def _sampling(args: argparse.Namespace):
@@ -156,6 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     finetune.add_argument("--config", required=True, help="a YAML file, or the name of a shipped config")
     finetune.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. optimizer.lr=1e-4 resume=true")
+    finetune.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="train on N local processes (FSDP2; gloo on the CPU, NCCL on GPUs), as torchrun --nproc-per-node N -m slimtune finetune",
+    )
     finetune.set_defaults(func=cmd_finetune)
 
     def generation_args(p: argparse.ArgumentParser, temperature: float) -> None:

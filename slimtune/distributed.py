@@ -36,6 +36,12 @@ class Ranks:
     rank: int = 0
     world_size: int = 1
     group: Any = field(default=None, compare=False, repr=False)
+    distributed: bool = False  # a process group is up (torchrun, also with one process): models are FSDP2-sharded
+
+    @property
+    def device_type(self) -> str:
+        """Where FSDP2 puts the shards: cuda under NCCL, else cpu."""
+        return "cuda" if self.distributed and dist.get_backend() == "nccl" else "cpu"
 
     @property
     def is_coordinator(self) -> bool:
@@ -93,7 +99,7 @@ def current_ranks() -> Ranks:
     """The job as torch.distributed sees it now (Ranks(0, 1) when it is not initialised)."""
     if not (dist.is_available() and dist.is_initialized()):
         return SINGLE
-    return Ranks(dist.get_rank(), dist.get_world_size(), _control_group())
+    return Ranks(dist.get_rank(), dist.get_world_size(), _control_group(), distributed=True)
 
 
 _CONTROL: dict[str, Any] = {}
@@ -177,23 +183,33 @@ def run_ranks(nproc: int, args: list[str]) -> int:
     return 0
 
 
-def shard_model(model: torch.nn.Module, ranks: Ranks) -> torch.nn.Module:
+def shard_model(model: torch.nn.Module, ranks: Ranks, keep_whole: set[torch.nn.Parameter] = frozenset()) -> torch.nn.Module:
     """FSDP2 as torchtune and torchtitan apply it: ``fully_shard`` on every decoder layer, then on the
     root. Every parameter (NF4 base weights, fp32 adapters, embeddings, norms) becomes a DTensor
-    sharded on dim 0 (``split_rows``); torchao's NF4Tensor implements the ops FSDP2 needs. The
-    model's weights must already be the same on every rank (same checkpoint, same seed). Under a
-    process group of one rank it shards too (one shard: the same code path); alone it does nothing."""
+    sharded on dim 0 (``split_rows``); torchao's NF4Tensor implements the ops FSDP2 needs. Parameters
+    still on the meta device stay meta DTensors, to be filled shard by shard (``load_qlora_model``);
+    real ones must be the same on every rank. No mixed-precision policy: each rank computes in the
+    dtypes a single process would (NF4 dequantized to the activations' bf16, fp32 adapters).
+    Gradients are summed over the ranks, not averaged: the recipe's loss is already the token mean
+    over the whole global step. ``keep_whole``: frozen parameters FSDP2 leaves alone (held whole on every
+    rank, moved to the device by the caller). Under a process group of one rank it shards too (one
+    shard: the same code path); alone it does nothing."""
     if not (dist.is_available() and dist.is_initialized()):
         return model
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    device = next(model.parameters()).device.type
-    mesh = init_device_mesh(device, (ranks.world_size,))
+    if "mesh" not in _CONTROL:
+        _CONTROL["mesh"] = init_device_mesh(ranks.device_type, (ranks.world_size,))
+    mesh = _CONTROL["mesh"]
     layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
     if not layers:
         raise SlimtuneError(f"{type(model).__name__}: no decoder layers found to shard")
+    ignored = set(keep_whole) or None
     for layer in layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, ignored_params=ignored)
+    fully_shard(model, mesh=mesh, ignored_params=ignored)
+    for module in [*layers, model]:
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
     return model

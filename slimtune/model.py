@@ -1,6 +1,16 @@
 """A QLoRA model from a local Hugging Face checkpoint: built on the meta device, then filled tensor by
 tensor from the safetensors files, quantizing target weights to NF4 as they arrive. The bf16 model is
-never held: at most one source tensor (and its quantization temporaries) is in memory beside the result."""
+never held: at most one source tensor (and its quantization temporaries) is in memory beside the result.
+
+Under a process group (torchrun) the meta model is FSDP2-sharded *before* any tensor is read
+(``shard_model``: ``fully_shard`` per decoder layer and at the root), so every parameter is a meta
+DTensor that knows its rows on this rank. Each source tensor is then read whole, quantized whole (NF4's
+double quantization depends on every block of the tensor, so a rank's rows are bit-identical to the
+same rows of a single-process load) and cut to this rank's rows, ``torch.chunk`` as FSDP2 cuts; the
+whole tensor is dropped before the next is read. A rank never holds more than one full source tensor
+and its NF4 beyond its own shards (a parameter fused from several checkpoint tensors is assembled whole
+first, then cut). FSDP2 re-reads the swapped-in shards at its lazy initialisation, as after
+``load_state_dict(assign=True)``."""
 
 from __future__ import annotations
 
@@ -12,6 +22,7 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import PretrainedConfig
 
+from slimtune.distributed import SINGLE, Ranks, shard_model
 from slimtune.errors import SlimtuneError
 from slimtune.families import (
     ALL_LINEAR,
@@ -96,9 +107,14 @@ def build_qlora_skeleton(config: PretrainedConfig, lora: LoRAConfig) -> nn.Modul
 
 
 def set_tensor(model: nn.Module, name: str, value: torch.Tensor, trainable: bool = False) -> None:
+    """Put ``value`` (the whole tensor) at parameter or buffer ``name``; where the model is sharded
+    (the parameter is a DTensor) only this rank's rows of it are kept."""
     module_name, _, attr = name.rpartition(".")
     module = model.get_submodule(module_name)
     if attr in module._parameters:
+        current = module._parameters[attr]
+        if _is_dtensor(current):
+            value = _local_shard(value, current)
         module._parameters[attr] = nn.Parameter(value, requires_grad=trainable)
     elif attr in module._buffers:
         module._buffers[attr] = value
@@ -130,16 +146,30 @@ def load_qlora_model(
     lora: LoRAConfig | None = None,
     seed: int = 0,
     progress: bool = True,
+    ranks: Ranks = SINGLE,
+    dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """Load a local HF causal-LM checkpoint as a QLoRA model (NF4 targets + fresh LoRA adapters).
     Each tensor is read, converted as transformers converts it (renamed, or placed as rows of a fused
-    parameter), quantized when it is an NF4 weight, and dropped before the next one is read.
+    parameter), quantized when it is an NF4 weight, and dropped before the next one is read. With the
+    ``ranks`` of a process group the model comes out FSDP2-sharded, each rank holding only its rows
+    (see the module docstring); the adapters start the same on every rank (from ``seed``). ``dtype``:
+    the compute dtype the frozen weights that stay unquantized (embeddings, norms) are held in, cast
+    from the checkpoint's dtype as they arrive (default: the checkpoint's dtype).
 
     Example: ``model = load_qlora_model("path/to/Qwen3-0.6B", LoRAConfig(rank=16, alpha=32))``"""
     model_dir = Path(model_dir)
     lora = lora or LoRAConfig()
     config = load_config(model_dir)
     model = build_qlora_skeleton(config, lora)  # an unsupported architecture fails here, before any file is read
+    if dtype is not None:
+        _hold_frozen_in(model, dtype)
+    sharded = ranks.distributed
+    if sharded:
+        whole = _unshardable_nf4(model, ranks, model_dir)
+        _tie_embeddings(model, config)  # one parameter before sharding: FSDP2 then holds it once
+        init_lora(model, seed)
+        shard_model(model, ranks, keep_whole=whole)
     headers = checkpoint_files(model_dir)
     layout = {p.key: p for p in model.slimtune_layout}
     by_param = {p.param: p for p in model.slimtune_layout if p.whole}
@@ -165,11 +195,16 @@ def load_qlora_model(
                     _place(model, place, reader.read(key), place.param in targets, header.path)
                     loaded.add(place.key)
                     bar.update(entry.nbytes)
-    tied = _tie_embeddings(model, config)
+    tied = _tie_embeddings(model, config)  # sharded: ties the loaded shard again (loading replaced the parameter)
     missing = [p.key for p in model.slimtune_layout if p.key not in loaded and p.param not in tied]
     if missing:
         raise SlimtuneError(f"{model_dir}: checkpoint lacks tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    init_lora(model, seed)
+    if not sharded:
+        init_lora(model, seed)
+    elif ranks.device_type == "cuda":  # weights FSDP2 left whole: to this rank's GPU, as FSDP2 put its shards
+        for name, p in list(model.named_parameters()):
+            if not _is_dtensor(p) and not p.is_cuda:
+                set_tensor(model, name, p.data.to(torch.device("cuda", torch.cuda.current_device())))
     for name, p in model.named_parameters():
         p.requires_grad_(".lora_a." in name or ".lora_b." in name)
     model.slimtune_source_dir = model_dir
@@ -187,6 +222,8 @@ def _place(model: nn.Module, place: Placement, value: torch.Tensor, nf4_target: 
     target = module._parameters.get(attr) if attr in module._parameters else module._buffers.get(attr)
     if target is None and attr not in module._buffers:
         raise SlimtuneError(f"model has no parameter {place.param}")
+    if value.dtype != dtype:
+        value = value.to(dtype)  # the checkpoint's dtype first, so a frozen weight held in another is rounded as a cast of it
     if value.dtype != target.dtype:
         value = value.to(target.dtype)
     if place.whole:
@@ -200,10 +237,71 @@ def _place(model: nn.Module, place: Placement, value: torch.Tensor, nf4_target: 
         return
     if isinstance(module, LoRALinear):
         raise SlimtuneError(f"{path}: {place.key} is part of linear {module_name}, which slimtune holds whole; not supported")
+    if _is_dtensor(target):  # sharded: assemble the whole parameter, then keep this rank's rows of it
+        staging = model.__dict__.setdefault("_slimtune_staging", {})
+        whole, filled = staging.get(place.param) or (torch.empty(place.param_shape, dtype=target.dtype), 0)
+        whole.view(-1, place.cols)[place.row0 : place.row0 + place.num_rows] = value.reshape(-1, place.cols)
+        filled += value.numel()
+        staging[place.param] = (whole, filled)
+        if filled == whole.numel():
+            set_tensor(model, place.param, staging.pop(place.param)[0])
+        return
     if target.is_meta:  # a parameter assembled from several checkpoint tensors: rows as they arrive
         set_tensor(model, place.param, torch.empty(place.param_shape, dtype=target.dtype))
         target = getattr(module, attr)
     target.data.view(-1, place.cols)[place.row0 : place.row0 + place.num_rows] = value.reshape(-1, place.cols)
+
+
+def _hold_frozen_in(model: nn.Module, dtype: torch.dtype) -> None:
+    """On the meta skeleton: frozen floating weights that will not be NF4 (embeddings, norms, weights
+    that do not divide into NF4 blocks) take the compute dtype; NF4 targets stay in the checkpoint's
+    dtype (quantized from it) and the adapters in fp32. Tied weights are one Parameter, cast once."""
+    quantized = {f"{name}.weight" for name, m in qlora_linears(model).items() if can_quantize(m.weight.shape)}
+    seen = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen or name in quantized or ".lora_" in name or not p.dtype.is_floating_point or p.dtype == dtype:
+            continue
+        seen.add(id(p))
+        p.data = p.data.to(dtype)
+
+
+def _is_dtensor(t: object) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _local_shard(value: torch.Tensor, like) -> torch.Tensor:
+    """This rank's rows of the whole tensor ``value``, as a DTensor laid out like the sharded ``like``
+    (``torch.chunk`` on dim 0; a rank past the last chunk gets no rows)."""
+    from torch.distributed.tensor import DTensor
+
+    mesh = like.device_mesh
+    world, rank = mesh.size(), mesh.get_local_rank()
+    chunks = value.chunk(world, dim=0) if value.dim() else (value,)
+    local = chunks[rank] if rank < len(chunks) else value.new_empty((0, *value.shape[1:]))
+    device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device(mesh.device_type)
+    local = local.to(device) if local.device != device else local
+    return DTensor.from_local(local, mesh, like.placements, run_check=False, shape=value.shape, stride=value.stride())
+
+
+def _unshardable_nf4(model: nn.Module, ranks: Ranks, model_dir: Path) -> set[nn.Parameter]:
+    """NF4 weights FSDP2 cannot cut among the ranks: torchao splits an NF4 tensor into equal parts of
+    whole scaler blocks (64 x 256 elements), so a weight with fewer blocks or rows than that needs is held
+    whole on every rank instead (frozen, it has no gradient to reduce; real models have none such)."""
+    from slimtune.quant.nf4 import BLOCK_SIZE, SCALER_BLOCK_SIZE
+
+    if any(isinstance(m, NF4Experts) for m in model.modules()):
+        raise SlimtuneError(f"{model_dir}: sharding mixture-of-experts models over several ranks is not supported yet; run one process")
+    unit, world = BLOCK_SIZE * SCALER_BLOCK_SIZE, ranks.world_size
+    whole = set()
+    for module in qlora_linears(model).values():
+        rows, cols = module.weight.shape
+        if can_quantize((rows, cols)) and (rows % world or (rows * cols // unit) % world):
+            whole.add(module.weight)
+    if whole:
+        log.info("%d NF4 weight(s) do not split into %d equal parts of whole scaler blocks: held whole on every rank", len(whole), world)
+    return whole
 
 
 def _tie_embeddings(model: nn.Module, config: PretrainedConfig) -> set[str]:

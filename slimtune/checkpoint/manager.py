@@ -9,17 +9,27 @@ checkpoint. A damaged or incomplete ``step-N`` that the run must write again is 
 so a kill between a checkpoint's rename and that line loses nothing: resume writes it back. Paths under
 output_dir are compared relative to it, so a moved run directory resumes.
 
+Inside a checkpoint the state is in two parts: ``recipe_state.pt`` holds the run's facts that resume
+checks before anything is loaded (format, step, config, data hash), written by the coordinator; the
+training state (adapters, optimizer, scheduler, loss scaler, data position, each rank's RNG) is
+written by every rank together through ``torch.distributed.checkpoint`` into ``train_state/`` (each
+rank its shards), so a run resumes on another number of ranks through DCP's resharding. Values that are
+not tensors are stored as tensors of ``torch.save`` bytes, read back with ``weights_only=True``; DCP's
+own ``.metadata`` is a pickle, so a run directory must come from a trusted source.
+
 Example::
 
     manager = CheckpointManager(out, keep_last_n=2)
     resume = manager.find_resume_point(resume=True, overwrite=False)   # None: start at step 0
     manager.prepare(fresh_start=resume is None, overwrite=False)        # mkdir, leftovers, overwrite
-    result = manager.save(model, step, state, SaveOptions(adapter_only=True))
+    result = manager.save(model, step, state, SaveOptions(adapter_only=True), train_state)
+    manager.load_train_state(resume.path, template)                     # fills template in place
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import random
@@ -27,6 +37,7 @@ import re
 import shutil
 import time
 import uuid
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -39,12 +50,14 @@ from torch import nn
 from slimtune.checkpoint.atomic import MANIFEST_NAME, is_complete_checkpoint, os_errors, reclaim_leftovers
 from slimtune.checkpoint.save import ADAPTER_DIR, ExtraFile, SaveResult, save_checkpoint
 from slimtune.config import KEYS, PLACEHOLDER, Config
+from slimtune.distributed import SINGLE, Ranks
 from slimtune.errors import SlimtuneError
 from slimtune.formats.manifest import manifest_problems
 from slimtune.formats.peft import ADAPTER_WEIGHTS
 
 STATE_NAME = "recipe_state.pt"
-STATE_FORMAT = "slimtune-recipe-state/1"
+STATE_FORMAT = "slimtune-recipe-state/2"
+TRAIN_STATE_DIR = "train_state"  # torch.distributed.checkpoint: every rank writes its shards
 METRICS_NAME = "metrics.jsonl"
 PLOT_NAME = "loss.png"
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -165,12 +178,16 @@ class CheckpointManager:
         if doomed:
             self.log(f"overwrite: {len(doomed)} checkpoint(s) of the previous run in {self.out} removed")
 
-    def save(self, model: nn.Module, step: int, state: dict, options: SaveOptions) -> SaveResult:
+    def save(
+        self, model: nn.Module, step: int, state: dict, options: SaveOptions, train_state: dict | None = None, ranks: Ranks = SINGLE
+    ) -> SaveResult:
         """Write ``step-N`` with the recipe state inside (written before the manifest, so a checkpoint
-        that has a manifest has its state). A ``step-N`` already there is one the resume point passed
-        over (incomplete or damaged): it is moved aside, never deleted."""
+        that has a manifest has its state); every rank calls this. ``train_state`` (nested dicts of
+        tensors, DTensors and plain values) goes through DCP into ``train_state/``, every rank writing
+        its shards. A ``step-N`` already there is one the resume point passed over (incomplete or
+        damaged): the coordinator moves it aside, never deletes it."""
         ckpt = self.step_path(step)
-        if ckpt.exists():
+        if ranks.is_coordinator and ckpt.exists():
             self.set_aside(ckpt)
         state = {**state, "config": portable_config(state["config"])} if "config" in state else state
         return save_checkpoint(
@@ -182,7 +199,31 @@ class CheckpointManager:
             extra_files={STATE_NAME: ExtraFile(_state_size(state), partial(_write_state, state)), **(options.extra_files or {})},
             tokenizer_dir=options.tokenizer_dir,
             progress=False,
+            ranks=ranks,
+            shared_write=None if train_state is None else partial(_save_train_state, train_state),
         )
+
+    def load_train_state(self, path: Path, template: dict) -> dict:
+        """Read ``path``'s training state into ``template`` (the same nested layout as saved, holding
+        this process's tensors or DTensors, which DCP fills in place, resharding as needed) and return
+        it with the plain values unpacked. Entries of ``template`` the checkpoint lacks (the RNG of a
+        rank that did not exist then) are left out of the result. Every rank calls this."""
+        import torch.distributed.checkpoint as dcp
+
+        where = path / TRAIN_STATE_DIR
+        try:
+            metadata = dcp.FileSystemReader(str(where)).read_metadata().state_dict_metadata
+        except Exception as e:  # noqa: BLE001 - a damaged file: one line
+            raise SlimtuneError(f"{where}: cannot read the training state ({type(e).__name__}: {e})") from None
+        packed = _pack(template, metadata)
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(packed, checkpoint_id=str(where))
+        except Exception as e:  # noqa: BLE001
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise SlimtuneError(f"{where}: cannot load the training state ({first})") from None
+        return _unpack(packed)
 
     def set_aside(self, path: Path) -> Path:
         """Rename a damaged checkpoint to ``NAME.damaged-<UTC time>``, where the user will see it."""
@@ -305,12 +346,68 @@ def _write_state(state: dict, path: Path) -> None:
             raise
 
 
+def _save_train_state(state: dict, tmp: Path) -> list[str]:
+    """Every rank: write ``state`` with DCP into ``tmp/train_state`` (each rank its shards, the
+    coordinator the metadata; files fsynced). Returns the files' paths relative to ``tmp``."""
+    import torch.distributed.checkpoint as dcp
+
+    where = tmp / TRAIN_STATE_DIR
+    writer = dcp.FileSystemWriter(str(where), single_file_per_rank=True, sync_files=True, thread_count=1)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process: nothing to say
+            dcp.save(_pack(state), storage_writer=writer)
+    except dcp.api.CheckpointException as e:  # a full disk on some rank: its OSError, so the caller reports one line
+        failures = [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
+        raise next((f for f in failures if isinstance(f, OSError)), failures[0] if failures else e) from None
+    return sorted(str(p.relative_to(tmp)) for p in where.rglob("*") if p.is_file())
+
+
+_PACKED = "packed_value"  # {"packed_value": uint8 tensor} stands for a value that is not a tensor
+
+
+def _pack(tree: dict, metadata: dict | None = None, prefix: str = "") -> dict:
+    """Nested dicts with tensors kept and every other value as ``{"packed_value": uint8 tensor}`` of its
+    ``torch.save`` bytes (so loading never unpickles: ``weights_only=True``). With DCP ``metadata`` (for
+    loading): packed values become empty tensors of the saved size, and entries the checkpoint lacks are
+    left out."""
+    out = {}
+    for key, value in tree.items():
+        flat = f"{prefix}{key}"
+        if isinstance(value, dict) and value and all(isinstance(k, str) for k in value) and _PACKED not in value:
+            inner = _pack(value, metadata, flat + ".")
+            if inner or metadata is None:
+                out[key] = inner
+        elif isinstance(value, torch.Tensor):
+            if metadata is None or flat in metadata:
+                out[key] = value
+        elif metadata is None:
+            buffer = io.BytesIO()
+            torch.save(value, buffer)
+            out[key] = {_PACKED: torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)}
+        elif f"{flat}.{_PACKED}" in metadata:
+            out[key] = {_PACKED: torch.empty(tuple(metadata[f"{flat}.{_PACKED}"].size), dtype=torch.uint8)}
+    return out
+
+
+def _unpack(tree: dict) -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and set(value) == {_PACKED}:
+            out[key] = torch.load(io.BytesIO(value[_PACKED].numpy().tobytes()), map_location="cpu", weights_only=True)
+        elif isinstance(value, dict):
+            out[key] = _unpack(value)
+        else:
+            out[key] = value
+    return out
+
+
 def checkpoint_problem(path: Path) -> str | None:
     """Why a checkpoint cannot be resumed from (None if it can): it needs its manifest, and the recipe
-    state and adapter must match the sizes and hashes the manifest recorded."""
+    state, training state metadata and adapter must match the sizes and hashes the manifest recorded."""
     if not is_complete_checkpoint(path):
         return f"incomplete (no {MANIFEST_NAME})"
-    for name in (STATE_NAME, f"{ADAPTER_DIR}/{ADAPTER_WEIGHTS}"):
+    for name in (STATE_NAME, f"{TRAIN_STATE_DIR}/.metadata", f"{ADAPTER_DIR}/{ADAPTER_WEIGHTS}"):
         problems = manifest_problems(path, only=[name], extra=False)
         if problems:
             return (

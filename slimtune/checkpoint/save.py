@@ -71,13 +71,17 @@ def write_checkpoint(
     manifest_extra: dict | None = None,
     ranks: Ranks = SINGLE,
     whole_below: int = 0,
+    shared_write: Callable[[Path], list[str]] | None = None,
 ) -> SaveResult:
     """Lay out a checkpoint directory from streams, in bounded memory, on one rank or many. Every rank
     calls this with streams of the same shapes (each can make the rows the plan gives it; tensors below
     ``whole_below`` bytes are written whole by one rank). The coordinator checks the disk space against
     the planned byte count, creates a temporary sibling and every shard at its final size; each rank
     writes its rows (``write_planned``); the coordinator adds the small files and the manifest last,
-    then renames. Any rank's failure stops every rank and leaves no checkpoint and no manifest. A failed
+    then renames. ``shared_write(tmp)`` runs on every rank once the shards are written, for files the
+    ranks write together (the training state, through DCP); it returns their paths relative to ``tmp``,
+    which the coordinator hashes into the manifest (reading them back: they are small). Any rank's
+    failure stops every rank and leaves no checkpoint and no manifest. A failed
     write (full disk, file-size limit, read-only file system) is one ``SlimtuneError`` line; nothing of
     it stays behind (nor any parent directory made for it) and an earlier checkpoint at ``out_dir`` is
     untouched."""
@@ -96,8 +100,14 @@ def write_checkpoint(
     with bar:
         if not ranks.is_coordinator:
             ranks.agree(None, "creating the files")
+            tmp = Path(ranks.broadcast(None, "creating the files"))
             with os_errors("write", out_dir):
-                records = write_planned(Path(ranks.broadcast(None, "creating the files")), plan, ranks, options, bar)
+                records = write_planned(tmp, plan, ranks, options, bar)
+                if shared_write is not None:
+                    try:
+                        shared_write(tmp)
+                    except BaseException as e:
+                        ranks.agree(e, "finishing the checkpoint")
             ranks.agree(None, "finishing the checkpoint")
             return SaveResult(out_dir, records, time.perf_counter() - start)
         pending = "creating the files"  # the step the other ranks wait at for the coordinator's status
@@ -115,6 +125,8 @@ def write_checkpoint(
                 if adapter is not None:
                     records.append(_prefixed(write_json(tmp / ADAPTER_DIR / ADAPTER_CONFIG, adapter_config or {})))
                 records += written
+                for name in shared_write(tmp) if shared_write is not None else []:
+                    records.append(_synced_record(tmp / name, name))
                 if merged:
                     records.append(write_json(tmp / INDEX_NAME, index_dict(plan.weight_map, plan.merged_bytes)))
                     if config is not None:
@@ -151,13 +163,15 @@ def save_checkpoint(
     progress: bool = True,
     tokenizer_dir: Path | None = None,
     ranks: Ranks = SINGLE,
+    shared_write: Callable[[Path], list[str]] | None = None,
 ) -> SaveResult:
     """Write ``out_dir`` holding ``adapter/`` (PEFT) and, unless ``adapter_only``, the merged model in
     Hugging Face sharded safetensors with config and tokenizer files, then ``slimtune_manifest.json``.
     ``dtype`` defaults to the base dtype. ``extra_files`` (relative name -> path) are copied in (recipe state,
     model card); the merged model's tokenizer files come from ``tokenizer_dir`` (default: the base's).
     On an FSDP2-sharded model every rank calls this with its ``ranks``; each writes the merged rows of
-    the weights it holds into the same files (the cooperative export of ``write_checkpoint``)."""
+    the weights it holds into the same files (the cooperative export of ``write_checkpoint``);
+    ``shared_write`` is passed on to it."""
     source_dir = getattr(model, "slimtune_source_dir", None)
     on_gpu = any(p.is_cuda for p in model.parameters())
     to_host = pool_for(chunk_bytes, inflight_bytes, pin_memory=on_gpu).to_host
@@ -176,6 +190,7 @@ def save_checkpoint(
         options=WriteOptions(max_shard_size, overwrite, chunk_bytes, inflight_bytes, progress),
         manifest_extra={"kind": "adapter" if adapter_only else "adapter+merged"},
         ranks=ranks,
+        shared_write=shared_write,
     )
 
 

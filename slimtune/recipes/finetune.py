@@ -3,14 +3,24 @@
 Read top to bottom: ``run_finetune`` is the whole recipe (set-up, training loop, checkpointing); the
 helpers below it follow in the order it uses them.
 
+One process or many: under torchrun (``torchrun --nproc-per-node N -m slimtune finetune ...``, or
+``slimtune finetune --nproc N``) every rank runs this same code. The model is loaded FSDP2-sharded
+(each rank reads every tensor and keeps its rows, ``load_qlora_model``); each rank takes its
+contiguous slice of every global micro-batch (the same global batches as one process, from seed and
+epoch); the loss is the token mean over the whole global step (trained-token counts all-reduced,
+gradients summed over the ranks), so 1 and N ranks follow the same curve up to reduction order. The
+coordinator (rank 0) prints and writes the run directory's own files; checkpoints are written by
+every rank together (its rows of the merged model, its shards of the training state through DCP).
+
 Set-up checks everything cheap before anything slow or anything written: the config (already
 validated), what output_dir holds (resume point and its compatibility), the data (parsed and
 tokenized), then loads the model as NF4 + LoRA. Training is AdamW on the adapters only, linear warmup
 then cosine decay, gradient accumulation with the loss averaged over every trained token of the
 optimizer step, gradient clipping. Checkpoints (``step-NNNNNN``) are written by ``save_checkpoint`` in
 bounded memory and atomically, with the recipe state inside them (optimizer, scheduler, loss scaler,
-data position, RNG states, config), so ``resume=true`` continues bit-exactly where a checkpoint was
-taken, in a new process. The run directory itself (step directories, resume point, pruning, leftovers,
+data position, each rank's RNG states, config), so ``resume=true`` continues bit-exactly where a
+checkpoint was taken, in a new process, on the same number of ranks (on another number, it continues
+through DCP's resharding). The run directory itself (step directories, resume point, pruning, leftovers,
 metrics.jsonl) belongs to ``CheckpointManager``.
 """
 
@@ -30,9 +40,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from tqdm.auto import tqdm
 
 from slimtune.card import CardFacts, model_card
@@ -52,10 +64,11 @@ from slimtune.data import (
     model_inputs,
     write_jsonl,
 )
+from slimtune.distributed import Ranks, init_distributed, split_rows
 from slimtune.errors import SlimtuneError
 from slimtune.formats.hf import load_config as load_hf_config
 from slimtune.formats.hf import tokenizer_files
-from slimtune.formats.peft import ADAPTER_WEIGHTS, lora_key
+from slimtune.formats.peft import lora_key
 from slimtune.generate import FORMAT_NAME, format_record, prompt_format_of
 from slimtune.lora import LoRAConfig, lora_modules, lora_parameters
 from slimtune.memory import peak_rss_mb, reset_peak_rss, rss_mb
@@ -86,19 +99,29 @@ class FinetuneResult:
 
 def run_finetune(cfg: Config, on_step: Callable[[dict], None] | None = None) -> FinetuneResult:
     """Train LoRA adapters on a QLoRA model as ``cfg`` says; ``on_step`` sees each step's metrics record.
-    A fresh run that fails before its first checkpoint leaves nothing behind (CreatedByRun)."""
-    created = CreatedByRun(Path(cfg.output_dir), [Path(cfg.model.path), Path(cfg.dataset.path)])
+    Under torchrun every rank calls this (it joins the process group). A fresh run that fails before its
+    first checkpoint leaves nothing behind (CreatedByRun).
+
+    Example: ``run_finetune(load_config("tiny", ["output_dir=out", "training.max_steps=5"]))``"""
+    device = pick_device(cfg.device)
+    ranks = init_distributed(device.type)
+    created = CreatedByRun(Path(cfg.output_dir), [Path(cfg.model.path), Path(cfg.dataset.path)]) if ranks.is_coordinator else None
     try:
-        return _finetune(cfg, on_step)
+        return _finetune(cfg, on_step, ranks)
     except BaseException:
-        created.undo(say)
+        if created is not None:
+            created.undo(say)
         raise
 
 
-def _finetune(cfg: Config, on_step: Callable[[dict], None] | None) -> FinetuneResult:
+def _finetune(cfg: Config, on_step: Callable[[dict], None] | None, ranks: Ranks) -> FinetuneResult:
     out = Path(cfg.output_dir)
     device = pick_device(cfg.device)
+    if device.type == "cuda" and ranks.distributed:
+        device = torch.device("cuda", torch.cuda.current_device())  # init_distributed bound this rank to its GPU
     dtype = pick_dtype(cfg.dtype, device)
+    if ranks.distributed and dtype == torch.float16:
+        raise SlimtuneError("dtype fp16 (loss scaling) is for one process; with several ranks use bf16 or fp32")
 
     # --- Set-up 1: output_dir. Resume from its newest complete checkpoint, or refuse to mix two runs. ---
     manager = CheckpointManager(out, cfg.checkpoint.keep_last_n, log=say)
@@ -132,7 +155,13 @@ def _finetune(cfg: Config, on_step: Callable[[dict], None] | None) -> FinetuneRe
     if saved is not None and saved["dataset_sha256"] != dataset_sha:
         raise SlimtuneError(f"cannot resume from {resume_dir}: the content of the data files changed since the checkpoint was taken")
     if create_tiny:
-        make_tiny_checkpoint(model_dir, seed=cfg.seed)
+        error = None
+        if ranks.is_coordinator:
+            try:
+                make_tiny_checkpoint(model_dir, seed=cfg.seed)
+            except BaseException as e:  # noqa: BLE001 - every rank raises below
+                error = e
+        ranks.agree(error, "writing the embedded tiny model")
         tokenizer = load_tokenizer(model_dir)
         say(f"embedded tiny Llama base written to {model_dir}")
     if data.dropped:
@@ -148,19 +177,22 @@ def _finetune(cfg: Config, on_step: Callable[[dict], None] | None) -> FinetuneRe
         )
 
     # --- Set-up 4: the model, NF4 base + fp32 adapters, in the compute dtype, on the device. ---
+    # Under a process group the model comes out FSDP2-sharded, NF4 base and adapters alike (model.py says how).
     lora = LoRAConfig(cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.use_rslora, list(cfg.lora.target_modules))
-    model = load_qlora_model(model_dir, lora, seed=cfg.seed, progress=cfg.logging.progress_bar)
+    progress = cfg.logging.progress_bar and ranks.is_coordinator
+    model = load_qlora_model(model_dir, lora, seed=cfg.seed, progress=progress, ranks=ranks, dtype=dtype)
     say(f"lora targets ({', '.join(lora.target_modules)}): {', '.join(model.slimtune_targets)}")
     base_dtype = config_dtype(model.config)
-    cast_frozen(model, dtype)
-    model.to(device)
+    if not ranks.distributed:
+        model.to(device)  # FSDP2 placed each rank's shards on its device already
     if cfg.training.activation_checkpointing:
         enable_activation_checkpointing(model)
-    model.config.use_cache = False
     params = lora_parameters(model)
     say(
         f"model: {model_dir.name}, {sum(p.numel() for p in params):,} trainable adapter parameters, {device.type}, "
-        f"{str(dtype).removeprefix('torch.')}; data: {len(examples)} {'packed rows' if cfg.dataset.packed else 'examples'}"
+        f"{str(dtype).removeprefix('torch.')}"
+        + (f", {ranks.world_size} ranks (FSDP2)" if ranks.distributed else "")
+        + f"; data: {len(examples)} {'packed rows' if cfg.dataset.packed else 'examples'}"
         + (f" ({data.documents} documents)" if cfg.dataset.packed else "")
         + (f", {len(eval_examples)} held out" if eval_examples else "")
         + f", {steps_per_epoch} steps/epoch, {total_steps} steps"
@@ -173,42 +205,61 @@ def _finetune(cfg: Config, on_step: Callable[[dict], None] | None) -> FinetuneRe
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
 
     # --- Set-up 6: a fresh output_dir, or everything restored from the checkpoint. Writing starts here. ---
-    manager.prepare(fresh_start=saved is None, overwrite=cfg.overwrite)
-    if builtin_rows is not None:
-        with os_errors("write the built-in dataset to", dataset_path):
-            write_jsonl(dataset_path, builtin_rows)
-        say(f"built-in dataset written to {dataset_path}")
+    error = None
+    if ranks.is_coordinator:
+        try:
+            manager.prepare(fresh_start=saved is None, overwrite=cfg.overwrite)
+            if builtin_rows is not None:
+                with os_errors("write the built-in dataset to", dataset_path):
+                    write_jsonl(dataset_path, builtin_rows)
+                say(f"built-in dataset written to {dataset_path}")
+        except BaseException as e:  # noqa: BLE001 - every rank raises below
+            error = e
+    ranks.agree(error, "preparing output_dir")
     if saved is None:
         global_step, epoch, step_in_epoch = 0, 0, 0
-        seed_everything(cfg.seed)
+        seed_everything(cfg.seed + ranks.rank)
     else:
-        load_adapter_weights(model, resume_dir / ADAPTER_DIR / ADAPTER_WEIGHTS)
-        optimizer.load_state_dict(saved["optimizer"])
-        scheduler.load_state_dict(saved["scheduler"])
+        template = train_state(model, optimizer, scheduler, scaler, (0, 0), ranks)
+        restored = manager.load_train_state(resume_dir, template)  # the adapters and optimizer state in place, resharded
+        set_optimizer_state_dict(model, optimizer, restored["optimizer"])
+        scheduler.load_state_dict(restored["scheduler"])
         for group in optimizer.param_groups:  # hyperparameters that may change on resume come from the config
             group["weight_decay"] = cfg.optimizer.weight_decay
         scheduler.base_lrs = [cfg.optimizer.lr] * len(optimizer.param_groups)
         for group in optimizer.param_groups:
             group["lr"] = cfg.optimizer.lr * lr_factor(scheduler.last_epoch)
         scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
-        if scaler.is_enabled() and saved["grad_scaler"]:
-            scaler.load_state_dict(saved["grad_scaler"])
-        global_step, epoch, step_in_epoch = saved["global_step"], saved["epoch"], saved["step_in_epoch"]
-        set_rng_state(saved["rng"])  # last: nothing may draw random numbers between here and the next step
+        if scaler.is_enabled() and restored.get("grad_scaler"):
+            scaler.load_state_dict(restored["grad_scaler"])
+        global_step = saved["global_step"]
+        epoch, step_in_epoch = restored["position"]["epoch"], restored["position"]["step_in_epoch"]
+        world_then = saved.get("world_size", 1)
+        if world_then != ranks.world_size:
+            say(f"resume: the checkpoint was written by {world_then} rank(s), this run has {ranks.world_size}: state resharded by DCP")
+        rng = restored.get("rng", {}).get(str(ranks.rank))
+        if rng is not None:
+            set_rng_state(rng)  # last: nothing may draw random numbers between here and the next step
+        else:  # a rank the checkpoint did not have: a fresh stream of its own
+            seed_everything(cfg.seed + ranks.rank + 1_000_003 * global_step)
         say(f"resumed from {resume_dir.name}: step {global_step}, epoch {epoch + 1}, step {step_in_epoch + 1} of the epoch next")
     docs = CheckpointDocs(tokenizer, cfg, data, hf_config, base_dtype)  # tokenizer with the chat template used, model card
-    metrics = MetricsLog(manager.metrics_path, keep_through_step=global_step, last_record=saved.get("metrics") if saved else None)
-    trackers = Trackers.from_config(cfg, out, resume_step=global_step)
+    metrics = (
+        MetricsLog(manager.metrics_path, keep_through_step=global_step, last_record=saved.get("metrics") if saved else None)
+        if ranks.is_coordinator
+        else None
+    )
+    trackers = Trackers.from_config(cfg, out, resume_step=global_step) if ranks.is_coordinator else Trackers()
     prompt_format = prompt_format_of(data.shapes)
     memory = PeakMemory(device)
-    result = FinetuneResult(model, tokenizer, out, global_step, metrics_path=metrics.path)
+    result = FinetuneResult(model, tokenizer, out, global_step, metrics_path=manager.metrics_path)
 
     # --- Training loop. ---
     stop_at = total_steps if cfg.training.stop_after_steps is None else min(total_steps, cfg.training.stop_after_steps)
     if global_step >= stop_at:
         say(f"nothing to train: the run is at step {global_step} and stops at step {stop_at}")
     model.train()
-    bar = tqdm(total=total_steps, initial=global_step, desc="train", unit="step", dynamic_ncols=True, disable=not cfg.logging.progress_bar)
+    bar = tqdm(total=total_steps, initial=global_step, desc="train", unit="step", dynamic_ncols=True, disable=not progress)
     position = (epoch, step_in_epoch)
     first_step_of_invocation, last_eval = global_step + 1, None
     while global_step < stop_at:
@@ -219,8 +270,9 @@ def _finetune(cfg: Config, on_step: Callable[[dict], None] | None) -> FinetuneRe
         )
         for index in range(step_in_epoch, len(plan)):
             started = time.perf_counter()
-            micro_batches = [collate([examples[i] for i in batch], pad_id) for batch in plan[index]]
-            trained_tokens = sum(int((mb["labels"][:, 1:] != IGNORE_INDEX).sum()) for mb in micro_batches)
+            micro_batches = [rank_batch(examples, batch, ranks, pad_id) for batch in plan[index]]  # this rank's slices
+            local_tokens = sum(int((mb["labels"][:, 1:] != IGNORE_INDEX).sum()) for mb in micro_batches)
+            trained_tokens = int(all_sum(torch.tensor(float(local_tokens), device=device), ranks))  # the global step's
             loss_sum = torch.zeros((), device=device)
             tokens = 0
             for mb in micro_batches:
@@ -240,7 +292,8 @@ def _finetune(cfg: Config, on_step: Callable[[dict], None] | None) -> FinetuneRe
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             global_step += 1
-            step_loss = loss_sum.item()
+            step_loss = all_sum(loss_sum, ranks).item()
+            tokens = int(all_sum(torch.tensor(float(tokens), device=device), ranks).item())
             if not math.isfinite(step_loss) and not scaler.is_enabled():
                 raise SlimtuneError(f"the loss is {step_loss} at step {global_step}; lower optimizer.lr or check the data")
             seconds = time.perf_counter() - started
@@ -261,11 +314,11 @@ def _finetune(cfg: Config, on_step: Callable[[dict], None] | None) -> FinetuneRe
             if checkpoint_now and cfg.training.sample_prompts:
                 record["samples"] = sample_generations(model, tokenizer, cfg.training.sample_prompts, prompt_format, cfg, device)
                 for sample in record["samples"]:
-                    say(f"sample at step {global_step}: {sample['prompt']!r} -> {sample['text']!r}")
+                    say(f"sample at step {global_step}: {sample['prompt']!r} -> {sample['text']!r}")  # every rank ran it: FSDP2 needs all
 
             # --- Checkpointing: each epoch end, every save_every_n_steps, and where this invocation stops. ---
             if checkpoint_now:
-                state = recipe_state(cfg, global_step, position, optimizer, scheduler, scaler, dataset_sha, len(examples), total_steps)
+                state = recipe_state(cfg, global_step, dataset_sha, len(examples), total_steps, ranks)
                 state["metrics"] = {**record, "checkpoint": manager.step_path(global_step).name}  # rewritten on resume if a kill takes it
                 adapter_only = cfg.checkpoint.merged == "never" or (cfg.checkpoint.merged == "final" and global_step < total_steps)
                 facts = dict(step=global_step, total_steps=total_steps, epoch=epoch + 1, train_loss=step_loss, merged=not adapter_only)
@@ -278,10 +331,11 @@ def _finetune(cfg: Config, on_step: Callable[[dict], None] | None) -> FinetuneRe
                     tokenizer_dir=docs.tokenizer_dir,
                 )
                 ckpt = manager.step_path(global_step)
-                saved_result, before, save_peak = memory.around_save(
-                    lambda step=global_step, state=state, options=options: manager.save(model, step, state, options)
-                )
-                removed = manager.prune()
+                training = train_state(model, optimizer, scheduler, scaler, position, ranks)
+                save = partial(manager.save, model, global_step, state, options, training, ranks)
+                saved_result, before, save_peak = memory.around_save(save)
+                del training, save
+                removed = manager.prune() if ranks.is_coordinator else []
                 record.update(checkpoint=ckpt.name, checkpoint_save_s=saved_result.seconds, checkpoint_bytes=saved_result.total_bytes)
                 record.update(checkpoint_peak_rss_mb=save_peak)
                 kind = "adapter" if adapter_only else "adapter + merged"
@@ -292,7 +346,8 @@ def _finetune(cfg: Config, on_step: Callable[[dict], None] | None) -> FinetuneRe
                 result.checkpoint, result.last_save = ckpt, saved_result
                 result.rss_before_last_save_mb, result.peak_rss_last_save_mb = before, save_peak
             record.update(memory.snapshot())
-            metrics.write(record)
+            if metrics is not None:
+                metrics.write(record)
             trackers.log(record)
             result.losses.append(step_loss)
             bar.update(1)
@@ -310,7 +365,7 @@ def _finetune(cfg: Config, on_step: Callable[[dict], None] | None) -> FinetuneRe
 
     # --- The end: loss curve, summary. ---
     result.global_step = global_step
-    result.plot_path = plot_losses(metrics.path, manager.plot_path)
+    result.plot_path = plot_losses(manager.metrics_path, manager.plot_path) if ranks.is_coordinator else None
     snapshot = memory.snapshot()
     result.peak_rss_mb, result.peak_gpu_mb = snapshot["peak_rss_mb"], snapshot.get("peak_gpu_mb")
     if result.losses:
@@ -319,7 +374,7 @@ def _finetune(cfg: Config, on_step: Callable[[dict], None] | None) -> FinetuneRe
         say(f"trained steps {first_step}-{global_step} of {total_steps}: loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}{evaluated}")
     if global_step < total_steps:
         say(f"stopped at step {global_step} (training.stop_after_steps); continue with resume=true")
-    say(f"metrics: {metrics.path}" + (f"; loss curve: {result.plot_path}" if result.plot_path else ""))
+    say(f"metrics: {manager.metrics_path}" + (f"; loss curve: {result.plot_path}" if result.plot_path else ""))
     if result.checkpoint is not None:
         say(f"newest checkpoint: {result.checkpoint}")
     gpu = f"; peak GPU memory {result.peak_gpu_mb:.0f} MB" if result.peak_gpu_mb is not None else ""
@@ -332,7 +387,9 @@ def _finetune(cfg: Config, on_step: Callable[[dict], None] | None) -> FinetuneRe
 
 
 def say(message: str) -> None:
-    """A log line on stdout that does not tear the progress bar."""
+    """A log line on stdout that does not tear the progress bar; under torchrun only rank 0 speaks."""
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
     tqdm.write(message, file=sys.stdout)
     sys.stdout.flush()
 
@@ -416,6 +473,26 @@ def load_adapter_weights(model: nn.Module, path: Path) -> None:
 # Training-loop helpers
 
 
+def rank_batch(examples: list, batch: list[int], ranks: Ranks, pad_id: int) -> dict[str, torch.Tensor]:
+    """This rank's contiguous slice of a global micro-batch (``split_rows``), collated. A rank whose
+    slice is empty (a short last batch) still runs the forward and backward passes FSDP2's collectives
+    need, on one example with no trained token: it adds nothing to the loss or the gradients."""
+    start, end = split_rows(len(batch), ranks.world_size)[ranks.rank]
+    if end > start:
+        return collate([examples[i] for i in batch[start:end]], pad_id)
+    filler = collate([examples[batch[0]]], pad_id)
+    filler["labels"].fill_(IGNORE_INDEX)
+    return filler
+
+
+def all_sum(value: torch.Tensor, ranks: Ranks) -> torch.Tensor:
+    """``value`` summed over the ranks (itself in one process)."""
+    if ranks.distributed and ranks.world_size > 1:
+        value = value.clone()
+        dist.all_reduce(value)
+    return value
+
+
 LOSS_CHUNK_BYTES = 64 * 2**20
 
 
@@ -459,11 +536,9 @@ def sample_generations(model: nn.Module, tokenizer, prompts: list[str], prompt_f
 
     was_training = model.training
     model.eval()
-    model.config.use_cache = True
     loaded = Loaded(model, tokenizer, "adapter", prompt_format, device)
     options = SamplingOptions(max_new_tokens=cfg.training.sample_max_new_tokens, temperature=0.0)
     samples = [{"prompt": p, "text": generate(loaded, prompt_ids(loaded, prompt=p), options)} for p in prompts]
-    model.config.use_cache = False
     model.train(was_training)
     return samples
 
@@ -539,32 +614,34 @@ class PeakMemory:
 # Checkpointing helpers
 
 
-def recipe_state(
-    cfg: Config,
-    global_step: int,
-    position: tuple[int, int],
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    scaler: torch.amp.GradScaler,
-    dataset_sha: str,
-    num_examples: int,
-    total_steps: int,
-) -> dict:
-    """Everything beyond the adapter weights that the next step depends on. Plain containers and
-    tensors only, so it loads with ``torch.load(weights_only=True)``."""
+def recipe_state(cfg: Config, global_step: int, dataset_sha: str, num_examples: int, total_steps: int, ranks: Ranks) -> dict:
+    """The run's facts resume checks before anything is loaded: plain containers only, so it loads with
+    ``torch.load(weights_only=True)``. The training state itself is ``train_state``'s."""
     return {
         "format": STATE_FORMAT,
         "global_step": global_step,
-        "epoch": position[0],  # the data position of the next step: epoch (0-based) and step within it
-        "step_in_epoch": position[1],
         "total_steps": total_steps,
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "grad_scaler": scaler.state_dict(),
-        "rng": rng_state(),
+        "world_size": ranks.world_size,
         "config": dict(cfg.values),
         "dataset_sha256": dataset_sha,
         "num_examples": num_examples,
+    }
+
+
+def train_state(model: nn.Module, optimizer, scheduler, scaler, position: tuple[int, int], ranks: Ranks) -> dict:
+    """What the next step depends on beyond the run's facts, laid out for torch.distributed.checkpoint:
+    the adapters and the optimizer state by parameter name (DTensor shards under FSDP2, whole tensors in
+    one process: DCP reshards between the two), scheduler, loss scaler, the data position (epoch, 0-based,
+    and step within it) and this rank's RNG states under its rank. Built fresh for a save; for a resume
+    it is the template DCP fills in place."""
+    adapters = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
+    return {
+        "adapter": adapters,
+        "optimizer": get_optimizer_state_dict(model, optimizer),
+        "scheduler": scheduler.state_dict(),
+        "grad_scaler": scaler.state_dict(),
+        "position": {"epoch": position[0], "step_in_epoch": position[1]},
+        "rng": {str(ranks.rank): rng_state()},
     }
 
 

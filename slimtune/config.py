@@ -155,7 +155,14 @@ SCHEMA: tuple[Key, ...] = (
         fixed=True,
     ),
     Key("dataset.create_builtin", "bool", False, "When dataset.path does not exist, write the small built-in dataset there."),
-    Key("training.batch_size", "int", 2, "Sequences per micro-batch.", minimum=1, fixed=True),
+    Key(
+        "training.batch_size",
+        "int",
+        2,
+        "Sequences per micro-batch, all ranks together (each takes its slice): the same global batch on any number of ranks.",
+        minimum=1,
+        fixed=True,
+    ),
     Key(
         "training.gradient_accumulation_steps",
         "int",

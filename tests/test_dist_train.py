@@ -19,7 +19,6 @@ import torch
 
 from slimtune.checkpoint.atomic import MANIFEST_NAME, is_complete_checkpoint, read_manifest
 from tests.conftest import ROOT, run_cli
-from tests.test_save import read_merged
 
 pytestmark = pytest.mark.multiprocess
 
@@ -80,7 +79,7 @@ def test_two_ranks_follow_the_one_rank_curve(runs):
 
 def test_two_rank_checkpoint_is_the_single_process_save_of_its_adapter_and_verifies(runs, tmp_path):
     """The 2-rank run's merged export, file for file, equals one process saving the same adapter weights
-    on the same base; `slimtune merge --merge-base quantized` of its adapter gives the same tensors; verify passes."""
+    on the same base, and `slimtune merge --merge-base quantized` of its own adapter; verify passes."""
     from slimtune import save_checkpoint
     from slimtune.checkpoint.save import ADAPTER_DIR
     from slimtune.formats.peft import ADAPTER_WEIGHTS
@@ -98,12 +97,15 @@ def test_two_rank_checkpoint_is_the_single_process_save_of_its_adapter_and_verif
     for name in [*shards, "model.safetensors.index.json", "config.json", f"{ADAPTER_DIR}/{ADAPTER_WEIGHTS}"]:
         assert exported[name] == single[name], name
 
-    merged = run_cli("merge", "--base", str(base), "--adapter", str(ckpt), "--out", str(tmp_path / "merged"), "--merge-base", "quantized")
+    merge = ["merge", "--base", str(base), "--adapter", str(ckpt), "--out", str(tmp_path / "merged"), "--merge-base", "quantized"]
+    merged = run_cli(*merge, "--max-shard-size", "1MB")
     assert merged.returncode == 0, merged.stderr
-    remerged, ours = read_merged(tmp_path / "merged"), read_merged(ckpt)
-    assert remerged.keys() == ours.keys()
-    for name, t in ours.items():
-        assert t.dtype == remerged[name].dtype and torch.equal(t.view(torch.uint8), remerged[name].view(torch.uint8)), name
+    remerged = files(tmp_path / "merged")
+    # the weights, index and config byte for byte (the tokenizer files differ by design: a training
+    # checkpoint carries the chat template training used, the merge copies the base's)
+    assert [p for p in remerged if p.startswith("model-")] == shards
+    for name in [*shards, "model.safetensors.index.json", "config.json"]:
+        assert remerged[name] == exported[name], name
     verify = run_cli("verify", str(ckpt), "--base", str(base), "--adapter", str(ckpt), "--merge-base", "quantized")
     assert verify.returncode == 0, verify.stdout + verify.stderr
 

@@ -229,3 +229,16 @@ def test_model_families_load_save_and_reload(family, tmp_path, batch):
     mask = batch["attention_mask"].bool()
     gap = (logits(reloaded, batch)[mask] - logits(model, batch)[mask]).abs().max().item()
     assert gap < 0.1, gap
+
+
+def test_config_comes_from_the_base_or_from_the_model_when_the_base_is_gone(qlora_model, tiny_base, tmp_path, caplog):
+    qlora_model.config.use_cache = False  # as during training
+    save_checkpoint(qlora_model, tmp_path / "a", progress=False)
+    base = json.loads((tiny_base / "config.json").read_text())
+    written = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert written == {**base, "dtype": "bfloat16", "torch_dtype": "bfloat16"}  # the base's config.json, use_cache as there
+    qlora_model.slimtune_source_dir = tmp_path / "moved"
+    save_checkpoint(qlora_model, tmp_path / "b", progress=False)
+    assert "config.json written from the model's config instead" in caplog.text
+    config = AutoConfig.from_pretrained(tmp_path / "b")
+    assert config.model_type == "llama" and config.hidden_size == base["hidden_size"] and "quantization_config" not in config.to_dict()

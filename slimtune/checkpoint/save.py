@@ -4,12 +4,14 @@ checkpoint (PEFT adapter, merged HF shards, config, tokenizer, manifest last, at
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -34,7 +36,11 @@ from slimtune.formats.hf import INDEX_NAME, export_config_dict, index_dict, read
 from slimtune.formats.peft import ADAPTER_CONFIG, ADAPTER_DIR_NAME, adapter_config_dict
 from slimtune.memory import parse_size
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 ADAPTER_DIR = ADAPTER_DIR_NAME
+log = logging.getLogger(__name__)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # as the CLI and configs spell them
 
 
@@ -176,9 +182,8 @@ def save_checkpoint(
     on_gpu = any(p.is_cuda for p in model.parameters())
     to_host = pool_for(chunk_bytes, inflight_bytes, pin_memory=on_gpu).to_host
     merged = [] if adapter_only else merged_tensor_stream(model, dtype, to_host)
-    # the base's config.json, as the offline merge writes it (not model.config: training changes use_cache)
-    base_config = read_config_dict(source_dir) if source_dir is not None else getattr(model, "config", None)
-    config = export_config_dict(base_config, merged) if merged and base_config is not None else None
+    base_config = _base_config(model) if merged else None
+    config = export_config_dict(base_config, merged) if base_config is not None else None
     return write_checkpoint(
         out_dir,
         merged=merged,
@@ -192,6 +197,19 @@ def save_checkpoint(
         ranks=ranks,
         shared_write=shared_write,
     )
+
+
+def _base_config(model: nn.Module) -> dict | PretrainedConfig | None:
+    """The config the merged model is written with: the base's config.json, as the offline merge writes
+    it (not ``model.config``: training changes ``use_cache``); the model's config if the base directory
+    is gone or was never there (a model built in memory)."""
+    source_dir = getattr(model, "slimtune_source_dir", None)
+    if source_dir is not None:
+        try:
+            return read_config_dict(source_dir)
+        except SlimtuneError as e:
+            log.warning("%s; config.json written from the model's config instead", e)
+    return getattr(model, "config", None)
 
 
 def _prefixed(record: FileRecord) -> FileRecord:

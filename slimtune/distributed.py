@@ -213,3 +213,14 @@ def shard_model(model: torch.nn.Module, ranks: Ranks, keep_whole: set[torch.nn.P
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
     return model
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Free the gathered parameters FSDP2 keeps after a forward pass without backward (evaluation,
+    generation under no_grad: the root keeps its own gathered), so the next training step gathers
+    afresh; without it the next backward fails. Alone, or unsharded: nothing to do."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

@@ -3,7 +3,8 @@ training state through DCP (resume 2 -> 2 bit-exact, 2 -> 1 and 1 -> 2 through r
 cooperative export of a training checkpoint, and a rank killed mid-export.
 
 The runs are shared by the tests of this module (each 2-rank run is ~15 s here). Every run trains the
-tiny config for 6 steps (5 per epoch: checkpoints at steps 3, 5 and 6) in bf16, with 1 MB shards."""
+tiny config for 6 steps (4 per epoch, a quarter of the data held out: checkpoints, evaluation and
+greedy samples at steps 3, 4 and 6) in bf16, with 1 MB shards."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ LOSS_RTOL = 1e-3
 def train(out: Path, nproc: int, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
     args = ["finetune", "--config", "tiny", "--nproc", str(nproc), f"output_dir={out}", "logging.progress_bar=false"]
     args += ["training.max_steps=6", "checkpoint.save_every_n_steps=3", "checkpoint.max_shard_size=1MB", "checkpoint.keep_last_n=10"]
+    args += ["dataset.eval_fraction=0.25", "training.sample_prompts=[Hello]", "training.sample_max_new_tokens=4"]  # FSDP2: all ranks
     environment = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
     cmd = [sys.executable, "-m", "slimtune", *args, *overrides]
     return subprocess.run(cmd, capture_output=True, text=True, env=environment, timeout=300)
@@ -42,16 +44,16 @@ def trained(out: Path, nproc: int, *overrides: str) -> Path:
     return out
 
 
-def losses(out: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+def losses(out: Path, key: str = "loss") -> dict[int, float]:
+    return {r["step"]: r[key] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if key in r}
 
 
 def files(ckpt: Path) -> dict[str, str]:
     return {f["path"]: f["sha256"] for f in read_manifest(ckpt)["files"]}
 
 
-def assert_close_curves(a: dict[int, float], b: dict[int, float]) -> None:
-    assert a.keys() == b.keys() == set(range(1, 7))
+def assert_close_curves(a: dict[int, float], b: dict[int, float], steps: frozenset[int] = frozenset(range(1, 7))) -> None:
+    assert a.keys() == b.keys() == steps
     for step in a:
         assert abs(a[step] - b[step]) <= LOSS_RTOL * abs(a[step]), (step, a[step], b[step])
 
@@ -74,6 +76,10 @@ def resumed_copy(src: Path, dst: Path, nproc: int, env: dict | None = None) -> s
 def test_two_ranks_follow_the_one_rank_curve(runs):
     one, two = losses(runs["one"]), losses(runs["two"])
     assert_close_curves(one, two)
+    # held-out loss at every checkpoint, each rank evaluating its slice; greedy samples at each checkpoint
+    # (texts may differ where two tokens nearly tie: the adapters differ by rounding)
+    assert_close_curves(losses(runs["one"], "eval_loss"), losses(runs["two"], "eval_loss"), {3, 4, 6})
+    assert losses(runs["one"], "samples").keys() == losses(runs["two"], "samples").keys() == {3, 4, 6}
     assert losses(runs["two-stopped"]) == {s: v for s, v in two.items() if s <= 3}  # same seed, same ranks: the same steps
 
 
@@ -115,6 +121,8 @@ def test_resume_two_to_two_is_bit_exact(runs, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from step-000003" in proc.stdout
     assert losses(tmp_path / "run") == losses(runs["two"])
+    assert losses(tmp_path / "run", "eval_loss") == losses(runs["two"], "eval_loss")
+    assert losses(tmp_path / "run", "samples") == losses(runs["two"], "samples")
     a, b = files(tmp_path / "run" / "step-000006"), files(runs["two"] / "step-000006")
     for name in a:
         if name.startswith(("model-", "adapter/adapter_model", "train_state/__")):
@@ -129,7 +137,7 @@ def test_resume_across_world_sizes_continues_through_resharding(runs, tmp_path):
 
     one_stopped = tmp_path / "one-stopped"
     shutil.copytree(runs["one"], one_stopped)
-    for step in ("step-000005", "step-000006"):
+    for step in ("step-000004", "step-000006"):
         shutil.rmtree(one_stopped / step)
     one_to_two = train(one_stopped, 2, "resume=true")
     assert one_to_two.returncode == 0, one_to_two.stderr[-3000:]
@@ -142,7 +150,7 @@ def test_sigkill_of_one_rank_mid_export_keeps_the_earlier_checkpoint_and_resumes
     shutil.copytree(runs["two-stopped"], run)
     before = {p.relative_to(run): p.read_bytes() for p in (run / "step-000003").rglob("*") if p.is_file()}
     killer = {"PYTHONPATH": f"{ROOT / 'tests' / 'killer'}{os.pathsep}{ROOT}", "SLIMTUNE_KILL_RANK": "1", "SLIMTUNE_KILL_AT": "3"}
-    proc = train(run, 2, "resume=true", env=killer)  # rank 1 dies in its rows of step-000005's shards
+    proc = train(run, 2, "resume=true", env=killer)  # rank 1 dies in its rows of step-000004's shards
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("slimtune finetune: error:")]
     assert len(errors) == 1, proc.stderr[-3000:]

@@ -64,7 +64,7 @@ from slimtune.data import (
     model_inputs,
     write_jsonl,
 )
-from slimtune.distributed import Ranks, init_distributed, split_rows
+from slimtune.distributed import Ranks, init_distributed, reshard, split_rows
 from slimtune.errors import SlimtuneError
 from slimtune.formats.hf import load_config as load_hf_config
 from slimtune.formats.hf import tokenizer_files
@@ -309,7 +309,7 @@ def _finetune(cfg: Config, on_step: Callable[[dict], None] | None, ranks: Ranks)
             checkpoint_now = epoch_end or (every is not None and global_step % every == 0) or global_step == stop_at
             eval_every = cfg.training.eval_every_n_steps
             if eval_examples and (checkpoint_now or (eval_every is not None and global_step % eval_every == 0)):
-                last_eval = evaluate(model, eval_examples, cfg.training.batch_size, pad_id, device)
+                last_eval = evaluate(model, eval_examples, cfg.training.batch_size, pad_id, device, ranks)
                 record.update(last_eval)
             if checkpoint_now and cfg.training.sample_prompts:
                 record["samples"] = sample_generations(model, tokenizer, cfg.training.sample_prompts, prompt_format, cfg, device)
@@ -514,18 +514,26 @@ def _chunk_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(logits.float().reshape(-1, vocab), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def evaluate(model: nn.Module, examples: list, batch_size: int, pad_id: int, device: torch.device) -> dict:
+def evaluate(model: nn.Module, examples: list, batch_size: int, pad_id: int, device: torch.device, ranks: Ranks) -> dict:
     """Token-mean loss and perplexity over the held-out examples: dropout off, no gradient, and the RNG
-    state forked around it, so training continues exactly as without evaluation."""
+    state forked around it, so training continues exactly as without evaluation. Each rank evaluates its
+    slice of every batch (``rank_batch``: every rank runs each forward FSDP2 needs); sums are all-reduced."""
     was_training = model.training
     model.eval()
-    total, count = 0.0, 0
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    count = 0
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
         for start in range(0, len(examples), batch_size):
-            batch = {k: v.to(device) for k, v in collate(examples[start : start + batch_size], pad_id).items()}
-            total += token_loss_sum(model(**model_inputs(batch)).logits, batch["labels"]).item()
+            batch = {
+                k: v.to(device)
+                for k, v in rank_batch(examples, list(range(start, min(start + batch_size, len(examples)))), ranks, pad_id).items()
+            }
+            total += token_loss_sum(model(**model_inputs(batch)).logits, batch["labels"]).double()
             count += int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
     model.train(was_training)
+    reshard(model)
+    total = all_sum(total, ranks).item()
+    count = int(all_sum(torch.tensor(float(count), dtype=torch.float64, device=device), ranks).item())
     loss = total / max(1, count)
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)), "eval_tokens": count}
 
@@ -539,6 +547,7 @@ def sample_generations(model: nn.Module, tokenizer, prompts: list[str], prompt_f
     loaded = Loaded(model, tokenizer, "adapter", prompt_format, device)
     options = SamplingOptions(max_new_tokens=cfg.training.sample_max_new_tokens, temperature=0.0)
     samples = [{"prompt": p, "text": generate(loaded, prompt_ids(loaded, prompt=p), options)} for p in prompts]
+    reshard(model)
     model.train(was_training)
     return samples
 

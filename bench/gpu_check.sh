@@ -4,8 +4,10 @@
 #   2. the save and merge benches on the GPU for the llama3.2-1b shape, the NF4 dequantization bench,
 #   3. a tiny fine-tune on the GPU through the recipe (train, periodic save, resume), then its merged
 #      output reloaded and compared,
-#   4. torchrun with 1 process: the tiny config, and the cooperative export of an FSDP2-sharded model
-#      on NCCL compared byte for byte with the plain save (2 processes too where there are 2+ GPUs).
+#   4. torchrun with 1 process on NCCL: the tiny config through the recipe (FSDP2 over a 1-rank CUDA
+#      mesh: sharded loading, training, DCP training state, the cooperative export of every checkpoint),
+#      resumed, and the export of an FSDP2-sharded model compared byte for byte with the plain save;
+#      with 2+ GPUs also 2-rank training, resumed on 2 ranks, and the 2-process export.
 # torchao is not on that image: carry its wheel in bench/wheels/ (gitignored), e.g.
 #   pip download --no-deps -d bench/wheels torchao==0.18.0
 # and pass carry=["bench/wheels"] to the device run. Every step runs even if an earlier one failed;
@@ -39,7 +41,11 @@ if [ -f /tmp/slimtune-gpu-tiny/metrics.jsonl ]; then tail -n 2 /tmp/slimtune-gpu
 # torchrun, 1 process: the tiny config through the recipe under torchrun's environment, then the
 # cooperative export on NCCL (FSDP2 over a 1-rank CUDA mesh; the same files as the plain save?).
 TR="$PY -m torch.distributed.run --standalone"
-step "torchrun 1 process: tiny fine-tune" 120 $TR --nproc-per-node 1 -m slimtune finetune --config tiny output_dir=/tmp/slimtune-gpu-tr1 device=cuda
+TINY="--config tiny device=cuda training.max_steps=12 checkpoint.save_every_n_steps=6 logging.progress_bar=false"
+step "torchrun NCCL 1 process: tiny fine-tune (FSDP2)" 120 $TR --nproc-per-node 1 -m slimtune finetune $TINY output_dir=/tmp/slimtune-gpu-tr1 training.stop_after_steps=6
+step "torchrun NCCL 1 process: resumed to step 12" 120 $TR --nproc-per-node 1 -m slimtune finetune $TINY output_dir=/tmp/slimtune-gpu-tr1 resume=true
+if [ -f /tmp/slimtune-gpu-tr1/metrics.jsonl ]; then tail -n 1 /tmp/slimtune-gpu-tr1/metrics.jsonl; fi
+step "verify the 1-process FSDP2 checkpoint" 60 $PY -m slimtune verify /tmp/slimtune-gpu-tr1/step-000012
 $PY -c "from slimtune.tiny import make_tiny_checkpoint as m; m('/tmp/slimtune-gpu-base256', seed=1, hidden_size=256, intermediate_size=512)" >/dev/null
 rm -rf /tmp/slimtune-gpu-nccl1 && mkdir -p /tmp/slimtune-gpu-nccl1
 step "torchrun NCCL 1 process: FSDP2 export" 120 $TR --nproc-per-node 1 tests/dist_worker.py /tmp/slimtune-gpu-base256 /tmp/slimtune-gpu-nccl1 cuda
@@ -47,6 +53,9 @@ NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
 if [ "$NGPU" -ge 2 ]; then
   rm -rf /tmp/slimtune-gpu-nccl2 && mkdir -p /tmp/slimtune-gpu-nccl2
   step "torchrun NCCL 2 processes: FSDP2 export" 120 $TR --nproc-per-node 2 tests/dist_worker.py /tmp/slimtune-gpu-base256 /tmp/slimtune-gpu-nccl2 cuda
+  step "torchrun NCCL 2 processes: tiny fine-tune" 120 $TR --nproc-per-node 2 -m slimtune finetune $TINY output_dir=/tmp/slimtune-gpu-tr2 training.stop_after_steps=6
+  step "torchrun NCCL 2 processes: resumed to step 12" 120 $TR --nproc-per-node 2 -m slimtune finetune $TINY output_dir=/tmp/slimtune-gpu-tr2 resume=true
+  if [ -f /tmp/slimtune-gpu-tr2/metrics.jsonl ]; then tail -n 1 /tmp/slimtune-gpu-tr2/metrics.jsonl; fi
 else
   echo "== torchrun NCCL 2 processes: skipped, $NGPU GPU on this machine"
 fi

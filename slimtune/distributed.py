@@ -192,7 +192,8 @@ def shard_model(model: torch.nn.Module, ranks: Ranks, keep_whole: set[torch.nn.P
     dtypes a single process would (NF4 dequantized to the activations' bf16, fp32 adapters).
     Gradients are summed over the ranks, not averaged: the recipe's loss is already the token mean
     over the whole global step. ``keep_whole``: frozen parameters FSDP2 leaves alone (held whole on every
-    rank, moved to the device by the caller). Under a process group of one rank it shards too (one
+    rank, moved to the device by the caller); NF4 weights already quantized that do not cut into equal
+    parts of whole scaler blocks (``nf4_splits``) are always among them. Under a process group of one rank it shards too (one
     shard: the same code path); alone it does nothing."""
     if not (dist.is_available() and dist.is_initialized()):
         return model
@@ -205,10 +206,10 @@ def shard_model(model: torch.nn.Module, ranks: Ranks, keep_whole: set[torch.nn.P
     layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
     if not layers:
         raise SlimtuneError(f"{type(model).__name__}: no decoder layers found to shard")
-    ignored = set(keep_whole) or None
+    ignored = set(keep_whole) | _unsplittable_nf4(model, ranks.world_size)
     for layer in layers:
-        fully_shard(layer, mesh=mesh, ignored_params=ignored)
-    fully_shard(model, mesh=mesh, ignored_params=ignored)
+        fully_shard(layer, mesh=mesh, ignored_params=ignored or None)
+    fully_shard(model, mesh=mesh, ignored_params=ignored or None)
     for module in [*layers, model]:
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
@@ -224,3 +225,22 @@ def reshard(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
+
+
+def nf4_splits(shape: tuple[int, ...], world_size: int) -> bool:
+    """Whether FSDP2 can cut an NF4 weight of ``shape`` among ``world_size`` ranks: torchao splits it into
+    equal parts of whole scaler blocks (64 x 256 elements), so the rows and the number of those blocks
+    must both divide by the number of ranks. With one rank there is nothing to cut, and FSDP2's one-rank
+    gather does not hand torchao's NF4 its parts (torchao 0.18: the forward fails), so: no."""
+    from slimtune.quant.nf4 import BLOCK_SIZE, SCALER_BLOCK_SIZE
+
+    numel = 1
+    for d in shape:
+        numel *= d
+    return world_size > 1 and bool(shape) and shape[0] % world_size == 0 and (numel // (BLOCK_SIZE * SCALER_BLOCK_SIZE)) % world_size == 0
+
+
+def _unsplittable_nf4(model: torch.nn.Module, world_size: int) -> set[torch.nn.Parameter]:
+    from slimtune.quant import is_nf4
+
+    return {p for p in model.parameters() if is_nf4(p) and not nf4_splits(tuple(p.shape), world_size)}

@@ -22,7 +22,7 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import PretrainedConfig
 
-from slimtune.distributed import SINGLE, Ranks, shard_model
+from slimtune.distributed import SINGLE, Ranks, nf4_splits, shard_model
 from slimtune.errors import SlimtuneError
 from slimtune.families import (
     ALL_LINEAR,
@@ -286,19 +286,14 @@ def _local_shard(value: torch.Tensor, like) -> torch.Tensor:
 
 
 def _unshardable_nf4(model: nn.Module, ranks: Ranks, model_dir: Path) -> set[nn.Parameter]:
-    """NF4 weights FSDP2 cannot cut among the ranks: torchao splits an NF4 tensor into equal parts of
-    whole scaler blocks (64 x 256 elements), so a weight with fewer blocks or rows than that needs is held
-    whole on every rank instead (frozen, it has no gradient to reduce; real models have none such)."""
-    from slimtune.quant.nf4 import BLOCK_SIZE, SCALER_BLOCK_SIZE
-
+    """The (still meta) weights that will be NF4 but that FSDP2 cannot cut among the ranks
+    (``nf4_splits``): held whole on every rank instead (frozen, they have no gradient to reduce; only
+    toy models have them)."""
     if any(isinstance(m, NF4Experts) for m in model.modules()):
         raise SlimtuneError(f"{model_dir}: sharding mixture-of-experts models over several ranks is not supported yet; run one process")
-    unit, world = BLOCK_SIZE * SCALER_BLOCK_SIZE, ranks.world_size
-    whole = set()
-    for module in qlora_linears(model).values():
-        rows, cols = module.weight.shape
-        if can_quantize((rows, cols)) and (rows % world or (rows * cols // unit) % world):
-            whole.add(module.weight)
+    world = ranks.world_size
+    linears = qlora_linears(model).values()
+    whole = {m.weight for m in linears if can_quantize(m.weight.shape) and not nf4_splits(tuple(m.weight.shape), world)}
     if whole:
         log.info("%d NF4 weight(s) do not split into %d equal parts of whole scaler blocks: held whole on every rank", len(whole), world)
     return whole

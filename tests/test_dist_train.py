@@ -29,12 +29,15 @@ pytestmark = pytest.mark.multiprocess
 LOSS_RTOL = 1e-3
 
 
-def train(out: Path, nproc: int, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    args = ["finetune", "--config", "tiny", "--nproc", str(nproc), f"output_dir={out}", "logging.progress_bar=false"]
+def train(out: Path, nproc: int, *overrides: str, env: dict | None = None, torchrun: bool = False) -> subprocess.CompletedProcess:
+    """``slimtune finetune --nproc N`` (or, with ``torchrun``, under torchrun's launcher with N processes)."""
+    launch = ["--nproc", str(nproc)] if not torchrun else []
+    args = ["finetune", "--config", "tiny", *launch, f"output_dir={out}", "logging.progress_bar=false"]
     args += ["training.max_steps=6", "checkpoint.save_every_n_steps=3", "checkpoint.max_shard_size=1MB", "checkpoint.keep_last_n=10"]
     args += ["dataset.eval_fraction=0.25", "training.sample_prompts=[Hello]", "training.sample_max_new_tokens=4"]  # FSDP2: all ranks
     environment = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
-    cmd = [sys.executable, "-m", "slimtune", *args, *overrides]
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if torchrun else []
+    cmd = [sys.executable, *launcher, "-m", "slimtune", *args, *overrides]
     return subprocess.run(cmd, capture_output=True, text=True, env=environment, timeout=300)
 
 
@@ -81,6 +84,19 @@ def test_two_ranks_follow_the_one_rank_curve(runs):
     assert_close_curves(losses(runs["one"], "eval_loss"), losses(runs["two"], "eval_loss"), {3, 4, 6})
     assert losses(runs["one"], "samples").keys() == losses(runs["two"], "samples").keys() == {3, 4, 6}
     assert losses(runs["two-stopped"]) == {s: v for s, v in two.items() if s <= 3}  # same seed, same ranks: the same steps
+
+
+def test_torchrun_with_one_process_is_the_plain_run_bit_for_bit(runs, tmp_path):
+    """A world of one (a process group, FSDP2 over one rank, DCP) follows the same code path as a plain
+    process and gives the same losses and the same files."""
+    proc = train(tmp_path / "run", 1, env=None, torchrun=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "1 rank (FSDP2)" in proc.stdout
+    assert losses(tmp_path / "run") == losses(runs["one"])
+    a, b = files(tmp_path / "run" / "step-000006"), files(runs["one"] / "step-000006")
+    for name in a:
+        if name.startswith(("model-", "adapter/adapter_model", "config.json")):
+            assert a[name] == b[name], name
 
 
 def test_two_rank_checkpoint_is_the_single_process_save_of_its_adapter_and_verifies(runs, tmp_path):

@@ -40,6 +40,27 @@ def test_split_rows_follows_fsdp_chunks():
             assert all(ranges[i][1] == ranges[i + 1][0] for i in range(world - 1))
 
 
+def test_nf4_splits_follows_torchaos_rule():
+    from slimtune.distributed import nf4_splits
+
+    assert nf4_splits((256, 256), 2) and nf4_splits((4096, 4096), 8)
+    assert not nf4_splits((128, 128), 2)  # one group of scaler blocks: nothing to halve
+    assert not nf4_splits((256, 256), 3)  # rows and blocks do not divide by 3
+    assert not nf4_splits((256, 256), 1)  # one rank: held whole (FSDP2's one-rank gather does not split NF4)
+    # the oracle: torchao's own split of an NF4 tensor into equal parts, as FSDP2 cuts it
+    from slimtune.quant.nf4 import quantize_nf4
+
+    for shape in ((128, 128), (256, 256), (512, 256), (384, 256), (256, 384), (1024, 64)):
+        weight = quantize_nf4(torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16))
+        for world in (2, 3, 4):
+            try:
+                parts = torch.split(weight, shape[0] // world) if shape[0] % world == 0 else None
+                splits = parts is not None and len(parts) == world
+            except (AssertionError, RuntimeError, NotImplementedError):
+                splits = False
+            assert nf4_splits(shape, world) == splits, (shape, world)
+
+
 def test_plan_covers_every_byte_once_and_is_rank_independent():
     shapes = {"emb": (1000, 64), "norm": (64,), "scalar": (), "w": (7, 64), "big": (3000, 64)}
     plans = [plan_save(_stream(shapes), None, max_shard_bytes=300_000, world_size=3, whole_below=1024) for _ in range(2)]

@@ -191,7 +191,7 @@ def _finetune(cfg: Config, on_step: Callable[[dict], None] | None, ranks: Ranks)
     say(
         f"model: {model_dir.name}, {sum(p.numel() for p in params):,} trainable adapter parameters, {device.type}, "
         f"{str(dtype).removeprefix('torch.')}"
-        + (f", {ranks.world_size} ranks (FSDP2)" if ranks.distributed else "")
+        + (f", {ranks.world_size} rank{'s' if ranks.world_size > 1 else ''} (FSDP2)" if ranks.distributed else "")
         + f"; data: {len(examples)} {'packed rows' if cfg.dataset.packed else 'examples'}"
         + (f" ({data.documents} documents)" if cfg.dataset.packed else "")
         + (f", {len(eval_examples)} held out" if eval_examples else "")

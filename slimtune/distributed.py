@@ -122,7 +122,13 @@ def init_distributed(device: str = "cpu", timeout_s: float = 1800.0) -> Ranks:
     if not dist.is_initialized():
         cuda = str(device).startswith("cuda")
         if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            local, gpus = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+            if local >= gpus:
+                raise SlimtuneError(
+                    f"rank {os.environ.get('RANK', '?')}: local rank {local} needs GPU {local}, this host has {gpus}; "
+                    "start at most one process per GPU (or use device=cpu)"
+                )
+            torch.cuda.set_device(local)
         dist.init_process_group(backend="nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
         signal.signal(signal.SIGTERM, _on_sigterm)
     return current_ranks()

@@ -41,8 +41,10 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 
     try:
         run_finetune(cfg)  # under torchrun it joins the process group: every rank runs the recipe
-    finally:
+    except BaseException:
         shutdown()
+        raise
+    shutdown(wait=True)
     return 0
 
 
@@ -99,8 +101,10 @@ def cmd_merge(args: argparse.Namespace) -> int:
             device=args.device,
             ranks=ranks,
         )
-    finally:
+    except BaseException:
         shutdown()
+        raise
+    shutdown(wait=True)
     if ranks.is_coordinator:
         procs = f" by {ranks.world_size} processes" if ranks.world_size > 1 else ""
         what = f"merged {args.adapter} into {args.base} ({args.merge_base} base){procs}"

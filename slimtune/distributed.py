@@ -138,9 +138,16 @@ def _on_sigterm(signum, frame) -> None:
     raise SlimtuneError(f"rank {os.environ.get('RANK', '?')}: stopped by SIGTERM (torchrun stops every rank when one fails)")
 
 
-def shutdown() -> None:
-    """Leave the process group (no-op when there is none)."""
+def shutdown(wait: bool = False) -> None:
+    """Leave the process group (no-op when there is none). With ``wait`` (the job succeeded) a barrier
+    first, so that no rank tears its connections down while another still finishes a collective; after a
+    failure the group is destroyed at once (a peer may be gone)."""
     if dist.is_available() and dist.is_initialized():
+        if wait:
+            try:
+                dist.barrier(group=_CONTROL.get("group"))
+            except (RuntimeError, ValueError):
+                pass  # another rank is gone already: nothing to wait for
         dist.destroy_process_group()
     _CONTROL.clear()
 

@@ -38,4 +38,4 @@ if ranks.is_coordinator:
     print(f"{ranks.world_size}-rank {device} export identical to the single-process save: {same}")
     if not same:
         sys.exit(1)
-shutdown()
+shutdown(wait=True)

@@ -384,6 +384,8 @@ def bench_dist_save(preset: str, out: Path, nproc: int = 2, layers: int | None =
     write), join a gloo group, FSDP2-shard it (``shard_model``: each rank copies its rows of every
     weight) and export it together. Each rank measures its own RSS (before; VmHWM reset) and its
     write()/read() byte counters (reads = the sha256 read-back of files it did not write whole)."""
+    from slimtune.formats.manifest import read_manifest
+
     overrides = {"num_hidden_layers": layers} if layers else {}
     config = preset_config(preset, **overrides)
     model = synthetic_qlora_model(config)
@@ -400,12 +402,12 @@ def bench_dist_save(preset: str, out: Path, nproc: int = 2, layers: int | None =
     single = save_checkpoint(model, single_dir, progress=False)
     single_written = bytes_written_by_process() - w0
     single_peak = peak_rss_mb()
-    single_manifest = json.loads((single_dir / "slimtune_manifest.json").read_text())["files"]
+    single_manifest = read_manifest(single_dir)["files"]
     single_bytes = single.total_bytes + (single_dir / "slimtune_manifest.json").stat().st_size
     shutil.rmtree(single_dir)
 
     rows = dist_export(model, dist_dir, nproc, peer=peer)
-    manifest = json.loads((dist_dir / "slimtune_manifest.json").read_text())["files"]
+    manifest = read_manifest(dist_dir)["files"]
     output_bytes = sum(f["size"] for f in manifest) + (dist_dir / "slimtune_manifest.json").stat().st_size
     shutil.rmtree(dist_dir)
     seconds = rows[0]["export_s"]  # the coordinator's: from the plan to the rename, after every rank's fsync

@@ -116,7 +116,7 @@ def _load_adapter_on_nf4(path: Path, adapter_dir: Path, base: str | Path | None,
     from slimtune.formats.peft import ADAPTER_WEIGHTS, read_adapter
     from slimtune.lora import LoRAConfig
     from slimtune.model import load_qlora_model
-    from slimtune.recipes.finetune import cast_frozen, load_adapter_weights
+    from slimtune.recipes.finetune import load_adapter_weights
 
     config = read_adapter(adapter_dir).config
     if config.get("rank_pattern") or config.get("alpha_pattern") or config.get("use_dora"):
@@ -129,8 +129,7 @@ def _load_adapter_on_nf4(path: Path, adapter_dir: Path, base: str | Path | None,
     if not targets:
         raise SlimtuneError(f"{adapter_dir / 'adapter_config.json'}: target_modules must be a list of module names here")
     lora = LoRAConfig(int(config["r"]), float(config["lora_alpha"]), 0.0, bool(config.get("use_rslora")), targets)
-    model = load_qlora_model(base_dir, lora, seed=0, progress=False)
-    cast_frozen(model, dtype)
+    model = load_qlora_model(base_dir, lora, seed=0, progress=False, dtype=dtype)
     weights = adapter_dir / ADAPTER_WEIGHTS
     if not weights.is_file():
         raise SlimtuneError(f"{weights}: missing (the NF4 form reads the adapter's safetensors file)")

@@ -73,7 +73,6 @@ from slimtune.generate import FORMAT_NAME, format_record, prompt_format_of
 from slimtune.lora import LoRAConfig, lora_modules, lora_parameters
 from slimtune.memory import peak_rss_mb, reset_peak_rss, rss_mb
 from slimtune.model import config_dtype, load_qlora_model
-from slimtune.quant import is_nf4
 from slimtune.tiny import byte_tokenizer, make_tiny_checkpoint, tiny_config
 from slimtune.tracking import Trackers
 
@@ -420,15 +419,6 @@ def load_tokenizer(model_dir: Path):
         return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     except (OSError, ValueError, TypeError) as e:
         raise SlimtuneError(f"{model_dir}: no usable tokenizer files ({e})") from None
-
-
-def cast_frozen(model: nn.Module, dtype: torch.dtype) -> None:
-    """Frozen non-NF4 weights (embeddings, norms) to the compute dtype; NF4 weights stay NF4 (they are
-    dequantized to the activations' dtype in each matmul) and the adapters stay fp32. Tied weights are
-    one Parameter, cast once."""
-    for p in model.parameters():
-        if not p.requires_grad and not is_nf4(p) and p.dtype.is_floating_point and p.dtype != dtype:
-            p.data = p.data.to(dtype)
 
 
 def enable_activation_checkpointing(model: nn.Module) -> None:

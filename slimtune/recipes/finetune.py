@@ -72,7 +72,7 @@ from slimtune.formats.peft import lora_key
 from slimtune.generate import FORMAT_NAME, format_record, prompt_format_of
 from slimtune.lora import LoRAConfig, lora_modules, lora_parameters
 from slimtune.memory import peak_rss_mb, reset_peak_rss, rss_mb
-from slimtune.model import config_dtype, load_qlora_model
+from slimtune.model import config_dtype, load_qlora_model, nf4_report, nf4_summary_line
 from slimtune.tiny import byte_tokenizer, make_tiny_checkpoint, tiny_config
 from slimtune.tracking import Trackers
 
@@ -181,6 +181,8 @@ def _finetune(cfg: Config, on_step: Callable[[dict], None] | None, ranks: Ranks)
     progress = cfg.logging.progress_bar and ranks.is_coordinator
     model = load_qlora_model(model_dir, lora, seed=cfg.seed, progress=progress, ranks=ranks, dtype=dtype)
     say(f"lora targets ({', '.join(lora.target_modules)}): {', '.join(model.slimtune_targets)}")
+    nf4 = nf4_report(model)
+    say(nf4_summary_line(nf4))
     base_dtype = config_dtype(model.config)
     if not ranks.distributed:
         model.to(device)  # FSDP2 placed each rank's shards on its device already
@@ -242,7 +244,7 @@ def _finetune(cfg: Config, on_step: Callable[[dict], None] | None, ranks: Ranks)
         else:  # a rank the checkpoint did not have: a fresh stream of its own
             seed_everything(cfg.seed + ranks.rank + 1_000_003 * global_step)
         say(f"resumed from {resume_dir.name}: step {global_step}, epoch {epoch + 1}, step {step_in_epoch + 1} of the epoch next")
-    docs = CheckpointDocs(tokenizer, cfg, data, hf_config, base_dtype)  # tokenizer with the chat template used, model card
+    docs = CheckpointDocs(tokenizer, cfg, data, hf_config, base_dtype, nf4)  # tokenizer with the chat template used, model card
     metrics = (
         MetricsLog(manager.metrics_path, keep_through_step=global_step, last_record=saved.get("metrics") if saved else None)
         if ranks.is_coordinator
@@ -548,14 +550,14 @@ class CheckpointDocs:
     model card (README.md, at the root and in adapter/) and slimtune_format.json (the prompt format).
     Staged in a temporary directory and copied in by the save, under its manifest."""
 
-    def __init__(self, tokenizer, cfg: Config, data, hf_config, base_dtype: torch.dtype):
+    def __init__(self, tokenizer, cfg: Config, data, hf_config, base_dtype: torch.dtype, nf4: dict):
         self._tmp = tempfile.TemporaryDirectory(prefix="slimtune-docs-")
         self.root = Path(self._tmp.name)
         self.tokenizer_dir = self.root / "tokenizer"
         if not getattr(tokenizer, "chat_template", None):
             tokenizer.chat_template = FALLBACK_CHAT_TEMPLATE  # what training used for chat rows; generation uses it too
         tokenizer.save_pretrained(str(self.tokenizer_dir))
-        self.record = format_record(data.shapes, tokenizer.chat_template)
+        self.record = {**format_record(data.shapes, tokenizer.chat_template), "nf4": nf4}
         self.common = dict(
             base=cfg.model.path,
             model_type=str(getattr(hf_config, "model_type", "unknown")),
@@ -570,6 +572,7 @@ class CheckpointDocs:
             shapes=dict(data.shapes),
             prompt_format=self.record["prompt_format"],
             merged_dtype=str(base_dtype).removeprefix("torch."),
+            nf4=nf4,
         )
 
     def files(self, **facts) -> dict[str, Path]:

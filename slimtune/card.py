@@ -48,6 +48,13 @@ def model_card(f: CardFacts) -> str:
         else "This checkpoint holds the adapter only (merge it with `slimtune merge --merge-base quantized`)."
     )
     quantized = _quantized_text(f.nf4)
+    merged_eval = ""
+    if f.eval and "eval_loss_merged" in f.eval:
+        diff = f.eval["eval_loss_merged"] - f.eval["eval_loss"]
+        merged_eval = (
+            f"\n| eval loss, merged model | {f.eval['eval_loss_merged']:.4f} ({diff:+.4f} vs the adapter on the NF4 base: the cost of "
+            f"rounding W' + B A once to {f.merged_dtype}; `checkpoint.merged_dtype: fp32` avoids it) |"
+        )
     return f"""---
 base_model: {f.base}
 library_name: peft
@@ -64,7 +71,7 @@ Fine-tuned with slimtune (QLoRA) on an NF4-quantized `{f.model_type}` base: step
 | base model | `{f.base}` |
 | steps | {f.step} of {f.total_steps} |
 | train loss (this step) | {f.train_loss:.4f} |
-| eval loss | {evaluated} |
+| eval loss | {evaluated} |{merged_eval}
 | LoRA | r = {lora["rank"]}, alpha = {lora["alpha"]:g}, scaling {scaling}, dropout {lora["dropout"]:g} |
 | LoRA targets | {", ".join(lora["target_modules"])} |
 | data rows | {shapes} |

@@ -49,6 +49,7 @@ from tqdm.auto import tqdm
 
 from slimtune.card import CardFacts, model_card
 from slimtune.checkpoint.atomic import os_errors
+from slimtune.checkpoint.fidelity import merged_forward
 from slimtune.checkpoint.manager import STATE_FORMAT, CheckpointManager, CreatedByRun, MetricsLog, SaveOptions, rng_state, set_rng_state
 from slimtune.checkpoint.save import ADAPTER_DIR, DTYPES, SaveResult
 from slimtune.config import Config
@@ -184,6 +185,8 @@ def _finetune(cfg: Config, on_step: Callable[[dict], None] | None, ranks: Ranks)
     nf4 = nf4_report(model)
     say(nf4_summary_line(nf4))
     base_dtype = config_dtype(model.config)
+    # None: each tensor in its own dtype (the base's, for NF4 weights), what the merged save writes by default
+    merged_dtype = DTYPES[cfg.checkpoint.merged_dtype] if cfg.checkpoint.merged_dtype else (None if dtype == base_dtype else base_dtype)
     if not ranks.distributed:
         model.to(device)  # FSDP2 placed each rank's shards on its device already
     if cfg.training.activation_checkpointing:
@@ -244,7 +247,7 @@ def _finetune(cfg: Config, on_step: Callable[[dict], None] | None, ranks: Ranks)
         else:  # a rank the checkpoint did not have: a fresh stream of its own
             seed_everything(cfg.seed + ranks.rank + 1_000_003 * global_step)
         say(f"resumed from {resume_dir.name}: step {global_step}, epoch {epoch + 1}, step {step_in_epoch + 1} of the epoch next")
-    docs = CheckpointDocs(tokenizer, cfg, data, hf_config, base_dtype, nf4)  # tokenizer with the chat template used, model card
+    docs = CheckpointDocs(tokenizer, cfg, data, hf_config, merged_dtype or base_dtype, nf4)  # tokenizer with its chat template, card
     metrics = (
         MetricsLog(manager.metrics_path, keep_through_step=global_step, last_record=saved.get("metrics") if saved else None)
         if ranks.is_coordinator
@@ -309,8 +312,13 @@ def _finetune(cfg: Config, on_step: Callable[[dict], None] | None, ranks: Ranks)
             every = cfg.checkpoint.save_every_n_steps
             checkpoint_now = epoch_end or (every is not None and global_step % every == 0) or global_step == stop_at
             eval_every = cfg.training.eval_every_n_steps
+            adapter_only = cfg.checkpoint.merged == "never" or (cfg.checkpoint.merged == "final" and global_step < total_steps)
             if eval_examples and (checkpoint_now or (eval_every is not None and global_step % eval_every == 0)):
                 last_eval = evaluate(model, eval_examples, cfg.training.batch_size, pad_id, device, ranks)
+                if checkpoint_now and not adapter_only and not ranks.distributed:  # what the merge's rounding costs
+                    with merged_forward(model, merged_dtype):
+                        merged_eval = evaluate(model, eval_examples, cfg.training.batch_size, pad_id, device, ranks)
+                    last_eval["eval_loss_merged"] = merged_eval["eval_loss"]
                 record.update(last_eval)
             if checkpoint_now and cfg.training.sample_prompts:
                 record["samples"] = sample_generations(model, tokenizer, cfg.training.sample_prompts, prompt_format, cfg, device)
@@ -321,13 +329,12 @@ def _finetune(cfg: Config, on_step: Callable[[dict], None] | None, ranks: Ranks)
             if checkpoint_now:
                 state = recipe_state(cfg, global_step, dataset_sha, len(examples), total_steps, ranks)
                 state["metrics"] = {**record, "checkpoint": manager.step_path(global_step).name}  # rewritten on resume if a kill takes it
-                adapter_only = cfg.checkpoint.merged == "never" or (cfg.checkpoint.merged == "final" and global_step < total_steps)
                 facts = dict(step=global_step, total_steps=total_steps, epoch=epoch + 1, train_loss=step_loss, merged=not adapter_only)
                 extra = docs.files(eval=last_eval if "eval_loss" in record else None, **facts)
                 options = SaveOptions(
                     adapter_only,
                     cfg.checkpoint.max_shard_size,
-                    None if dtype == base_dtype else base_dtype,
+                    merged_dtype,
                     extra_files=extra,
                     tokenizer_dir=docs.tokenizer_dir,
                 )

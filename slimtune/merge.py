@@ -44,6 +44,8 @@ class BaseCheckpoint:
         self._kinds: tuple[dict[str, str], str | None] | None = None
         self.readers = [SafetensorsReader(h.path) for h in checkpoint_files(self.dir)]
         self.location = {key: r for r in self.readers for key in r.tensors}
+        for key, reader in self.location.items():  # every tensor passes through torch: refuse before writing
+            reader.torch_shape(key)
         self.bnb: dict[str, BnbNF4Weight] = {}
         for key, reader in self.location.items():
             if key + ".absmax" in self.location and key.endswith(".weight"):

@@ -101,10 +101,26 @@ def build_qlora_skeleton(config: PretrainedConfig, lora: LoRAConfig) -> nn.Modul
         )
     for name in fused_experts(model):
         model.set_submodule(name, NF4Experts(model.get_submodule(name)))
+    _check_adapter_size(model, lora)
     model.slimtune_layout = layout
     model.slimtune_targets = targets
     model.slimtune_rename = rename
     return model
+
+
+def _check_adapter_size(model: nn.Module, lora: LoRAConfig) -> None:
+    """On the meta skeleton, before anything is allocated: refuse adapters larger than the whole model they
+    adapt (a rank typo such as 1000000000 would otherwise try to allocate terabytes)."""
+    adapters = lora_modules(model).values()
+    size = sum(m.rank * (m.in_features + m.out_features) for m in adapters)
+    base = sum(p.numel() for name, p in model.named_parameters() if ".lora_" not in name)
+    if adapters and size > base:
+        narrowest = min(min(m.in_features, m.out_features) for m in adapters)
+        raise SlimtuneError(
+            f"LoRA rank {lora.rank} (lora.rank; r in an adapter_config.json): the adapters would hold {size:,} parameters "
+            f"({size * 4 / 2**30:,.1f} GiB in fp32), more than the whole base model ({base:,}); "
+            f"a useful rank is far below the narrowest target's width ({narrowest})"
+        )
 
 
 def set_tensor(model: nn.Module, name: str, value: torch.Tensor, trainable: bool = False) -> None:

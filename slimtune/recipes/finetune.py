@@ -425,9 +425,13 @@ def load_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    except (OSError, ValueError, TypeError) as e:
-        raise SlimtuneError(f"{model_dir}: no usable tokenizer files ({e})") from None
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - transformers and tokenizers raise many types (KeyError...) for bad files
+        raise SlimtuneError(f"{model_dir}: no usable tokenizer files ({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
+    if type(tokenizer.model_max_length) is not int:  # compared with sequence lengths when tokenizing
+        found = type(tokenizer.model_max_length).__name__
+        raise SlimtuneError(f"{model_dir}/tokenizer_config.json: model_max_length must be an integer, found {found}")
+    return tokenizer
 
 
 def enable_activation_checkpointing(model: nn.Module) -> None:

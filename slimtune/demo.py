@@ -126,8 +126,14 @@ def _show_generate(out_dir: Path, ckpt: Path) -> str:
     print(f"\n$ slimtune generate {rel} --prompt {prompt!r} --temperature 0 --max-new-tokens 24")
     options = SamplingOptions(max_new_tokens=24, temperature=0.0)
     merged = load_for_generation(ckpt, form="merged", device="cpu")
-    text = generate(merged, prompt_ids(merged, prompt=prompt), options, on_text=lambda t: print(t, end="", flush=True))
-    print()
+    text = generate(merged, prompt_ids(merged, prompt=prompt), options)
+    ids = merged.tokenizer(text, add_special_tokens=False)["input_ids"]
+    # the text as Python writes it, so spaces and newlines show (slimtune generate prints it plainly)
+    print(f"{text!r}\n(token ids: {ids})")
+    print(
+        "(the demo model is a random tiny Llama trained for seconds: expect noise, often spaces or repeated "
+        "characters; on a real model this is its answer)"
+    )
     adapter = load_for_generation(ckpt, form="adapter", device="cpu")
     same = generate(adapter, prompt_ids(adapter, prompt=prompt), options) == text
     print(

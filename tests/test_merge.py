@@ -316,6 +316,16 @@ def test_inspect_checkpoint_and_adapter(tiny_base, tmp_path):
     assert run_cli("inspect", str(tmp_path / "nothing")).returncode == 2
 
 
+def test_inspect_counts_merged_model_and_adapter_apart(qlora_model, tmp_path):
+    from slimtune import save_checkpoint
+    from slimtune.inspect import inspect_path
+
+    save_checkpoint(qlora_model, tmp_path / "ckpt", progress=False)
+    totals = [line for line in inspect_path(tmp_path / "ckpt") if line.startswith("total")]
+    assert totals[0].startswith("total (merged model): 21 tensors, 591,232 parameters"), totals
+    assert totals[1].startswith("total (adapter): 28 tensors, 47,104 parameters"), totals  # r=8 on 14 linears of 128 + in/out
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on machines without a GPU")
 def test_cuda_merge_without_gpu_is_a_clear_error(tiny_base, adapter_dir, tmp_path):
     assert_fails(merge_cli(tiny_base, adapter_dir, tmp_path / "o", "--device", "cuda"), "--device cuda", "no CUDA device")

@@ -174,7 +174,8 @@ def test_sigkill_of_one_rank_mid_export_leaves_earlier_checkpoint(tiny_base, ada
 
 
 @pytest.mark.multiprocess
-def test_fsdp2_sharded_export_is_bit_identical_to_single_process_save_and_to_merge(tmp_path):
+@pytest.mark.parametrize("width,mlp", [(256, 512), (576, 1536)])
+def test_fsdp2_sharded_export_is_bit_identical_to_single_process_save_and_to_merge(tmp_path, width, mlp):
     """2 ranks, FSDP2 on every decoder layer and the root (NF4 base and fp32 adapters sharded): each rank
     writes the merged rows it holds. Same files, byte for byte, as one process saving the same weights;
     the same as `slimtune merge --merge-base quantized` of the adapter it wrote; and it verifies."""
@@ -182,8 +183,9 @@ def test_fsdp2_sharded_export_is_bit_identical_to_single_process_save_and_to_mer
     from slimtune.tiny import make_tiny_checkpoint
     from slimtune.verify import verify_checkpoint
 
-    # 256-wide: every NF4 weight has an even number of scaler blocks, as FSDP2's split of NF4 needs
-    base = make_tiny_checkpoint(tmp_path / "base", seed=1, hidden_size=256, intermediate_size=512)
+    # every NF4 weight has an even number of scaler blocks, as FSDP2's split of NF4 needs: 256 wide with
+    # scaler blocks of 256; 576 wide (SmolLM2-135M's) with 216 for the 576 x 576 projections (24 of them)
+    base = make_tiny_checkpoint(tmp_path / "base", seed=1, hidden_size=width, intermediate_size=mlp)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     cmd += [str(ROOT / "tests" / "dist_worker.py"), str(base), str(tmp_path)]

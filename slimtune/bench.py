@@ -1,6 +1,7 @@
 """Benchmarks (not tests): `python -m slimtune.bench save --preset NAME --out DIR` prints one JSON line;
 so do `merge`, `nf4` and `dist-save` (`--nproc 2`: the cooperative export by 2 gloo ranks of an
-FSDP2-sharded model next to the single-process save of the same model; `--peer`: torchtune's way).
+FSDP2-sharded model next to the single-process save of the same model; `--peer`: torchtune's way);
+`train-step --peer peft [--model DIR]`: the recipe's training step against a PEFT loop (train_bench.py).
 
 The model is synthetic but of the real shape: random NF4 codes and scalers for every projection, random
 bf16 for embeddings and norms, LoRA r=8 on q_proj and v_proj. Figures are measured in this process:
@@ -26,6 +27,7 @@ from slimtune.memory import bytes_written_by_process, peak_rss_mb, reset_peak_rs
 from slimtune.model import build_qlora_skeleton, expected_checkpoint_keys, init_lora, set_tensor
 from slimtune.quant.nf4 import BLOCK_SIZE, SCALER_BLOCK_SIZE, nf4_from_parts
 from slimtune.tiny import tiny_config
+from slimtune.train_bench import bench_train_step, print_row
 
 PRESETS = {
     "tiny": dict(),
@@ -548,6 +550,28 @@ def bench_nf4(rows: int = 4096, cols: int = 14336, chunk_rows: int = 256, repeat
     }
 
 
+def synthetic_train_base(out: Path, preset: str, layers: int) -> Path:
+    """A random bf16 checkpoint of the preset's shape with the byte-level tokenizer, written once (train-step)."""
+    from slimtune.checkpoint.atomic import is_complete_checkpoint
+    from slimtune.tiny import byte_tokenizer
+
+    target = out / f"train-step-base-{preset}-{layers}l"
+    if not is_complete_checkpoint(target):
+        write_synthetic_base(preset_config(preset, num_hidden_layers=layers), target)
+    if not (target / "tokenizer.json").is_file():
+        byte_tokenizer().save_pretrained(str(target))
+    return target
+
+
+def _train_step(args: argparse.Namespace) -> None:
+    real = args.model is not None
+    shape = dict(preset=args.preset, layers=args.layers, steps=args.steps or (8 if real else 6), batch=args.batch or (4 if real else 2))
+    shape.update(seq=args.seq or (256 if real else 512), rank=args.rank or (16 if real else 8), real=real)
+    args.out.mkdir(parents=True, exist_ok=True)
+    model_dir = args.model if real else synthetic_train_base(args.out, args.preset, args.layers)
+    print_row(bench_train_step(model_dir, args.out, shape, rounds=args.rounds, compile=args.compile, threads=args.threads))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m slimtune.bench")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -573,7 +597,22 @@ def main(argv: list[str] | None = None) -> None:
     load.add_argument("--layers", type=int, default=2)
     nf4 = sub.add_parser("nf4", help="NF4 dequantization throughput vs torchao on a 4096x14336 weight")
     nf4.add_argument("--device", default="cpu")
+    step = sub.add_parser("train-step", help="the recipe's training step vs a PEFT bf16 LoRA loop, alternated in one run")
+    step.add_argument("--preset", choices=sorted(PRESETS), default="llama3.2-1b")
+    step.add_argument("--layers", type=int, default=2)
+    step.add_argument("--model", type=Path, default=None, help="a real HF checkpoint directory instead of the synthetic preset")
+    step.add_argument("--peer", choices=["peft"], default="peft")
+    step.add_argument("--out", type=Path, default=Path("bench-out"))
+    step.add_argument("--steps", type=int, default=None, help="steps per run (default 6 synthetic, 8 with --model)")
+    step.add_argument("--batch", type=int, default=None, help="sequences per step (default 2 synthetic, 4 with --model)")
+    step.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 512 synthetic, 256 with --model)")
+    step.add_argument("--rank", type=int, default=None, help="LoRA rank on all linears (default 8 synthetic, 16 with --model)")
+    step.add_argument("--rounds", type=int, default=2, help="slimtune/peer alternations")
+    step.add_argument("--compile", action="store_true", help="slimtune with training.compile=true")
+    step.add_argument("--threads", type=int, default=None, help="torch CPU threads for both sides (default: as the recipe picks)")
     args = parser.parse_args(argv)
+    if args.command == "train-step":
+        _train_step(args)
     if args.command == "dist-save":
         print(json.dumps(bench_dist_save(args.preset, args.out, args.nproc, args.layers, args.peer)))
     if args.command == "load-moe":

@@ -41,8 +41,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from tqdm.auto import tqdm
@@ -73,6 +71,8 @@ from slimtune.generate import FORMAT_NAME, format_record, prompt_format_of
 from slimtune.lora import LoRAConfig, lora_modules, lora_parameters
 from slimtune.memory import peak_rss_mb, reset_peak_rss, rss_mb
 from slimtune.model import config_dtype, load_qlora_model
+from slimtune.runtime import choose_num_threads, compile_decoder_layers
+from slimtune.step import StepParts, step_token_counts, token_loss_sum, train_step
 from slimtune.tiny import byte_tokenizer, make_tiny_checkpoint, tiny_config
 from slimtune.tracking import Trackers
 
@@ -186,9 +186,13 @@ def _finetune(cfg: Config, on_step: Callable[[dict], None] | None, ranks: Ranks)
         model.to(device)  # FSDP2 placed each rank's shards on its device already
     if cfg.training.activation_checkpointing:
         enable_activation_checkpointing(model)
+    threads = choose_num_threads(cfg.training.num_threads)
+    if cfg.training.compile:
+        say(f"compile: {compile_decoder_layers(model)} decoder layers (torch.compile, regional); the first step compiles them")
     params = lora_parameters(model)
     say(
-        f"model: {model_dir.name}, {sum(p.numel() for p in params):,} trainable adapter parameters, {device.type}, "
+        f"model: {model_dir.name}, {sum(p.numel() for p in params):,} trainable adapter parameters, {device.type} "
+        f"({threads} CPU thread{'s' if threads > 1 else ''}), "
         f"{str(dtype).removeprefix('torch.')}"
         + (f", {ranks.world_size} rank{'s' if ranks.world_size > 1 else ''} (FSDP2)" if ranks.distributed else "")
         + f"; data: {len(examples)} {'packed rows' if cfg.dataset.packed else 'examples'}"
@@ -202,6 +206,7 @@ def _finetune(cfg: Config, on_step: Callable[[dict], None] | None, ranks: Ranks)
     lr_factor = partial(warmup_cosine, warmup=cfg.scheduler.warmup_steps, total=total_steps, min_ratio=cfg.scheduler.min_lr_ratio)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    parts = StepParts(model, optimizer, scheduler, scaler, params, cfg.training.max_grad_norm, device)
 
     # --- Set-up 6: a fresh output_dir, or everything restored from the checkpoint. Writing starts here. ---
     error = None
@@ -270,29 +275,10 @@ def _finetune(cfg: Config, on_step: Callable[[dict], None] | None, ranks: Ranks)
         for index in range(step_in_epoch, len(plan)):
             started = time.perf_counter()
             micro_batches = [rank_batch(examples, batch, ranks, pad_id) for batch in plan[index]]  # this rank's slices
-            local_tokens = sum(int((mb["labels"][:, 1:] != IGNORE_INDEX).sum()) for mb in micro_batches)
-            trained_tokens = int(all_sum(torch.tensor(float(local_tokens), device=device), ranks))  # the global step's
-            loss_sum = torch.zeros((), device=device)
-            tokens = 0
-            for mb in micro_batches:
-                mb = {k: v.to(device) for k, v in mb.items()}
-                logits = model(**model_inputs(mb)).logits
-                loss = token_loss_sum(logits, mb["labels"]) / trained_tokens  # summed over micro-batches: the step's token mean
-                scaler.scale(loss).backward()
-                loss_sum += loss.detach()
-                tokens += int(mb["attention_mask"].sum())
-                del logits, loss
+            trained_tokens, tokens = step_token_counts([examples[i] for b in plan[index] for i in b])  # the global step's
             lr = optimizer.param_groups[0]["lr"]
-            scaler.unscale_(optimizer)
-            if cfg.training.max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(params, cfg.training.max_grad_norm)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
+            step_loss = all_sum(train_step(parts, micro_batches, trained_tokens), ranks).item()  # the step's one host sync
             global_step += 1
-            step_loss = all_sum(loss_sum, ranks).item()
-            tokens = int(all_sum(torch.tensor(float(tokens), device=device), ranks).item())
             if not math.isfinite(step_loss) and not scaler.is_enabled():
                 raise SlimtuneError(f"the loss is {step_loss} at step {global_step}; lower optimizer.lr or check the data")
             seconds = time.perf_counter() - started
@@ -302,6 +288,8 @@ def _finetune(cfg: Config, on_step: Callable[[dict], None] | None, ranks: Ranks)
             record.update(tokens_per_s=tokens / seconds, step_s=seconds)
             if global_step == first_step_of_invocation and saved is not None:
                 record["resumed_from"] = saved["global_step"]
+            if global_step == first_step_of_invocation and cfg.training.compile:
+                say(f"compile: cold start, the first step (compiling the decoder layer) took {seconds:.1f} s")
 
             # --- Evaluation: every eval_every_n_steps and at every checkpoint; no RNG drawn, dropout off. ---
             every = cfg.checkpoint.save_every_n_steps
@@ -481,27 +469,6 @@ def all_sum(value: torch.Tensor, ranks: Ranks) -> torch.Tensor:
         value = value.clone()
         dist.all_reduce(value)
     return value
-
-
-LOSS_CHUNK_BYTES = 64 * 2**20
-
-
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of next-token cross-entropy over the trained (non -100) labels, in fp32, in chunks of positions
-    that are recomputed in the backward pass: with a 128k vocabulary the fp32 logits of one 2048-token
-    sequence are 1 GB, and their log-softmax and gradient as much again; here only one 64 MB chunk of
-    fp32 exists at a time beside the model-dtype logits."""
-    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # position t predicts token t + 1; the last predicts nothing
-    per_chunk = max(1, LOSS_CHUNK_BYTES // (4 * logits.shape[-1] * logits.shape[0]))
-    total = torch.zeros((), dtype=torch.float32, device=logits.device)
-    for chunk, target in zip(logits.split(per_chunk, dim=1), targets.split(per_chunk, dim=1), strict=True):
-        total = total + torch.utils.checkpoint.checkpoint(_chunk_loss_sum, chunk, target, use_reentrant=False, preserve_rng_state=False)
-    return total
-
-
-def _chunk_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    vocab = logits.shape[-1]
-    return F.cross_entropy(logits.float().reshape(-1, vocab), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def evaluate(model: nn.Module, examples: list, batch_size: int, pad_id: int, device: torch.device, ranks: Ranks) -> dict:

@@ -550,14 +550,15 @@ def bench_nf4(rows: int = 4096, cols: int = 14336, chunk_rows: int = 256, repeat
     }
 
 
-def synthetic_train_base(out: Path, preset: str, layers: int) -> Path:
-    """A random bf16 checkpoint of the preset's shape with the byte-level tokenizer, written once (train-step)."""
+def synthetic_train_base(out: Path, preset: str, layers: int | None = None) -> Path:
+    """A random bf16 checkpoint of the preset's shape (``layers`` of them) with the byte-level tokenizer,
+    written once, where ``merge`` looks for its base (``base-PRESET[-Nl]``): train-step, gpu_check."""
     from slimtune.checkpoint.atomic import is_complete_checkpoint
     from slimtune.tiny import byte_tokenizer
 
-    target = out / f"train-step-base-{preset}-{layers}l"
+    target = out / f"base-{preset}" if layers is None else out / f"base-{preset}-{layers}l"
     if not is_complete_checkpoint(target):
-        write_synthetic_base(preset_config(preset, num_hidden_layers=layers), target)
+        write_synthetic_base(preset_config(preset, **({"num_hidden_layers": layers} if layers else {})), target)
     if not (target / "tokenizer.json").is_file():
         byte_tokenizer().save_pretrained(str(target))
     return target

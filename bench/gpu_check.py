@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 import traceback
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -124,8 +125,6 @@ def _timed(step, batches: list[dict], warmup: int, device: torch.device) -> dict
 
 def _slimtune(preset: str, layers: int | None, device: torch.device, compile: bool, batches: list[dict], warmup: int) -> dict:
     """The recipe's step function (slimtune.step.train_step) on a synthetic QLoRA model of the shape."""
-    from functools import partial
-
     from slimtune.recipes.finetune import enable_activation_checkpointing, warmup_cosine
     from slimtune.runtime import compile_decoder_layers
     from slimtune.step import StepParts, train_step
@@ -210,10 +209,10 @@ def train(out: Path, smoke: bool) -> int:
         batches = _batches(vocab, batch, seq, warmup + timed)
         no_bnb = _bnb_usable(device)
         variants = [
-            ("slimtune-eager", lambda: _slimtune(preset, layers, device, False, batches, warmup)),
-            ("slimtune-compiled", lambda: _slimtune(preset, layers, device, True, batches, warmup)),
-            ("peft-bnb-qlora", lambda: _peft(base, device, True, batches, warmup)),
-            ("peft-bf16-lora", lambda: _peft(base, device, False, batches, warmup)),
+            ("slimtune-eager", partial(_slimtune, preset, layers, device, False, batches, warmup)),
+            ("slimtune-compiled", partial(_slimtune, preset, layers, device, True, batches, warmup)),
+            ("peft-bnb-qlora", partial(_peft, base, device, True, batches, warmup)),
+            ("peft-bf16-lora", partial(_peft, base, device, False, batches, warmup)),
         ]
         for name, run in variants:
             row = {"check": "train", "shape": preset, "variant": name, "device": device.type, "seq": seq, "batch": batch, "rank": 16}

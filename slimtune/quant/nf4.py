@@ -68,8 +68,9 @@ def dequantize_nf4_rows(w: NF4Tensor, start: int, end: int) -> torch.Tensor:
     e0, e1 = start * cols, end * cols
     b0, b1 = e0 // bs, -(-e1 // bs)
     data = w.quantized_data[b0 * bs // 2 : b1 * bs // 2].to(torch.int32)
-    factors = w.quantization_factor[b0 // sbs : -(-b1 // sbs)].repeat_interleave(sbs)[b0 % sbs : b0 % sbs + b1 - b0]
-    scalers = (w.quantized_scalers[b0:b1] / factors).to(w.dtype) + w.scaler_mean
+    s0, s1 = b0 // sbs, -(-b1 // sbs)  # the scaler blocks covering the blocks: torchao's [n, sbs] / factor[:, None], no repeated copy
+    scalers = (w.quantized_scalers[s0 * sbs : s1 * sbs].view(s1 - s0, sbs) / w.quantization_factor[s0:s1].unsqueeze(-1)).view(-1)
+    scalers = scalers[b0 - s0 * sbs : b1 - s0 * sbs].to(w.dtype) + w.scaler_mean
     table = _byte_pair_table(w)
     if table.dim() == 1:  # 16-bit weights: two values per int32 entry
         values = table.index_select(0, data).view(w.dtype)

@@ -178,6 +178,8 @@ def bench_save(preset: str, out: Path, layers: int | None = None, device: str = 
     vram = {"vram_overhead_mb": round((torch.cuda.max_memory_allocated() - vram_before) / 2**20, 1)} if cuda else {}
     output_bytes = result.total_bytes + (target / "slimtune_manifest.json").stat().st_size
     write_mb_s = output_bytes / result.seconds / 1e6
+    if write_mb_s < disk:  # slower than the disk: where the time goes, from one more save timed by stage
+        vram["stages_s"] = _save_stages(model, target, cuda)
     return {
         "preset": preset + (f"[{layers} layers]" if layers else ""),
         "params": params,
@@ -193,6 +195,18 @@ def bench_save(preset: str, out: Path, layers: int | None = None, device: str = 
         "device": device,
         **vram,
     }
+
+
+def _save_stages(model: torch.nn.Module, target: Path, cuda: bool) -> dict:
+    """Seconds per stage of a second save of the same model (producer: dequantize, merge, device_to_host;
+    writer thread: write, hash, fsync; they overlap) and that save's own seconds (on a GPU it synchronises
+    at every stage edge, so it runs slower than the plain save it explains)."""
+    from slimtune.checkpoint.stages import timing_stages
+
+    shutil.rmtree(target, ignore_errors=True)
+    with timing_stages(cuda_sync=cuda) as clock:
+        timed = save_checkpoint(model, target, progress=False)
+    return {**{k: round(v, 3) for k, v in sorted(clock.seconds.items())}, "timed_save_s": round(timed.seconds, 3)}
 
 
 def write_synthetic_adapter(config: LlamaConfig, out_dir: Path, rank: int = 8, seed: int = 0) -> Path:
@@ -219,9 +233,12 @@ import json, sys, time
 from slimtune.memory import bytes_read_by_process, bytes_written_by_process, peak_rss_mb
 from slimtune.merge import merge_from_files
 base, adapter, out, device = sys.argv[1:5]
+from slimtune.checkpoint.stages import timing_stages
 r0, w0, t0 = bytes_read_by_process(), bytes_written_by_process(), time.perf_counter()
-result = merge_from_files(base, adapter, out, overwrite=True, progress=True, device=device)
-print(json.dumps({"merge_s": time.perf_counter() - t0, "bytes_read": bytes_read_by_process() - r0,
+with timing_stages() as clock:  # no synchronisation added: GPU work shows up where the copy to the host waits for it
+    result = merge_from_files(base, adapter, out, overwrite=True, progress=True, device=device)
+print(json.dumps({"merge_s": time.perf_counter() - t0, "stages_s": {k: round(v, 3) for k, v in sorted(clock.seconds.items())},
+                  "bytes_read": bytes_read_by_process() - r0,
                   "bytes_written": bytes_written_by_process() - w0, "output_bytes": result.total_bytes,
                   "peak_rss_mb": peak_rss_mb()}))
 """
@@ -267,6 +284,7 @@ def bench_merge(preset: str, out: Path, layers: int | None = None, device: str =
         "ratio": round(write_mb_s / disk, 3),
         "peak_rss_mb": round(stats["peak_rss_mb"], 1),
         "device": device,
+        "stages_s": stats["stages_s"],
     }
 
 

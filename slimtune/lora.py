@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slimtune.checkpoint.stages import stage
 from slimtune.quant import is_nf4
 
 DEFAULT_TARGETS = ("all-linear",)  # PEFT's convention: every linear layer except the output head, resolved per family
@@ -117,11 +118,12 @@ def merge_lora_rows(
 ) -> torch.Tensor:
     """Merged rows in fp32: W + s * B @ A, and with DoRA m / ||W + s*B@A||_row * (W + s*B@A).
     Callers round the result once, to the output dtype."""
-    merged = lora_b_rows.to(torch.float32) @ lora_a.to(torch.float32)
-    merged.mul_(scaling).add_(base_rows.to(torch.float32))  # in place: one fp32 temporary less per chunk
-    if magnitude_rows is not None:
-        norm = torch.linalg.vector_norm(merged, dim=1, keepdim=True)
-        merged = merged * (magnitude_rows.to(torch.float32).unsqueeze(1) / norm)
+    with stage("merge"):
+        merged = lora_b_rows.to(torch.float32) @ lora_a.to(torch.float32)
+        merged.mul_(scaling).add_(base_rows.to(torch.float32))  # in place: one fp32 temporary less per chunk
+        if magnitude_rows is not None:
+            norm = torch.linalg.vector_norm(merged, dim=1, keepdim=True)
+            merged = merged * (magnitude_rows.to(torch.float32).unsqueeze(1) / norm)
     return merged
 
 

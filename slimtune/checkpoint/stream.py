@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from slimtune.checkpoint.stages import stage
 from slimtune.checkpoint.staging import to_host as plain_to_host
 from slimtune.errors import SlimtuneError
 from slimtune.families import NF4Experts
@@ -69,7 +70,8 @@ def base_rows(weight: torch.Tensor, start: int, end: int) -> torch.Tensor:
     if is_nf4(weight):
         from slimtune.quant.nf4 import dequantize_nf4_rows
 
-        return dequantize_nf4_rows(weight, start, end)
+        with stage("dequantize"):
+            return dequantize_nf4_rows(weight, start, end)
     return weight.detach()[start:end]
 
 

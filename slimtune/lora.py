@@ -77,9 +77,9 @@ class LoRALinear(nn.Module):
         if self.fan_in_fan_out:
             out = _FanInFanOutNF4.apply(x, self.weight) if is_nf4(self.weight) else x @ self.weight.to(x.dtype)
         elif is_nf4(self.weight):
-            from slimtune.quant.nf4 import linear_nf4  # saves the NF4 weight, not a dequantized copy, for backward
+            from slimtune.quant.nf4 import nf4_linear  # saves the NF4 weight, not a dequantized copy, for backward
 
-            out = linear_nf4(x, self.weight)
+            out = nf4_linear(x, self.weight)
         else:
             out = F.linear(x, self.weight.to(x.dtype))
         if self.bias is not None:

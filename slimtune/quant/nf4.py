@@ -30,6 +30,7 @@ __all__ = [
     "can_quantize",
     "dequantize_nf4_rows",
     "nf4_from_parts",
+    "nf4_linear",
 ]
 
 BLOCK_SIZE = 64
@@ -78,6 +79,31 @@ def dequantize_nf4_rows(w: NF4Tensor, start: int, end: int) -> torch.Tensor:
         values = table.index_select(0, data).view(-1)
     values = values.view(b1 - b0, bs) * scalers.unsqueeze(-1)
     return values.view(-1)[e0 - b0 * bs : e1 - b0 * bs].view(end - start, cols)
+
+
+def nf4_linear(x: torch.Tensor, weight: NF4Tensor) -> torch.Tensor:
+    """x @ W^T for an NF4 weight, differentiable in x, saving the NF4 weight (not a dequantized copy) for
+    the backward pass: torchao's ``linear_nf4`` with the same math (dequantize, cast to x's dtype, one
+    matmul each way) and ``dequantize_nf4_rows``'s lookup (one int32 gather per byte instead of two int64
+    gathers per element, a stack and a concatenation), bit-identical. Under torch.compile torchao's own
+    (which inductor fuses) is used.
+
+    Example: ``y = nf4_linear(x, quantize_nf4(w))``"""
+    if torch.compiler.is_compiling():
+        return linear_nf4(x, weight)
+    return _NF4Linear.apply(x, weight)
+
+
+class _NF4Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: NF4Tensor) -> torch.Tensor:
+        ctx.nf4_weight = weight
+        return torch.nn.functional.linear(x, dequantize_nf4_rows(weight, 0, weight.shape[0]).to(x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        weight = ctx.nf4_weight
+        return grad @ dequantize_nf4_rows(weight, 0, weight.shape[0]).to(grad.dtype), None
 
 
 def nf4_from_parts(

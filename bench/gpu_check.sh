@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One prepared GPU check (issue 17) for the device machine: torch with CUDA preinstalled, no network.
-# About 8 minutes on one H200; one JSON line per measurement; exits non-zero if any step failed.
+# Sized for about 8-10 minutes on one H200 (not yet run on a GPU: the step limits below are caps, not
+# estimates); one JSON line per measurement; exits non-zero if any step failed.
 #   (a) the seed's Colab scenario: a synthetic Llama-3-8B (real shapes, random bf16, written on this
 #       machine's disk), the shipped llama3-8b_qlora config with device=cuda, 2 optimizer steps, merged
 #       save: host peak RSS, peak GPU memory, save seconds and its ratio to the disk's measured speed;
@@ -75,10 +76,10 @@ if [ $SMOKE -eq 1 ]; then
 fi
 OUT=${SLIMTUNE_GPU_OUT:-/tmp/slimtune-gpu-check}
 mkdir -p "$OUT"
-step "colab scenario (llama3-8b_qlora, cuda)" 240 $PY bench/gpu_check.py colab --out "$OUT"
+step "colab scenario (llama3-8b_qlora, cuda)" 360 $PY bench/gpu_check.py colab --out "$OUT"
 step "training speed vs peers (1B, 8B)" 330 $PY bench/gpu_check.py train --out "$OUT"
-step "save bench llama3-8b from cuda" 150 $PY -m slimtune.bench save --preset llama3-8b --out "$OUT" --device cuda
-step "merge bench llama3-8b on cuda" 150 $PY -m slimtune.bench merge --preset llama3-8b --out "$OUT" --device cuda
+step "save bench llama3-8b from cuda" 240 $PY -m slimtune.bench save --preset llama3-8b --out "$OUT" --device cuda
+step "merge bench llama3-8b on cuda" 200 $PY -m slimtune.bench merge --preset llama3-8b --out "$OUT" --device cuda
 step "nf4 dequantization bench cuda" 60 $PY -m slimtune.bench nf4 --device cuda
 if [ $RECIPE -eq 1 ]; then
   bash bench/gpu_recipe_checks.sh || FAILED=1

@@ -124,10 +124,11 @@ def _timed(step, batches: list[dict], warmup: int, device: torch.device) -> dict
 
 
 def _slimtune(preset: str, layers: int | None, device: torch.device, compile: bool, batches: list[dict], warmup: int) -> dict:
-    """The recipe's step function (slimtune.step.train_step) on a synthetic QLoRA model of the shape."""
+    """The recipe's optimizer step (slimtune.step.optimizer_step, what the recipe's train_step calls after
+    collating) on a synthetic QLoRA model of the shape."""
     from slimtune.recipes.finetune import enable_activation_checkpointing, warmup_cosine
     from slimtune.runtime import compile_decoder_layers
-    from slimtune.step import StepParts, train_step
+    from slimtune.step import StepParts, optimizer_step
 
     config = preset_config(preset, **({"num_hidden_layers": layers} if layers else {}))
     lora = LoRAConfig(rank=16, alpha=32, target_modules=["all-linear"])
@@ -145,7 +146,7 @@ def _slimtune(preset: str, layers: int | None, device: torch.device, compile: bo
 
     def step(b: dict) -> None:
         trained = int((b["labels"][:, 1:] != -100).sum())
-        train_step(parts, [b], trained).item()
+        optimizer_step(parts, [b], trained).item()
 
     return _timed(step, batches, warmup, device)
 

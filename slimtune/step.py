@@ -1,11 +1,12 @@
 """One optimizer step of QLoRA training, and its loss, with no host synchronisation inside.
 
-``train_step`` runs the forward and backward passes of a global step's micro-batches (this rank's
-slices), clips the adapters' gradient norm, steps AdamW and the schedule, and returns the step's loss
-as a tensor on the device: the caller reads it once (``.item()``, the logged loss), the only point at
-which the host waits for the device. The token counts the loss is averaged over come from the host
-(``step_token_counts``: the examples' labels, every rank's slice included), so no count is reduced
-across ranks or read back from the device.
+``optimizer_step`` (what the recipe's ``train_step`` calls once it has collated the batch) runs the
+forward and backward passes of a global step's micro-batches (this rank's slices), clips the adapters'
+gradient norm, steps AdamW and the schedule, and returns the step's loss as a tensor on the device: the
+caller reads it once (``.item()``, the logged loss), the only point at which the host waits for the
+device. The token counts the loss is averaged over come from the host (``step_token_counts``: the
+examples' labels, every rank's slice included), so no count is reduced across ranks or read back from
+the device.
 
 ``token_loss_sum`` is the next-token cross-entropy in fp32 over chunks of positions with a hand-written
 backward: the forward keeps nothing but the logits autograd holds anyway (no saved chunk graphs), the
@@ -50,13 +51,13 @@ def step_token_counts(examples: list) -> tuple[int, int]:
     return trained, sum(len(e.input_ids) for e in examples)
 
 
-def train_step(parts: StepParts, micro_batches: list[dict[str, torch.Tensor]], trained_tokens: int) -> torch.Tensor:
+def optimizer_step(parts: StepParts, micro_batches: list[dict[str, torch.Tensor]], trained_tokens: int) -> torch.Tensor:
     """Forward and backward over ``micro_batches`` (CPU tensors, moved here), the loss of each the token
     mean over the step's ``trained_tokens`` so their gradients add up to the step's; then unscale (fp16),
     clip, AdamW, schedule. Returns this rank's
     share of the step's loss, detached, on the device (no host sync).
 
-    Example: ``loss = train_step(parts, [batch], trained)``; ``loss.item()`` to log it"""
+    Example: ``loss = optimizer_step(parts, [batch], trained)``; ``loss.item()`` to log it"""
     loss_sum = torch.zeros((), dtype=torch.float32, device=parts.device)
     for mb in micro_batches:
         mb = {k: v.to(parts.device, non_blocking=True) for k, v in mb.items()}

@@ -1,62 +1,87 @@
 #!/usr/bin/env bash
-# One short GPU check for the device machine (torch with CUDA preinstalled, no network):
-#   1. the CUDA tests (save and merge on the GPU equal the CPU results; VRAM overhead of the save),
-#   2. the save and merge benches on the GPU for the llama3.2-1b shape, the NF4 dequantization bench,
-#   3. a tiny fine-tune on the GPU through the recipe (train, periodic save, resume), then its merged
-#      output reloaded and compared,
-#   4. torchrun with 1 process on NCCL: the tiny config through the recipe (FSDP2 over a 1-rank CUDA
-#      mesh: sharded loading, training, DCP training state, the cooperative export of every checkpoint),
-#      resumed, and the export of an FSDP2-sharded model compared byte for byte with the plain save;
-#      with 2+ GPUs also 2-rank training, resumed on 2 ranks, and the 2-process export.
-# torchao is not on that image: carry its wheel in bench/wheels/ (gitignored), e.g.
-#   pip download --no-deps -d bench/wheels torchao==0.18.0
-# and pass carry=["bench/wheels"] to the device run. Every step runs even if an earlier one failed;
-# the script exits non-zero if any did.
+# One prepared GPU check (issue 17) for the device machine: torch with CUDA preinstalled, no network.
+# Sized for about 8-10 minutes on one H200 (not yet run on a GPU: the step limits below are caps, not
+# estimates); one JSON line per measurement; exits non-zero if any step failed.
+#   (a) the seed's Colab scenario: a synthetic Llama-3-8B (real shapes, random bf16, written on this
+#       machine's disk), the shipped llama3-8b_qlora config with device=cuda, 2 optimizer steps, merged
+#       save: host peak RSS, peak GPU memory, save seconds and its ratio to the disk's measured speed;
+#   (b) training speed and memory at Llama-3.2-1B and Llama-3-8B shapes, seq 2048, batch 2, r=16 on all
+#       linears, activation checkpointing, 2 warm-up + 10 timed steps: slimtune eager and compiled (the
+#       recipe's step function), PEFT + bitsandbytes QLoRA (NF4, double quant, bf16 compute) and PEFT
+#       bf16 LoRA, each in a plain loop: tokens/s and peak VRAM;
+#   (c) the save and merge benches at the 8B shape from / on the GPU, with the save's per-stage times.
+# Usage: bench/gpu_check.sh [--cpu-smoke] [--recipe-checks]
+#   --cpu-smoke      the dry run on the CPU with tiny shapes (tests/test_gpu_check.py runs it in make test);
+#                    peers whose library cannot run on a CPU (bitsandbytes) print {"skipped": why}
+#   --recipe-checks  also the earlier checks: CUDA tests, tiny fine-tune, torchrun on NCCL (+3 minutes)
+# What the device lacks comes as wheels in bench/wheels/ (gitignored), installed with --no-deps into
+# $SLIMTUNE_SITE only for modules that do not import; fetch them here first:
+#   pip download --no-deps -d bench/wheels bitsandbytes torchao==0.18.0 peft accelerate
+# and pass carry=["bench/wheels"] to the device run. Outputs go to $SLIMTUNE_GPU_OUT (local disk, ~40 GB
+# at most: the 16 GB base and one 16 GB output at a time).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-if ! $PY -c "import torchao" 2>/dev/null; then
-  mkdir -p /tmp/slimtune-site
-  $PY -m pip install -q --no-deps --no-index --target /tmp/slimtune-site bench/wheels/*.whl
-  export PYTHONPATH="/tmp/slimtune-site:${PYTHONPATH:-}"
-fi
-export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 TQDM_DISABLE=1
+SMOKE=0
+RECIPE=0
+for arg in "$@"; do
+  case $arg in
+    --cpu-smoke) SMOKE=1 ;;
+    --recipe-checks) RECIPE=1 ;;
+    *) echo "unknown option $arg (use --cpu-smoke, --recipe-checks)" >&2; exit 2 ;;
+  esac
+done
+SITE=${SLIMTUNE_SITE:-/tmp/slimtune-site}
+export PYTHONPATH="$PWD:$SITE:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 TQDM_DISABLE=1
+# the modules that do not import (found without importing them: one interpreter), then their wheels
+MISSING=$($PY -c "import importlib.util as u; print(' '.join(m for m in 'torchao bitsandbytes peft accelerate transformers tokenizers safetensors huggingface_hub'.split() if u.find_spec(m) is None))")
+for module in $MISSING; do
+  found=$(ls bench/wheels/"$module"-*.whl 2>/dev/null | head -n 1)
+  if [ -n "$found" ]; then
+    $PY -m pip install -q --no-deps --no-index --target "$SITE" "$found" >/dev/null 2>&1 \
+      && echo "{\"installed\": \"$(basename "$found")\"}" || echo "{\"install_failed\": \"$(basename "$found")\"}"
+  else
+    echo "{\"missing\": \"$module\", \"wheel\": \"none in bench/wheels\"}"
+  fi
+done
 FAILED=0
-step() {  # step NAME SECONDS CMD...: run with a time limit, print its status and wall time
+step() {  # step NAME SECONDS CMD...: run with a time limit; one JSON line with its status and wall time
   local name=$1 limit=$2; shift 2
-  echo "== $name"
   local t0=$SECONDS
   timeout "$limit" "$@"; local rc=$?
-  echo "== $name: rc=$rc, $((SECONDS - t0)) s"
+  echo "{\"step\": \"$name\", \"rc\": $rc, \"wall_s\": $((SECONDS - t0))}"
   [ $rc -eq 0 ] || FAILED=1
 }
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-$PY -c "import torch, torchao, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available(), 'torchao', torchao.__version__, 'transformers', transformers.__version__)"
-step "CUDA tests" 150 $PY -m pytest -q -s tests/test_gpu.py -p no:cacheprovider
-step "save bench llama3.2-1b cuda" 120 $PY -m slimtune.bench save --preset llama3.2-1b --out /tmp/slimtune-gpu-bench --device cuda
-step "merge bench llama3.2-1b cuda" 150 $PY -m slimtune.bench merge --preset llama3.2-1b --out /tmp/slimtune-gpu-merge --device cuda
-step "nf4 bench cuda" 60 $PY -m slimtune.bench nf4 --device cuda
-step "tiny fine-tune cuda" 120 $PY -m slimtune finetune --config tiny output_dir=/tmp/slimtune-gpu-tiny device=cuda
-if [ -f /tmp/slimtune-gpu-tiny/metrics.jsonl ]; then tail -n 2 /tmp/slimtune-gpu-tiny/metrics.jsonl; fi
-# torchrun, 1 process: the tiny config through the recipe under torchrun's environment, then the
-# cooperative export on NCCL (FSDP2 over a 1-rank CUDA mesh; the same files as the plain save?).
-TR="$PY -m torch.distributed.run --standalone"
-TINY="--config tiny device=cuda training.max_steps=12 checkpoint.save_every_n_steps=6 logging.progress_bar=false"
-step "torchrun NCCL 1 process: tiny fine-tune (FSDP2)" 120 $TR --nproc-per-node 1 -m slimtune finetune $TINY output_dir=/tmp/slimtune-gpu-tr1 training.stop_after_steps=6
-step "torchrun NCCL 1 process: resumed to step 12" 120 $TR --nproc-per-node 1 -m slimtune finetune $TINY output_dir=/tmp/slimtune-gpu-tr1 resume=true
-if [ -f /tmp/slimtune-gpu-tr1/metrics.jsonl ]; then tail -n 1 /tmp/slimtune-gpu-tr1/metrics.jsonl; fi
-step "verify the 1-process FSDP2 checkpoint" 60 $PY -m slimtune verify /tmp/slimtune-gpu-tr1/step-000012
-$PY -c "from slimtune.tiny import make_tiny_checkpoint as m; m('/tmp/slimtune-gpu-base256', seed=1, hidden_size=256, intermediate_size=512)" >/dev/null
-rm -rf /tmp/slimtune-gpu-nccl1 && mkdir -p /tmp/slimtune-gpu-nccl1
-step "torchrun NCCL 1 process: FSDP2 export" 120 $TR --nproc-per-node 1 tests/dist_worker.py /tmp/slimtune-gpu-base256 /tmp/slimtune-gpu-nccl1 cuda
-NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
-if [ "$NGPU" -ge 2 ]; then
-  rm -rf /tmp/slimtune-gpu-nccl2 && mkdir -p /tmp/slimtune-gpu-nccl2
-  step "torchrun NCCL 2 processes: FSDP2 export" 120 $TR --nproc-per-node 2 tests/dist_worker.py /tmp/slimtune-gpu-base256 /tmp/slimtune-gpu-nccl2 cuda
-  step "torchrun NCCL 2 processes: tiny fine-tune" 120 $TR --nproc-per-node 2 -m slimtune finetune $TINY output_dir=/tmp/slimtune-gpu-tr2 training.stop_after_steps=6
-  step "torchrun NCCL 2 processes: resumed to step 12" 120 $TR --nproc-per-node 2 -m slimtune finetune $TINY output_dir=/tmp/slimtune-gpu-tr2 resume=true
-  if [ -f /tmp/slimtune-gpu-tr2/metrics.jsonl ]; then tail -n 1 /tmp/slimtune-gpu-tr2/metrics.jsonl; fi
-else
-  echo "== torchrun NCCL 2 processes: skipped, $NGPU GPU on this machine"
+$PY - <<'PYEOF'
+import json, torch
+info = {"torch": torch.__version__, "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available()}
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    info.update(gpu=p.name, gpu_mb=round(p.total_memory / 2**20), gpus=torch.cuda.device_count())
+for name in ("torchao", "transformers", "peft", "bitsandbytes"):
+    try:
+        info[name] = __import__(name).__version__
+    except Exception as e:  # noqa: BLE001
+        info[name] = f"unavailable: {type(e).__name__}"
+print(json.dumps({"environment": info}))
+PYEOF
+if [ $SMOKE -eq 1 ]; then
+  OUT=$(mktemp -d /tmp/slimtune-smoke.XXXXXX)
+  step "colab scenario (tiny, cpu)" 120 $PY bench/gpu_check.py colab --out "$OUT" --smoke
+  step "training speed (tiny, cpu)" 120 $PY bench/gpu_check.py train --out "$OUT" --smoke
+  step "save bench (tiny, cpu)" 60 $PY -m slimtune.bench save --preset tiny --out "$OUT/save" --device cpu
+  step "merge bench (tiny, cpu)" 60 $PY -m slimtune.bench merge --preset tiny --out "$OUT/merge" --device cpu
+  rm -rf "$OUT"
+  exit $FAILED
+fi
+OUT=${SLIMTUNE_GPU_OUT:-/tmp/slimtune-gpu-check}
+mkdir -p "$OUT"
+step "colab scenario (llama3-8b_qlora, cuda)" 360 $PY bench/gpu_check.py colab --out "$OUT"
+step "training speed vs peers (1B, 8B)" 330 $PY bench/gpu_check.py train --out "$OUT"
+step "save bench llama3-8b from cuda" 240 $PY -m slimtune.bench save --preset llama3-8b --out "$OUT" --device cuda
+step "merge bench llama3-8b on cuda" 200 $PY -m slimtune.bench merge --preset llama3-8b --out "$OUT" --device cuda
+step "nf4 dequantization bench cuda" 60 $PY -m slimtune.bench nf4 --device cuda
+if [ $RECIPE -eq 1 ]; then
+  bash bench/gpu_recipe_checks.sh || FAILED=1
 fi
 exit $FAILED

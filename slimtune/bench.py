@@ -1,6 +1,7 @@
 """Benchmarks (not tests): `python -m slimtune.bench save --preset NAME --out DIR` prints one JSON line;
 so do `merge`, `nf4` and `dist-save` (`--nproc 2`: the cooperative export by 2 gloo ranks of an
-FSDP2-sharded model next to the single-process save of the same model; `--peer`: torchtune's way).
+FSDP2-sharded model next to the single-process save of the same model; `--peer`: torchtune's way);
+`train-step --peer peft [--model DIR]`: the recipe's training step against a PEFT loop (train_bench.py).
 
 The model is synthetic but of the real shape: random NF4 codes and scalers for every projection, random
 bf16 for embeddings and norms, LoRA r=8 on q_proj and v_proj. Figures are measured in this process:
@@ -29,6 +30,7 @@ from transformers import LlamaConfig, MixtralConfig
 import slimtune  # noqa: F401  (quiets torchao's import-time warnings)
 from slimtune.checkpoint.atomic import atomic_directory, is_complete_checkpoint
 from slimtune.checkpoint.save import save_checkpoint
+from slimtune.checkpoint.stages import timing_stages
 from slimtune.checkpoint.stream import StreamTensor, adapter_tensor_stream
 from slimtune.checkpoint.writer import WriteOptions, write_json, write_safetensors, write_sharded
 from slimtune.distributed import current_ranks, shard_model
@@ -40,7 +42,8 @@ from slimtune.memory import DEFAULT_SHARD_SIZE, bytes_read_by_process, bytes_wri
 from slimtune.model import build_qlora_skeleton, expected_checkpoint_keys, init_lora, set_tensor
 from slimtune.quant import is_nf4
 from slimtune.quant.nf4 import BLOCK_SIZE, dequantize_nf4_rows, nf4_from_parts, quantize_nf4, scaler_block_size
-from slimtune.tiny import tiny_config
+from slimtune.tiny import byte_tokenizer, tiny_config
+from slimtune.train_bench import bench_train_step, print_row
 
 PRESETS = {
     "tiny": dict(),
@@ -187,6 +190,8 @@ def bench_save(preset: str, out: Path, layers: int | None = None, device: str = 
     vram = {"vram_overhead_mb": round((torch.cuda.max_memory_allocated() - vram_before) / 2**20, 1)} if cuda else {}
     output_bytes = result.total_bytes + (target / "slimtune_manifest.json").stat().st_size
     write_mb_s = output_bytes / result.seconds / 1e6
+    if write_mb_s < disk:  # slower than the disk: where the time goes, from one more save timed by stage
+        vram["stages_s"] = _save_stages(model, target, cuda)
     return {
         "preset": preset + (f"[{layers} layers]" if layers else ""),
         "params": params,
@@ -202,6 +207,16 @@ def bench_save(preset: str, out: Path, layers: int | None = None, device: str = 
         "device": device,
         **vram,
     }
+
+
+def _save_stages(model: torch.nn.Module, target: Path, cuda: bool) -> dict:
+    """Seconds per stage of a second save of the same model (producer: dequantize, merge, device_to_host;
+    writer thread: write, hash, fsync; they overlap) and that save's own seconds (on a GPU it synchronises
+    at every stage edge, so it runs slower than the plain save it explains)."""
+    shutil.rmtree(target, ignore_errors=True)
+    with timing_stages(cuda_sync=cuda) as clock:
+        timed = save_checkpoint(model, target, WriteOptions(progress=False))
+    return {**{k: round(v, 3) for k, v in sorted(clock.seconds.items())}, "timed_save_s": round(timed.seconds, 3)}
 
 
 def write_synthetic_adapter(config: LlamaConfig, out_dir: Path, rank: int = 8, seed: int = 0) -> Path:
@@ -225,9 +240,12 @@ from slimtune.checkpoint.writer import WriteOptions
 from slimtune.memory import bytes_read_by_process, bytes_written_by_process, peak_rss_mb
 from slimtune.merge import merge_from_files
 base, adapter, out, device = sys.argv[1:5]
+from slimtune.checkpoint.stages import timing_stages
 r0, w0, t0 = bytes_read_by_process(), bytes_written_by_process(), time.perf_counter()
-result = merge_from_files(base, adapter, out, WriteOptions(overwrite=True, progress=True, device=device))
-print(json.dumps({"merge_s": time.perf_counter() - t0, "bytes_read": bytes_read_by_process() - r0,
+with timing_stages() as clock:  # no synchronisation added: GPU work shows up where the copy to the host waits for it
+    result = merge_from_files(base, adapter, out, WriteOptions(overwrite=True, progress=True, device=device))
+print(json.dumps({"merge_s": time.perf_counter() - t0, "stages_s": {k: round(v, 3) for k, v in sorted(clock.seconds.items())},
+                  "bytes_read": bytes_read_by_process() - r0,
                   "bytes_written": bytes_written_by_process() - w0, "output_bytes": result.total_bytes,
                   "peak_rss_mb": peak_rss_mb()}))
 """
@@ -269,6 +287,7 @@ def bench_merge(preset: str, out: Path, layers: int | None = None, device: str =
         "ratio": round(write_mb_s / disk, 3),
         "peak_rss_mb": round(stats["peak_rss_mb"], 1),
         "device": device,
+        "stages_s": stats["stages_s"],
     }
 
 
@@ -498,7 +517,9 @@ def bench_load_moe(out: Path, layers: int = 2) -> dict:
 
 def bench_nf4(rows: int = 4096, cols: int = 14336, chunk_rows: int = 256, repeats: int = 3, device: str = "cpu") -> dict:
     """NF4 dequantization throughput: torchao's get_original_weight vs slimtune's row-chunked table
-    lookup, on one weight (Llama-3-8B's MLP shape by default); bit-identity checked in the same run."""
+    lookup (as a save calls it) and the same lookup in one call (as ``nf4_linear`` calls it in training),
+    on one weight (Llama-3-8B's MLP shape by default); bit-identity checked in the same run. On a GPU the
+    chunked figure includes ~8 kernel launches per chunk, which the whole-tensor figure separates out."""
 
     weight = quantize_nf4((torch.randn(rows, cols, device=device) * 0.02).to(torch.bfloat16))
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
@@ -524,6 +545,7 @@ def bench_nf4(rows: int = 4096, cols: int = 14336, chunk_rows: int = 256, repeat
             dequantize_nf4_rows(weight, s, min(s + chunk_rows, rows))
 
     ours_s = best(chunked)
+    whole_s = best(lambda: dequantize_nf4_rows(weight, 0, rows))  # one call: what nf4_linear does in training
     params = rows * cols
     return {
         "shape": [rows, cols],
@@ -532,8 +554,31 @@ def bench_nf4(rows: int = 4096, cols: int = 14336, chunk_rows: int = 256, repeat
         "torchao_mparams_s": round(params / torchao_s / 1e6, 1),
         "slimtune_mparams_s": round(params / ours_s / 1e6, 1),
         "speedup": round(torchao_s / ours_s, 2),
+        "chunk_rows": chunk_rows,
+        "slimtune_whole_mparams_s": round(params / whole_s / 1e6, 1),
+        "whole_speedup": round(torchao_s / whole_s, 2),
         "bit_identical": identical,
     }
+
+
+def synthetic_train_base(out: Path, preset: str, layers: int | None = None) -> Path:
+    """A random bf16 checkpoint of the preset's shape (``layers`` of them) with the byte-level tokenizer,
+    written once, where ``merge`` looks for its base (``base-PRESET[-Nl]``): train-step, gpu_check."""
+    target = out / f"base-{preset}" if layers is None else out / f"base-{preset}-{layers}l"
+    if not is_complete_checkpoint(target):
+        write_synthetic_base(preset_config(preset, **({"num_hidden_layers": layers} if layers else {})), target)
+    if not (target / "tokenizer.json").is_file():
+        byte_tokenizer().save_pretrained(str(target))
+    return target
+
+
+def _train_step(args: argparse.Namespace) -> None:
+    real = args.model is not None
+    shape = dict(preset=args.preset, layers=args.layers, steps=args.steps or (8 if real else 6), batch=args.batch or (4 if real else 2))
+    shape.update(seq=args.seq or (256 if real else 512), rank=args.rank or (16 if real else 8), real=real)
+    args.out.mkdir(parents=True, exist_ok=True)
+    model_dir = args.model if real else synthetic_train_base(args.out, args.preset, args.layers)
+    print_row(bench_train_step(model_dir, args.out, shape, rounds=args.rounds, compile=args.compile, threads=args.threads))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -561,7 +606,22 @@ def main(argv: list[str] | None = None) -> None:
     load.add_argument("--layers", type=int, default=2)
     nf4 = sub.add_parser("nf4", help="NF4 dequantization throughput vs torchao on a 4096x14336 weight")
     nf4.add_argument("--device", default="cpu")
+    step = sub.add_parser("train-step", help="the recipe's training step vs a PEFT bf16 LoRA loop, alternated in one run")
+    step.add_argument("--preset", choices=sorted(PRESETS), default="llama3.2-1b")
+    step.add_argument("--layers", type=int, default=2)
+    step.add_argument("--model", type=Path, default=None, help="a real HF checkpoint directory instead of the synthetic preset")
+    step.add_argument("--peer", choices=["peft"], default="peft")
+    step.add_argument("--out", type=Path, default=Path("bench-out"))
+    step.add_argument("--steps", type=int, default=None, help="steps per run (default 6 synthetic, 8 with --model)")
+    step.add_argument("--batch", type=int, default=None, help="sequences per step (default 2 synthetic, 4 with --model)")
+    step.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 512 synthetic, 256 with --model)")
+    step.add_argument("--rank", type=int, default=None, help="LoRA rank on all linears (default 8 synthetic, 16 with --model)")
+    step.add_argument("--rounds", type=int, default=2, help="slimtune/peer alternations")
+    step.add_argument("--compile", action="store_true", help="slimtune with training.compile=true")
+    step.add_argument("--threads", type=int, default=None, help="torch CPU threads for both sides (default: as the recipe picks)")
     args = parser.parse_args(argv)
+    if args.command == "train-step":
+        _train_step(args)
     if args.command == "dist-save":
         print(json.dumps(bench_dist_save(args.preset, args.out, args.nproc, args.layers, args.peer)))
     if args.command == "load-moe":

@@ -207,6 +207,23 @@ SCHEMA: tuple[Key, ...] = (
     ),
     Key("training.sample_max_new_tokens", "int", 32, "Tokens generated per sample prompt.", minimum=1),
     Key("training.activation_checkpointing", "bool", False, "Recompute layer activations in the backward pass: less memory, more compute."),
+    Key(
+        "training.compile",
+        "bool",
+        False,
+        "torch.compile each decoder layer (regional compilation, as torchtune does): inductor on CPU and CUDA; the first "
+        "steps pay a one-off compile (logged), later ones run faster.",
+    ),
+    Key(
+        "training.num_threads",
+        "int",
+        None,
+        "CPU threads torch uses; null: the cores this process may use (its CPU affinity), divided among the ranks on this "
+        "machine under torchrun, and no more than other processes leave idle at the start, so a shared machine's cores "
+        "are not oversubscribed.",
+        nullable=True,
+        minimum=1,
+    ),
     Key("optimizer.lr", "float", 2e-4, "Peak learning rate of AdamW (adapter parameters only).", minimum=0),
     Key("optimizer.weight_decay", "float", 0.0, "AdamW decoupled weight decay.", minimum=0),
     Key("scheduler.warmup_steps", "int", 0, "Linear warmup steps before the cosine decay.", minimum=0),

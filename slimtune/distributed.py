@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from slimtune.errors import SlimtuneError
 from slimtune.quant import is_nf4
+from slimtune.runtime import decoder_layers
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -218,7 +219,7 @@ def shard_model(model: torch.nn.Module, ranks: Ranks, keep_whole: set[torch.nn.P
     if "mesh" not in _CONTROL:
         _CONTROL["mesh"] = init_device_mesh(ranks.device_type, (ranks.world_size,))
     mesh = _CONTROL["mesh"]
-    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    layers = decoder_layers(model)
     if not layers:
         raise SlimtuneError(f"{type(model).__name__}: no decoder layers found to shard")
     ignored = set(keep_whole) | _unsplittable_nf4(model, ranks.world_size)

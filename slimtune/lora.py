@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slimtune.checkpoint.stages import stage
 from slimtune.quant import is_nf4
 
 DEFAULT_TARGETS = ("all-linear",)  # PEFT's convention: every linear layer except the output head, resolved per family
@@ -80,9 +81,9 @@ class LoRALinear(nn.Module):
         if self.fan_in_fan_out:
             out = _FanInFanOutNF4.apply(x, self.weight) if is_nf4(self.weight) else x @ self.weight.to(x.dtype)
         elif is_nf4(self.weight):
-            from slimtune.quant.nf4 import linear_nf4  # saves the NF4 weight, not a dequantized copy, for backward
+            from slimtune.quant.nf4 import nf4_linear  # saves the NF4 weight, not a dequantized copy, for backward
 
-            out = linear_nf4(x, self.weight)
+            out = nf4_linear(x, self.weight)
         else:
             out = F.linear(x, self.weight.to(x.dtype))
         if self.bias is not None:
@@ -132,11 +133,12 @@ def merge_lora_rows(
 ) -> torch.Tensor:
     """Merged rows in fp32: W + s * B @ A, and with DoRA m / ||W + s*B@A||_row * (W + s*B@A).
     Callers round the result once, to the output dtype."""
-    merged = lora_b_rows.to(torch.float32) @ lora_a.to(torch.float32)
-    merged.mul_(scaling).add_(base_rows.to(torch.float32))  # in place: one fp32 temporary less per chunk
-    if magnitude_rows is not None:
-        norm = torch.linalg.vector_norm(merged, dim=1, keepdim=True)
-        merged = merged * (magnitude_rows.to(torch.float32).unsqueeze(1) / norm)
+    with stage("merge"):
+        merged = lora_b_rows.to(torch.float32) @ lora_a.to(torch.float32)
+        merged.mul_(scaling).add_(base_rows.to(torch.float32))  # in place: one fp32 temporary less per chunk
+        if magnitude_rows is not None:
+            norm = torch.linalg.vector_norm(merged, dim=1, keepdim=True)
+            merged = merged * (magnitude_rows.to(torch.float32).unsqueeze(1) / norm)
     return merged
 
 

@@ -11,10 +11,13 @@ import weakref
 
 import torch
 
+from slimtune.checkpoint.stages import stage
+
 
 def to_host(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The plain path: a contiguous CPU tensor in ``dtype`` (no copy when it already is one)."""
-    return x.to(device="cpu", dtype=dtype).contiguous()
+    with stage("device_to_host"):
+        return x.to(device="cpu", dtype=dtype).contiguous()
 
 
 class BufferPool:
@@ -57,9 +60,10 @@ class BufferPool:
         if not x.is_cuda and x.dtype == dtype and x.is_contiguous():
             return x
         chunk = self.take(tuple(x.shape), dtype)
-        chunk.copy_(x, non_blocking=x.is_cuda)  # copy_ casts with the same rounding as .to(dtype)
-        if x.is_cuda:
-            torch.cuda.current_stream(x.device).synchronize()
+        with stage("device_to_host"):
+            chunk.copy_(x, non_blocking=x.is_cuda)  # copy_ casts with the same rounding as .to(dtype)
+            if x.is_cuda:
+                torch.cuda.current_stream(x.device).synchronize()
         return chunk
 
 

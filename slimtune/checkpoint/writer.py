@@ -21,6 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from slimtune.checkpoint.plan import SavePlan, TensorSlot, plan_files, plan_save
+from slimtune.checkpoint.stages import stage
 from slimtune.checkpoint.stream import StreamTensor, row_chunks
 from slimtune.distributed import SINGLE, Ranks
 from slimtune.errors import SlimtuneError
@@ -142,9 +143,11 @@ class _RowSink:
         data = tensor_bytes(chunk)
         if self.done + len(data) > nbytes:
             raise SlimtuneError(f"{self.path}: tensor {slot.name}: more bytes than its rows {list(slot.shape)}")
-        _pwrite_all(self.fd, data, offset + self.done)
+        with stage("write", device_work=False):
+            _pwrite_all(self.fd, data, offset + self.done)
         if self.sha is not None:
-            self.sha.update(data)
+            with stage("hash", device_work=False):
+                self.sha.update(data)
         self.done += len(data)
         if self.done == nbytes:
             self.index, self.done = self.index + 1, 0
@@ -256,7 +259,8 @@ def write_planned(directory: Path, plan: SavePlan, ranks: Ranks, options: WriteO
 
     def after_fsync(path: str) -> None:
         try:
-            hashes[path] = sha256_file(directory / path)
+            with stage("hash", device_work=False):
+                hashes[path] = sha256_file(directory / path)
         except BaseException as e:  # noqa: BLE001 - reported at the next status exchange
             errors.append(e)
 
@@ -323,7 +327,8 @@ def _write_file_part(
         chunks = (c for _, s, a, b in mine for c in row_chunks(s.source, options.chunk_bytes, a, b))
         pipelined_write(sink, chunks, options.inflight_bytes, bar)
         sink.check_complete()
-        os.fsync(fd)
+        with stage("fsync", device_work=False):
+            os.fsync(fd)
     finally:
         os.close(fd)
     if sink.sha is not None:

@@ -7,6 +7,8 @@ import sys
 
 import torch
 
+from slimtune.checkpoint.stages import stage
+
 _NF4_MODULES = ("torchao.quantization.quantize_.workflows.nf4.nf4_tensor", "torchao.dtypes.nf4tensor")
 
 
@@ -25,5 +27,6 @@ def base_rows(weight: torch.Tensor, start: int, end: int) -> torch.Tensor:
         # an NF4 tensor exists, so torchao is loaded already; slimtune.quant.nf4 imports it at its top
         from slimtune.quant.nf4 import dequantize_nf4_rows
 
-        return dequantize_nf4_rows(weight, start, end)
+        with stage("dequantize"):
+            return dequantize_nf4_rows(weight, start, end)
     return weight.detach()[start:end]

@@ -32,6 +32,7 @@ __all__ = [
     "scaler_block_size",
     "dequantize_nf4_rows",
     "nf4_from_parts",
+    "nf4_linear",
 ]
 
 BLOCK_SIZE = 64
@@ -97,8 +98,9 @@ def dequantize_nf4_rows(w: NF4Tensor, start: int, end: int) -> torch.Tensor:
     e0, e1 = start * cols, end * cols
     b0, b1 = e0 // bs, -(-e1 // bs)
     data = w.quantized_data[b0 * bs // 2 : b1 * bs // 2].to(torch.int32)
-    factors = w.quantization_factor[b0 // sbs : -(-b1 // sbs)].repeat_interleave(sbs)[b0 % sbs : b0 % sbs + b1 - b0]
-    scalers = (w.quantized_scalers[b0:b1] / factors).to(w.dtype) + w.scaler_mean
+    s0, s1 = b0 // sbs, -(-b1 // sbs)  # the scaler blocks covering the blocks: torchao's [n, sbs] / factor[:, None], no repeated copy
+    scalers = (w.quantized_scalers[s0 * sbs : s1 * sbs].view(s1 - s0, sbs) / w.quantization_factor[s0:s1].unsqueeze(-1)).view(-1)
+    scalers = scalers[b0 - s0 * sbs : b1 - s0 * sbs].to(w.dtype) + w.scaler_mean
     table = _byte_pair_table(w)
     if table.dim() == 1:  # 16-bit weights: two values per int32 entry
         values = table.index_select(0, data).view(w.dtype)
@@ -106,6 +108,31 @@ def dequantize_nf4_rows(w: NF4Tensor, start: int, end: int) -> torch.Tensor:
         values = table.index_select(0, data).view(-1)
     values = values.view(b1 - b0, bs) * scalers.unsqueeze(-1)
     return values.view(-1)[e0 - b0 * bs : e1 - b0 * bs].view(end - start, cols)
+
+
+def nf4_linear(x: torch.Tensor, weight: NF4Tensor) -> torch.Tensor:
+    """x @ W^T for an NF4 weight, differentiable in x, saving the NF4 weight (not a dequantized copy) for
+    the backward pass: torchao's ``linear_nf4`` with the same math (dequantize, cast to x's dtype, one
+    matmul each way) and ``dequantize_nf4_rows``'s lookup (one int32 gather per byte instead of two int64
+    gathers per element, a stack and a concatenation), bit-identical. Under torch.compile torchao's own
+    (which inductor fuses) is used.
+
+    Example: ``y = nf4_linear(x, quantize_nf4(w))``"""
+    if torch.compiler.is_compiling():
+        return linear_nf4(x, weight)
+    return _NF4Linear.apply(x, weight)
+
+
+class _NF4Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: NF4Tensor) -> torch.Tensor:
+        ctx.nf4_weight = weight
+        return torch.nn.functional.linear(x, dequantize_nf4_rows(weight, 0, weight.shape[0]).to(x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        weight = ctx.nf4_weight
+        return grad @ dequantize_nf4_rows(weight, 0, weight.shape[0]).to(grad.dtype), None
 
 
 def nf4_from_parts(

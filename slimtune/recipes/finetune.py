@@ -44,8 +44,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from tqdm.auto import tqdm
@@ -86,6 +84,8 @@ from slimtune.generate import FORMAT_NAME, Loaded, SamplingOptions, format_recor
 from slimtune.lora import LoRAConfig, lora_parameters
 from slimtune.memory import peak_rss_mb, reset_peak_rss, rss_mb
 from slimtune.model import config_dtype, load_qlora_model, load_tokenizer, nf4_report, nf4_summary_line, pick_device, pick_dtype
+from slimtune.runtime import choose_num_threads, compile_decoder_layers
+from slimtune.step import StepParts, optimizer_step, step_token_counts, token_loss_sum
 from slimtune.tiny import byte_tokenizer, make_tiny_checkpoint, tiny_config
 from slimtune.tracking import Trackers
 
@@ -203,6 +203,7 @@ def setup(cfg: Config, ranks: Ranks = SINGLE) -> Run:
     dtype = pick_dtype(cfg.dtype, device)
     if ranks.distributed and dtype == torch.float16:
         raise SlimtuneError("dtype fp16 (loss scaling) is for one process; with several ranks use bf16 or fp32")
+    threads = choose_num_threads(cfg.training.num_threads)
     manager = CheckpointManager(Path(cfg.output_dir), cfg.checkpoint.keep_last_n, log=say)
     resume = manager.find_resume_point(cfg.resume, cfg.overwrite)  # or refuse to mix two runs
     if resume is not None:
@@ -216,7 +217,8 @@ def setup(cfg: Config, ranks: Ranks = SINGLE) -> Run:
     model = _load_model(cfg, ranks, device, dtype)
     params = lora_parameters(model)
     say(
-        f"model: {Path(cfg.model.path).name}, {sum(p.numel() for p in params):,} trainable adapter parameters, {device.type}, "
+        f"model: {Path(cfg.model.path).name}, {sum(p.numel() for p in params):,} trainable adapter parameters, {device.type} "
+        f"({threads} CPU thread{'s' if threads > 1 else ''}), "
         f"{str(dtype).removeprefix('torch.')}"
         + (f", {ranks.world_size} rank{'s' if ranks.world_size > 1 else ''} (FSDP2)" if ranks.distributed else "")
         + f"; data: {len(data.train)} {'packed rows' if cfg.dataset.packed else 'examples'}"
@@ -291,32 +293,15 @@ def train_step(run: Run, batch: list[list[int]]) -> dict:
     rank's slice of each micro-batch forward and backward, the loss the token mean over the whole global
     step, gradient clipping, optimizer and scheduler steps. Returns the step's metrics record (also
     ``run.record``, which evaluation and the checkpoint add to)."""
-    cfg, ranks, device, model, scaler = run.cfg, run.ranks, run.device, run.model, run.scaler
+    cfg, ranks, scaler, optimizer = run.cfg, run.ranks, run.scaler, run.optimizer
     started = time.perf_counter()
     micro_batches = [rank_batch(run.data.train, mb, ranks, run.pad_id) for mb in batch]  # this rank's slices
-    local_tokens = sum(int((mb["labels"][:, 1:] != IGNORE_INDEX).sum()) for mb in micro_batches)
-    trained_tokens = int(all_sum(torch.tensor(float(local_tokens), device=device), ranks))  # the global step's
-    loss_sum = torch.zeros((), device=device)
-    tokens = 0
-    for mb in micro_batches:
-        mb = {k: v.to(device) for k, v in mb.items()}
-        logits = model(**model_inputs(mb)).logits
-        loss = token_loss_sum(logits, mb["labels"]) / trained_tokens  # summed over micro-batches: the step's token mean
-        scaler.scale(loss).backward()
-        loss_sum += loss.detach()
-        tokens += int(mb["attention_mask"].sum())
-        del logits, loss
-    lr = run.optimizer.param_groups[0]["lr"]
-    scaler.unscale_(run.optimizer)
-    if cfg.training.max_grad_norm is not None:
-        torch.nn.utils.clip_grad_norm_([p for g in run.optimizer.param_groups for p in g["params"]], cfg.training.max_grad_norm)
-    scaler.step(run.optimizer)
-    scaler.update()
-    run.optimizer.zero_grad(set_to_none=True)
-    run.scheduler.step()
+    trained_tokens, tokens = step_token_counts([run.data.train[i] for mb in batch for i in mb])  # the global step's, on the host
+    lr = optimizer.param_groups[0]["lr"]
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    parts = StepParts(run.model, optimizer, run.scheduler, scaler, params, cfg.training.max_grad_norm, run.device)
+    step_loss = all_sum(optimizer_step(parts, micro_batches, trained_tokens), ranks).item()  # the step's one host sync
     run.global_step += 1
-    step_loss = all_sum(loss_sum, ranks).item()
-    tokens = int(all_sum(torch.tensor(float(tokens), device=device), ranks).item())
     if not math.isfinite(step_loss) and not scaler.is_enabled():
         raise SlimtuneError(f"the loss is {step_loss} at step {run.global_step}; lower optimizer.lr or check the data")
     seconds = time.perf_counter() - started
@@ -324,6 +309,8 @@ def train_step(run: Run, batch: list[list[int]]) -> dict:
     run.record.update(tokens_per_s=tokens / seconds, step_s=seconds)
     if run.global_step == run.first_step and run.resume is not None:
         run.record["resumed_from"] = run.resume.state["global_step"]
+    if run.global_step == run.first_step and cfg.training.compile:
+        say(f"compile: cold start, the first step (compiling the decoder layer) took {seconds:.1f} s")
     return run.record
 
 
@@ -490,6 +477,8 @@ def _load_model(cfg: Config, ranks: Ranks, device: torch.device, dtype: torch.dt
         model.to(device)  # FSDP2 placed each rank's shards on its device already
     if cfg.training.activation_checkpointing:
         enable_activation_checkpointing(model)
+    if cfg.training.compile:
+        say(f"compile: {compile_decoder_layers(model)} decoder layers (torch.compile, regional); the first step compiles them")
     return model
 
 
@@ -581,27 +570,6 @@ def all_sum(value: torch.Tensor, ranks: Ranks) -> torch.Tensor:
         value = value.clone()
         dist.all_reduce(value)
     return value
-
-
-LOSS_CHUNK_BYTES = 64 * 2**20
-
-
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of next-token cross-entropy over the trained (non -100) labels, in fp32, in chunks of positions
-    that are recomputed in the backward pass: with a 128k vocabulary the fp32 logits of one 2048-token
-    sequence are 1 GB, and their log-softmax and gradient as much again; here only one 64 MB chunk of
-    fp32 exists at a time beside the model-dtype logits."""
-    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # position t predicts token t + 1; the last predicts nothing
-    per_chunk = max(1, LOSS_CHUNK_BYTES // (4 * logits.shape[-1] * logits.shape[0]))
-    total = torch.zeros((), dtype=torch.float32, device=logits.device)
-    for chunk, target in zip(logits.split(per_chunk, dim=1), targets.split(per_chunk, dim=1), strict=True):
-        total = total + torch.utils.checkpoint.checkpoint(_chunk_loss_sum, chunk, target, use_reentrant=False, preserve_rng_state=False)
-    return total
-
-
-def _chunk_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    vocab = logits.shape[-1]
-    return F.cross_entropy(logits.float().reshape(-1, vocab), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def _evaluate(model: nn.Module, examples: list, batch_size: int, pad_id: int, device: torch.device, ranks: Ranks) -> dict:

@@ -1,0 +1,117 @@
+"""One optimizer step of QLoRA training, and its loss, with no host synchronisation inside.
+
+``optimizer_step`` (what the recipe's ``train_step`` calls once it has collated the batch) runs the
+forward and backward passes of a global step's micro-batches (this rank's slices), clips the adapters'
+gradient norm, steps AdamW and the schedule, and returns the step's loss as a tensor on the device: the
+caller reads it once (``.item()``, the logged loss), the only point at which the host waits for the
+device. The token counts the loss is averaged over come from the host (``step_token_counts``: the
+examples' labels, every rank's slice included), so no count is reduced across ranks or read back from
+the device.
+
+``token_loss_sum`` is the next-token cross-entropy in fp32 over chunks of positions with a hand-written
+backward: the forward keeps nothing but the logits autograd holds anyway (no saved chunk graphs), the
+backward makes each chunk's gradient (softmax minus one-hot, scaled) in place in one fp32 buffer and
+writes it in the logits' dtype: bit for bit the gradient autograd makes through F.cross_entropy (the
+same log-softmax, exp, subtraction and cast), without the recomputed forward, the one-hot tensor, the
+zero-filled gradient of the gather and the separate cast pass of a checkpointed autograd graph. No
+fp32 copy of the whole logits exists (with a 128k vocabulary those of one 2048-token sequence are 1 GB)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from slimtune.data import IGNORE_INDEX, model_inputs
+
+LOSS_CHUNK_BYTES = 64 * 2**20
+
+
+@dataclass
+class StepParts:
+    """What an optimizer step works on, set up once by the recipe."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    params: list[nn.Parameter]
+    max_grad_norm: float | None
+    device: torch.device
+
+
+def step_token_counts(examples: list) -> tuple[int, int]:
+    """(trained tokens, tokens) of a global step's examples (every rank's, all micro-batches), counted on
+    the host as the collated batches would count them: the loss's denominator and the throughput's
+    numerator, the same on every rank without a collective or a read back from the device.
+
+    Example: ``step_token_counts([examples[i] for batch in plan[step] for i in batch])`` -> (1012, 1024)"""
+    trained = sum(int((e.labels[1:] != IGNORE_INDEX).sum()) for e in examples)
+    return trained, sum(len(e.input_ids) for e in examples)
+
+
+def optimizer_step(parts: StepParts, micro_batches: list[dict[str, torch.Tensor]], trained_tokens: int) -> torch.Tensor:
+    """Forward and backward over ``micro_batches`` (CPU tensors, moved here), the loss of each the token
+    mean over the step's ``trained_tokens`` so their gradients add up to the step's; then unscale (fp16),
+    clip, AdamW, schedule. Returns this rank's
+    share of the step's loss, detached, on the device (no host sync).
+
+    Example: ``loss = optimizer_step(parts, [batch], trained)``; ``loss.item()`` to log it"""
+    loss_sum = torch.zeros((), dtype=torch.float32, device=parts.device)
+    for mb in micro_batches:
+        mb = {k: v.to(parts.device, non_blocking=True) for k, v in mb.items()}
+        logits = parts.model(**model_inputs(mb)).logits
+        loss = token_loss_sum(logits, mb["labels"]) / max(1, trained_tokens)
+        del logits
+        parts.scaler.scale(loss).backward()
+        loss_sum += loss.detach()
+    parts.scaler.unscale_(parts.optimizer)
+    if parts.max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(parts.params, parts.max_grad_norm, foreach=True)
+    parts.scaler.step(parts.optimizer)  # fp16 only: the scaler reads its inf check back (a sync); bf16/fp32: none
+    parts.scaler.update()
+    parts.optimizer.zero_grad(set_to_none=True)
+    parts.scheduler.step()
+    return loss_sum
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of next-token cross-entropy over the trained (non -100) labels, in fp32, chunk by chunk of
+    positions (at most ``LOSS_CHUNK_BYTES`` of fp32 at a time); differentiable in ``logits``.
+
+    Example: ``token_loss_sum(model(input_ids).logits, labels) / trained_tokens``"""
+    targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # position t predicts t + 1
+    return _ChunkedCrossEntropy.apply(logits, targets.to(logits.device))
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        vocab = logits.shape[-1]
+        flat, flat_targets = logits.reshape(-1, vocab), targets.reshape(-1)
+        rows = max(1, LOSS_CHUNK_BYTES // (4 * vocab))
+        total = torch.zeros((), dtype=torch.float32, device=logits.device)
+        for start in range(0, flat.shape[0], rows):
+            x = flat[start : start + rows].float()
+            t = flat_targets[start : start + rows]
+            chunk_lse = torch.logsumexp(x, dim=-1)
+            picked = x.gather(1, t.clamp(min=0).unsqueeze(1)).squeeze(1)
+            total += torch.where(t != IGNORE_INDEX, chunk_lse - picked, 0.0).sum()
+        ctx.save_for_backward(logits, targets)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, targets = ctx.saved_tensors
+        vocab = logits.shape[-1]
+        flat, flat_targets = logits.reshape(-1, vocab), targets.reshape(-1)
+        out = torch.empty_like(flat)
+        rows = max(1, LOSS_CHUNK_BYTES // (4 * vocab))
+        for start in range(0, flat.shape[0], rows):
+            t = flat_targets[start : start + rows]
+            g = torch.where(t != IGNORE_INDEX, grad, 0.0).unsqueeze(1)  # d(sum)/d(loss_i), 0 where not trained
+            p = torch.log_softmax(flat[start : start + rows].float(), dim=-1).exp_()  # softmax, as autograd's own backward makes it
+            p.mul_(g).scatter_add_(1, t.clamp(min=0).unsqueeze(1), -g)  # s * g - g at the target: autograd's order
+            out[start : start + rows] = p
+        return out.view_as(logits), None

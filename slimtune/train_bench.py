@@ -1,0 +1,157 @@
+"""`python -m slimtune.bench train-step`: slimtune's training step against PEFT's, in one process, runs
+alternated (slimtune, peer, slimtune, peer, ...), so a machine whose load changes treats both alike.
+
+The slimtune side is the recipe itself (``run_finetune``; its per-step ``step_s`` and ``tokens_per_s``
+records, which time the whole step: collation, forward, loss, backward, clipping, AdamW, scheduler,
+the logged loss and the step's bookkeeping). The peer is a plain PEFT loop on the same tokenized
+batches in the same order: ``AutoModelForCausalLM`` in bf16 (not quantized), ``get_peft_model`` with
+LoRA on all linear layers (fp32 adapters, PEFT's default), the model's own loss, the same clipping,
+AdamW and ``loss.item()`` each step. Either side's figure is the median tokens/s of its steps after
+the first two (warm-up), pooled over the rounds.
+
+Without ``--model`` the base is synthetic, of a preset's shape (``--layers`` of them), written once under
+``--out`` with the byte-level tokenizer (``bench.synthetic_train_base``); the data is random text,
+packed into rows of ``--seq`` tokens.
+With ``--model DIR`` it is that checkpoint and its tokenizer; rows of random words truncated to ``--seq``
+tokens (every row the full length)."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from slimtune.config import load_config
+from slimtune.data import DataSpec, collate, epoch_order, epoch_steps, load_data, model_inputs, write_jsonl
+from slimtune.formats.hf import load_config as load_hf_config
+from slimtune.model import load_tokenizer
+from slimtune.recipes.finetune import run_finetune, warmup_cosine
+from slimtune.runtime import choose_num_threads
+
+WORDS = "the of and to in is was for on that with as by at from his her an which this be are or had not but".split()
+
+
+def bench_train_step(model_dir: Path, out: Path, shape: dict, rounds: int = 2, compile: bool = False, threads: int | None = None) -> dict:
+    """One JSON-able row: both sides' median tokens/s, step seconds and the ratio (slimtune / peer).
+    ``shape``: preset, layers, steps, batch, seq, rank; ``threads``: None picks as the recipe does.
+
+    Example: ``bench_train_step(Path("base"), Path("bench-out"), dict(preset="tiny", layers=2, steps=4, batch=2, seq=64, rank=8))``"""
+    out.mkdir(parents=True, exist_ok=True)
+    threads = choose_num_threads(threads)  # once, for both sides: the recipe is told the same count
+    data_path = out / f"train-step-data-{shape['seq']}.jsonl"
+    _random_text(data_path, rows=shape["batch"] * (shape["steps"] + 1) * 4, words=shape["seq"] * 2)
+    values = {**_config_values(model_dir, data_path, out / "train-step-run", shape, compile), "training.num_threads": threads}
+    cfg = load_config("tiny", values=values)
+    tokenizer = load_tokenizer(model_dir)
+    examples = load_data(DataSpec.from_config(cfg), tokenizer, vocab_size=load_hf_config(model_dir).vocab_size).train
+    ours: list[float] = []
+    peer: list[float] = []
+    our_s: list[float] = []
+    peer_s: list[float] = []
+    for _ in range(rounds):
+        records = _slimtune_steps(cfg)
+        ours += [r["tokens_per_s"] for r in records[2:]]
+        our_s += [r["step_s"] for r in records[2:]]
+        tok_s, step_s = _peft_steps(model_dir, examples, cfg, tokenizer)
+        peer += tok_s[2:]
+        peer_s += step_s[2:]
+    shutil.rmtree(out / "train-step-run", ignore_errors=True)
+    tokens = sum(len(e.input_ids) for e in examples[: shape["batch"]])
+    return {
+        "bench": "train-step",
+        "model": str(model_dir) if shape.get("real") else f"{shape['preset']}[{shape['layers']} layers], synthetic",
+        "batch": [shape["batch"], shape["seq"]],
+        "tokens_per_step": tokens,
+        "rank": shape["rank"],
+        "steps": shape["steps"],
+        "rounds": rounds,
+        "threads": threads,
+        "compile": compile,
+        "slimtune_tok_s": round(statistics.median(ours), 1),
+        "peft_tok_s": round(statistics.median(peer), 1),
+        "slimtune_step_s": round(statistics.median(our_s), 3),
+        "peft_step_s": round(statistics.median(peer_s), 3),
+        "ratio": round(statistics.median(ours) / statistics.median(peer), 3),
+        "slimtune_tok_s_all": [round(x, 1) for x in ours],
+        "peft_tok_s_all": [round(x, 1) for x in peer],
+        "machine": "shared 2-core CPU, loaded by other processes" if not torch.cuda.is_available() else torch.cuda.get_device_name(),
+    }
+
+
+def _config_values(model_dir: Path, data_path: Path, run_dir: Path, shape: dict, compile: bool) -> dict:
+    return {
+        "output_dir": str(run_dir),
+        "overwrite": True,
+        "device": "cpu",
+        "dtype": "bf16",
+        "model.path": str(model_dir),
+        "model.create_tiny": False,
+        "dataset.path": str(data_path),
+        "dataset.create_builtin": False,
+        "dataset.max_seq_len": shape["seq"],
+        "dataset.packed": not shape.get("real"),
+        "lora.rank": shape["rank"],
+        "lora.alpha": 2 * shape["rank"],
+        "lora.target_modules": ["all-linear"],
+        "training.batch_size": shape["batch"],
+        "training.max_steps": shape["steps"],
+        "training.compile": compile,
+        "optimizer.lr": 1e-4,
+        "scheduler.warmup_steps": 0,
+        "checkpoint.merged": "never",
+        "checkpoint.save_every_n_steps": None,
+        "logging.progress_bar": False,
+    }
+
+
+def _slimtune_steps(cfg) -> list[dict]:
+    records: list[dict] = []
+    run_finetune(cfg, on_step=records.append)
+    return records
+
+
+def _peft_steps(model_dir: Path, examples: list, cfg, tokenizer) -> tuple[list[float], list[float]]:
+    """A plain PEFT bf16 LoRA loop on the recipe's batches, in the recipe's order; tokens/s and seconds per step."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(cfg.seed)
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16, local_files_only=True)
+    lora = LoraConfig(r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_dropout=0.0, target_modules="all-linear")
+    model = get_peft_model(base, lora)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.optimizer.lr, weight_decay=cfg.optimizer.weight_decay)
+    total = cfg.training.max_steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, 0, total, cfg.scheduler.min_lr_ratio))
+    pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
+    plan = epoch_steps(epoch_order(len(examples), cfg.seed, 0, cfg.dataset.shuffle), cfg.training.batch_size, 1)
+    tok_s, step_s = [], []
+    for step in plan[:total]:
+        started = time.perf_counter()
+        batch = collate([examples[i] for i in step[0]], pad_id)
+        loss = model(**model_inputs(batch), labels=batch["labels"]).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.training.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        loss.item()
+        seconds = time.perf_counter() - started
+        tok_s.append(int(batch["attention_mask"].sum()) / seconds)
+        step_s.append(seconds)
+    return tok_s, step_s
+
+
+def _random_text(path: Path, rows: int, words: int, seed: int = 0) -> None:
+    rng = random.Random(seed)
+    write_jsonl(path, [{"text": " ".join(rng.choice(WORDS) for _ in range(words))} for _ in range(rows)])
+
+
+def print_row(row: dict) -> None:
+    print(json.dumps(row), flush=True)

@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from slimtune.checkpoint.writer import FileRecord
+from slimtune.distributed import sigterm_deferred
 from slimtune.errors import SlimtuneError
 from slimtune.formats.manifest import MANIFEST_FORMAT, MANIFEST_NAME, read_manifest, sha256_file  # noqa: F401 - re-exported
 
@@ -256,9 +257,11 @@ def atomic_directory(target: Path, overwrite: bool = False) -> Iterator[Path]:
             fsync_dir(parent)
         created = []  # they hold the target now
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        with sigterm_deferred():  # a SIGTERM raised mid-rmtree would leave the temporary directory behind
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
-        if fd is not None:
-            _release(lock, fd)
-        _remove_empty(created)
+        with sigterm_deferred():
+            if fd is not None:
+                _release(lock, fd)
+            _remove_empty(created)

@@ -49,6 +49,7 @@ from tqdm.auto import tqdm
 
 from slimtune.card import CardFacts, model_card
 from slimtune.checkpoint.atomic import os_errors
+from slimtune.checkpoint.background import BackgroundSaver, WriterSpec
 from slimtune.checkpoint.manager import STATE_FORMAT, CheckpointManager, CreatedByRun, MetricsLog, SaveOptions, rng_state, set_rng_state
 from slimtune.checkpoint.save import ADAPTER_DIR, DTYPES, SaveResult
 from slimtune.config import Config
@@ -187,6 +188,11 @@ def _finetune(cfg: Config, on_step: Callable[[dict], None] | None, ranks: Ranks)
     if cfg.training.activation_checkpointing:
         enable_activation_checkpointing(model)
     params = lora_parameters(model)
+    saver = None  # checkpoint.async: a writer process rebuilds the frozen model now and writes the saves (background.py)
+    if cfg.values["checkpoint.async"] and not ranks.distributed:
+        saver = BackgroundSaver(WriterSpec(model_dir, lora, cfg.seed, dtype), manager, say)
+    elif cfg.values["checkpoint.async"] and ranks.is_coordinator:
+        say("checkpoint.async: under torchrun the saves are synchronous (the background writer is for one process)")
     say(
         f"model: {model_dir.name}, {sum(p.numel() for p in params):,} trainable adapter parameters, {device.type}, "
         f"{str(dtype).removeprefix('torch.')}"
@@ -331,19 +337,27 @@ def _finetune(cfg: Config, on_step: Callable[[dict], None] | None, ranks: Ranks)
                 )
                 ckpt = manager.step_path(global_step)
                 training = train_state(model, optimizer, scheduler, scaler, position, ranks)
-                save = partial(manager.save, model, global_step, state, options, training, ranks)
-                saved_result, before, save_peak = memory.around_save(save)
-                del training, save
-                removed = manager.prune() if ranks.is_coordinator else []
-                record.update(checkpoint=ckpt.name, checkpoint_save_s=saved_result.seconds, checkpoint_bytes=saved_result.total_bytes)
-                record.update(checkpoint_peak_rss_mb=save_peak)
                 kind = "adapter" if adapter_only else "adapter + merged"
-                say(
-                    f"saved {ckpt.name} ({kind}, {saved_result.total_bytes:,} bytes, {saved_result.seconds:.2f} s, "
-                    f"peak RSS during save {save_peak:.0f} MB)" + (f"; removed {', '.join(removed)}" if removed else "")
-                )
-                result.checkpoint, result.last_save = ckpt, saved_result
-                result.rss_before_last_save_mb, result.peak_rss_last_save_mb = before, save_peak
+                if saver is not None and saver.available(global_step):  # blocks for the snapshot (and a save still in flight)
+                    stall = saver.submit(global_step, state, options, training)
+                    record.update(checkpoint=ckpt.name, checkpoint_stall_s=stall)
+                    say(f"saving {ckpt.name} ({kind}) in the background; training blocked {stall:.2f} s")
+                    result.checkpoint = ckpt
+                else:
+                    save = partial(manager.save, model, global_step, state, options, training, ranks)
+                    saved_result, before, save_peak = memory.around_save(save)
+                    removed = manager.prune() if ranks.is_coordinator else []
+                    record.update(checkpoint=ckpt.name, checkpoint_save_s=saved_result.seconds, checkpoint_bytes=saved_result.total_bytes)
+                    record.update(checkpoint_peak_rss_mb=save_peak, checkpoint_stall_s=saved_result.seconds)
+                    say(
+                        f"saved {ckpt.name} ({kind}, {saved_result.total_bytes:,} bytes, {saved_result.seconds:.2f} s, "
+                        f"peak RSS during save {save_peak:.0f} MB)" + (f"; removed {', '.join(removed)}" if removed else "")
+                    )
+                    result.checkpoint, result.last_save = ckpt, saved_result
+                    result.rss_before_last_save_mb, result.peak_rss_last_save_mb = before, save_peak
+                del training
+            if saver is not None:  # a finished background save's figures; its failure stops the run here
+                saver.annotate(record, last=global_step >= stop_at)
             record.update(memory.snapshot())
             if metrics is not None:
                 metrics.write(record)
@@ -351,12 +365,15 @@ def _finetune(cfg: Config, on_step: Callable[[dict], None] | None, ranks: Ranks)
             result.losses.append(step_loss)
             bar.update(1)
             shown_eval = {"eval": f"{last_eval['eval_loss']:.4f}"} if last_eval else {}
-            bar.set_postfix(loss=f"{step_loss:.4f}", **shown_eval, lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
+            saving = {"ckpt": "saving"} if saver is not None and saver.in_flight else {}
+            bar.set_postfix(loss=f"{step_loss:.4f}", **shown_eval, lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}", **saving)
             if on_step is not None:
                 on_step(record)
             if global_step >= stop_at:
                 break
         epoch, step_in_epoch = position
+    if saver is not None:
+        saver.close()  # the end of the run waits for the last save
     bar.close()
     trackers.close()
     docs.close()

@@ -2,6 +2,7 @@
 # One short GPU check for the device machine (torch with CUDA preinstalled, no network):
 #   1. the CUDA tests (save and merge on the GPU equal the CPU results; VRAM overhead of the save),
 #   2. the save and merge benches on the GPU for the llama3.2-1b shape, the NF4 dequantization bench,
+#      training with background checkpoints against synchronous ones (train-save, 1B shape),
 #   3. a tiny fine-tune on the GPU through the recipe (train, periodic save, resume), then its merged
 #      output reloaded and compared,
 #   4. torchrun with 1 process on NCCL: the tiny config through the recipe (FSDP2 over a 1-rank CUDA
@@ -36,6 +37,9 @@ step "CUDA tests" 150 $PY -m pytest -q -s tests/test_gpu.py -p no:cacheprovider
 step "save bench llama3.2-1b cuda" 120 $PY -m slimtune.bench save --preset llama3.2-1b --out /tmp/slimtune-gpu-bench --device cuda
 step "merge bench llama3.2-1b cuda" 150 $PY -m slimtune.bench merge --preset llama3.2-1b --out /tmp/slimtune-gpu-merge --device cuda
 step "nf4 bench cuda" 60 $PY -m slimtune.bench nf4 --device cuda
+# background checkpoints: the 1B shape, all 16 layers, trained on the GPU with no / synchronous / background
+# merged saves (and the writer as a thread); two merged saves per mode (~2.5 GB each), deleted afterwards
+step "train-save bench llama3.2-1b cuda" 420 $PY -m slimtune.bench train-save --preset llama3.2-1b --layers 16 --steps 12 --save-every 6 --device cuda --out /tmp/slimtune-gpu-train-save
 step "tiny fine-tune cuda" 120 $PY -m slimtune finetune --config tiny output_dir=/tmp/slimtune-gpu-tiny device=cuda
 if [ -f /tmp/slimtune-gpu-tiny/metrics.jsonl ]; then tail -n 2 /tmp/slimtune-gpu-tiny/metrics.jsonl; fi
 # torchrun, 1 process: the tiny config through the recipe under torchrun's environment, then the

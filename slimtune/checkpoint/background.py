@@ -101,6 +101,7 @@ class BackgroundSaver:
         self.outside_rates: list[float] = []  # tokens/s of the steps that ran during no save
         self.busy: _InFlight | None = None  # the save in flight when the current step began
         self.said = False
+        self.snapshot_bytes: int | None = None
         ours, theirs = socket.socketpair()
         self.conn = Connection(ours.detach())
         self.proc: subprocess.Popen | None = None
@@ -145,6 +146,7 @@ class BackgroundSaver:
         buffer = io.BytesIO()
         torch.save(request, buffer)
         del request
+        self.snapshot_bytes = buffer.getbuffer().nbytes
         try:
             self.conn.send_bytes(buffer.getbuffer())
         except OSError:
@@ -157,10 +159,12 @@ class BackgroundSaver:
     def annotate(self, record: dict, last: bool = False) -> None:
         """Fill a step's metrics record: ``checkpoint_in_flight`` (a save ran during the step), and for a
         save that finished, ``checkpoint_saved``, ``checkpoint_save_s`` (its background duration),
-        ``checkpoint_bytes``, ``checkpoint_peak_rss_mb`` (the writer's), ``tokens_per_s_during_save`` and
+        ``checkpoint_bytes``, ``checkpoint_peak_rss_mb`` (the writer's), ``checkpoint_snapshot_bytes`` (on
+        the save point's step), ``tokens_per_s_during_save`` and
         ``tokens_per_s_outside_save`` (mean throughput of the steps that ran during it, and of the steps
         so far that ran during no save). ``last``: the run ends here; wait for the save in flight
-        (``checkpoint_final_wait_s``). Raises the writer's failure as one line."""
+        (``checkpoint_final_wait_s``); where two saves finish in one step, the earlier one's figures go
+        to ``checkpoint_also_saved``. Raises the writer's failure as one line."""
         busy = self.busy  # the save in flight when this step began
         if record.get("tokens_per_s") is not None:
             (busy.step_rates if busy is not None else self.outside_rates).append(record["tokens_per_s"])
@@ -171,12 +175,16 @@ class BackgroundSaver:
             self._wait()
             record["checkpoint_final_wait_s"] = time.perf_counter() - started
         record["checkpoint_in_flight"] = busy is not None
+        if self.snapshot_bytes is not None:  # this step's save point: the serialized snapshot's size
+            record["checkpoint_snapshot_bytes"], self.snapshot_bytes = self.snapshot_bytes, None
         for flight, figures in self.finished:
-            record.update(figures)
             if flight.step_rates:
-                record["tokens_per_s_during_save"] = sum(flight.step_rates) / len(flight.step_rates)
+                figures["tokens_per_s_during_save"] = sum(flight.step_rates) / len(flight.step_rates)
             if self.outside_rates:
-                record["tokens_per_s_outside_save"] = sum(self.outside_rates) / len(self.outside_rates)
+                figures["tokens_per_s_outside_save"] = sum(self.outside_rates) / len(self.outside_rates)
+            if "checkpoint_saved" in record:  # two finished in one step (the last one waited for the one before)
+                record.setdefault("checkpoint_also_saved", []).append({k: record[k] for k in figures if k in record})
+            record.update(figures)
         self.finished = []
         self.busy = self.in_flight
 
@@ -195,7 +203,7 @@ class BackgroundSaver:
     def _finish(self, message: tuple) -> None:
         flight, self.in_flight = self.in_flight, None
         if message[0] != "done":
-            self.manager.remove_leftovers()
+            self._reclaim()
             raise SlimtuneError(message[1])
         _, seconds, nbytes, writer_peak = message
         removed = self.manager.prune()
@@ -229,8 +237,12 @@ class BackgroundSaver:
         else:
             how = "its thread ended"
         self.in_flight = None
-        self.manager.remove_leftovers()  # its temporary directory: the lock died with it
+        self._reclaim()  # its temporary directory: the lock died with it
         raise SlimtuneError(f"the checkpoint writer died ({how}) while {what}; {self.manager.out} holds the checkpoints before it")
+
+    def _reclaim(self) -> None:
+        if self.manager.out.is_dir():
+            self.manager.remove_leftovers()
 
     def _stop_writer(self) -> None:
         if self.conn.closed:

@@ -572,16 +572,18 @@ def _train_save_run(base: Path, data: Path, out: Path, mode: str, steps: int, sa
 
 
 def _run_figures(rows: list[dict], mode: str) -> dict:
-    """The training loop's time (steps plus time blocked by saves and the final wait), stalls, save
-    durations, throughput of steps during and outside a background save, peak RSS."""
+    """The training loop's time (steps plus ``blocked_s``: time blocked by saves, the final wait for the
+    last background save included), stalls, save durations, throughput of steps during and outside a
+    background save, peak RSS."""
     counted = [r for r in rows if mode != "nosave" or "checkpoint" not in r]
     stalls = [r["checkpoint_stall_s"] for r in counted if "checkpoint_stall_s" in r]
-    run_s = sum(r["step_s"] for r in rows) + sum(stalls) + sum(r.get("checkpoint_final_wait_s", 0.0) for r in rows)
+    blocked_s = sum(stalls) + sum(r.get("checkpoint_final_wait_s", 0.0) for r in rows)
+    run_s = sum(r["step_s"] for r in rows) + blocked_s
     saves = [r["checkpoint_save_s"] for r in rows if "checkpoint_save_s" in r]
     saves += [a["checkpoint_save_s"] for r in rows for a in r.get("checkpoint_also_saved", [])]
     during = [r["tokens_per_s"] for r in rows if r.get("checkpoint_in_flight")]
     outside = [r["tokens_per_s"] for r in rows if not r.get("checkpoint_in_flight")]
-    figures = {"run_s": round(run_s, 2), "peak_rss_mb": round(rows[-1]["peak_rss_mb"], 1)}
+    figures = {"run_s": round(run_s, 2), "blocked_s": round(blocked_s, 2), "peak_rss_mb": round(rows[-1]["peak_rss_mb"], 1)}
     if mode != "nosave":
         figures.update(stall_s=[round(s, 3) for s in stalls], save_s=[round(s, 2) for s in saves])
     if mode in ("async", "thread"):
@@ -653,6 +655,7 @@ def bench_train_save(preset: str, out: Path, steps: int, save_every: int, layers
         "run_s_async": asyn["run_s"],
         "tokens_per_s_during_save": asyn["tokens_per_s_during_save"],
         "tokens_per_s_outside_save": asyn["tokens_per_s_outside_save"],
+        "blocked_s": {mode: figures[mode]["blocked_s"] for mode in TRAIN_SAVE_MODES if mode != "nosave"},
         "peak_rss_mb": {mode: figures[mode]["peak_rss_mb"] for mode in TRAIN_SAVE_MODES},
         "writer_peak_rss_mb": asyn["writer_peak_rss_mb"],
         "snapshot_mb": asyn["snapshot_mb"],

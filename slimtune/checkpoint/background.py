@@ -102,6 +102,7 @@ class BackgroundSaver:
         self.busy: _InFlight | None = None  # the save in flight when the current step began
         self.said = False
         self.snapshot_bytes: int | None = None
+        self.ready_wait_s = 0.0
         ours, theirs = socket.socketpair()
         self.conn = Connection(ours.detach())
         self.proc: subprocess.Popen | None = None
@@ -122,7 +123,9 @@ class BackgroundSaver:
         if self.unusable is None and base_fingerprint(self.spec.model_dir) != self.fingerprint:
             self.unusable = f"the base files in {self.spec.model_dir} changed since the run started"
         if self.unusable is None and not self.ready:
+            started = time.perf_counter()
             message = self._receive(f"starting the checkpoint writer for step-{step:06d}")
+            self.ready_wait_s = time.perf_counter() - started  # stall too: submit adds it
             if message[0] == "ready":
                 self.ready = True
             else:
@@ -136,8 +139,10 @@ class BackgroundSaver:
     def submit(self, step: int, state: dict, options: SaveOptions, train_state: dict) -> float:
         """Wait for the save in flight (if any), snapshot ``train_state`` (its tensors copied to host
         memory: pinned buffers from a GPU), the recipe state and the small files of ``options``, and hand
-        them to the writer. Returns the seconds the caller was blocked."""
-        started = time.perf_counter()
+        them to the writer. Returns the seconds the caller was blocked (with any wait for the writer to
+        be ready in ``available``)."""
+        started = time.perf_counter() - self.ready_wait_s
+        self.ready_wait_s = 0.0
         if self.in_flight is not None:
             self._wait()
         extra = {name: Path(path).read_bytes() for name, path in (options.extra_files or {}).items()}

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from slimtune.checkpoint.background import BackgroundSaver, WriterSpec, base_fingerprint
-from slimtune.checkpoint.manager import CheckpointManager, SaveOptions
+from slimtune.checkpoint.manager import CheckpointManager
+from slimtune.checkpoint.save import SaveOptions
+from slimtune.checkpoint.writer import WriteOptions
 from slimtune.errors import SlimtuneError
 from slimtune.lora import LoRAConfig
 from slimtune.model import load_qlora_model
@@ -32,7 +34,7 @@ def test_background_checkpoint_equals_the_synchronous_save(tiny_base, snapshot, 
     model, state, train_state = snapshot
     card = tmp_path / "card.md"
     card.write_text("# card\n")
-    options = SaveOptions(max_shard_size="300KB", extra_files={"README.md": card, "adapter/README.md": card})
+    options = SaveOptions(WriteOptions("300KB"), extra_files={"README.md": card, "adapter/README.md": card})
     CheckpointManager(tmp_path / "sync").save(model, 1, state, options, train_state)
 
     logged = []
@@ -74,5 +76,5 @@ def test_a_dead_writer_is_one_line(tiny_base, snapshot, tmp_path):
     assert saver.available(1)
     saver.proc.kill()
     with pytest.raises(SlimtuneError, match=r"^the checkpoint writer died \(killed by SIGKILL\) while writing step-000001; "):
-        saver.submit(1, state, SaveOptions(adapter_only=True), train_state)
+        saver.submit(1, state, SaveOptions(WriteOptions(adapter_only=True)), train_state)
         saver.close()

@@ -49,7 +49,8 @@ from pathlib import Path
 
 import torch
 
-from slimtune.checkpoint.manager import CheckpointManager, SaveOptions
+from slimtune.checkpoint.manager import CheckpointManager
+from slimtune.checkpoint.save import SaveOptions
 from slimtune.distributed import raise_on_sigterm
 from slimtune.errors import SlimtuneError
 from slimtune.lora import LoRAConfig

@@ -9,7 +9,8 @@
 #       linears, activation checkpointing, 2 warm-up + 10 timed steps: slimtune eager and compiled (the
 #       recipe's step function), PEFT + bitsandbytes QLoRA (NF4, double quant, bf16 compute) and PEFT
 #       bf16 LoRA, each in a plain loop: tokens/s and peak VRAM;
-#   (c) the save and merge benches at the 8B shape from / on the GPU, with the save's per-stage times.
+#   (c) the save and merge benches at the 8B shape from / on the GPU, with the save's per-stage times;
+#   (d) training with background checkpoints against synchronous ones (train-save, 1B shape, 4 layers).
 # Usage: bench/gpu_check.sh [--cpu-smoke] [--recipe-checks]
 #   --cpu-smoke      the dry run on the CPU with tiny shapes (tests/test_gpu_check.py runs it in make test);
 #                    peers whose library cannot run on a CPU (bitsandbytes) print {"skipped": why}
@@ -81,6 +82,9 @@ step "training speed vs peers (1B, 8B)" 330 $PY bench/gpu_check.py train --out "
 step "save bench llama3-8b from cuda" 240 $PY -m slimtune.bench save --preset llama3-8b --out "$OUT" --device cuda
 step "merge bench llama3-8b on cuda" 200 $PY -m slimtune.bench merge --preset llama3-8b --out "$OUT" --device cuda
 step "nf4 dequantization bench cuda" 60 $PY -m slimtune.bench nf4 --device cuda
+# background checkpoints (issue 19): the 1B shape, 4 decoder layers, trained on the GPU with no / synchronous /
+# background merged saves (and the writer as a thread); two merged saves per mode, deleted afterwards
+step "train-save bench llama3.2-1b cuda" 180 $PY -m slimtune.bench train-save --preset llama3.2-1b --layers 4 --steps 12 --save-every 6 --device cuda --out "$OUT/train-save"
 if [ $RECIPE -eq 1 ]; then
   bash bench/gpu_recipe_checks.sh || FAILED=1
 fi

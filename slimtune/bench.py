@@ -17,6 +17,7 @@ import os
 import queue
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import LlamaConfig, MixtralConfig
 
@@ -33,6 +35,7 @@ from slimtune.checkpoint.save import save_checkpoint
 from slimtune.checkpoint.stages import timing_stages
 from slimtune.checkpoint.stream import StreamTensor, adapter_tensor_stream
 from slimtune.checkpoint.writer import WriteOptions, write_json, write_safetensors, write_sharded
+from slimtune.data import write_jsonl
 from slimtune.distributed import current_ranks, shard_model
 from slimtune.formats.hf import export_config_dict
 from slimtune.formats.manifest import read_manifest
@@ -581,6 +584,114 @@ def _train_step(args: argparse.Namespace) -> None:
     print_row(bench_train_step(model_dir, args.out, shape, rounds=args.rounds, compile=args.compile, threads=args.threads))
 
 
+TRAIN_SAVE_MODES = ("nosave", "sync", "async", "thread")  # thread: the same writer in the trainer's process (GIL)
+
+
+def _train_save_run(base: Path, data: Path, out: Path, mode: str, steps: int, save_every: int, device: str) -> list[dict]:
+    """One recipe run in its own process (its own peak RSS); its metrics records. ``nosave`` saves only
+    where the run stops (adapter only, not counted)."""
+    saves = [f"checkpoint.save_every_n_steps={save_every}", f"checkpoint.async={mode in ('async', 'thread')}"]
+    if mode == "nosave":
+        saves = ["checkpoint.save_every_n_steps=null", "checkpoint.merged=never", "checkpoint.async=false"]
+    args = ["finetune", "--config", "tiny", f"output_dir={out}", f"model.path={base}", "model.create_tiny=false"]
+    args += [f"dataset.path={data}", "dataset.create_builtin=false", "dataset.max_seq_len=64", "training.batch_size=1"]
+    args += [f"training.max_steps={steps}", "training.total_epochs=1", "checkpoint.keep_last_n=null", "checkpoint.max_shard_size=2GB"]
+    args += [f"device={device}", "logging.progress_bar=false", *saves]
+    env = {**os.environ, "SLIMTUNE_ASYNC_WRITER": "thread" if mode == "thread" else "process"}
+    proc = subprocess.run([sys.executable, "-m", "slimtune", *args], capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"train-save {mode}: {proc.stderr.strip()[-2000:]}")
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _run_figures(rows: list[dict], mode: str) -> dict:
+    """The training loop's time (steps plus ``blocked_s``: time blocked by saves, the final wait for the
+    last background save included), stalls, save durations, throughput of steps during and outside a
+    background save, peak RSS."""
+    counted = [r for r in rows if mode != "nosave" or "checkpoint" not in r]
+    stalls = [r["checkpoint_stall_s"] for r in counted if "checkpoint_stall_s" in r]
+    blocked_s = sum(stalls) + sum(r.get("checkpoint_final_wait_s", 0.0) for r in rows)
+    run_s = sum(r["step_s"] for r in rows) + blocked_s
+    saves = [r["checkpoint_save_s"] for r in rows if "checkpoint_save_s" in r]
+    saves += [a["checkpoint_save_s"] for r in rows for a in r.get("checkpoint_also_saved", [])]
+    during = [r["tokens_per_s"] for r in rows if r.get("checkpoint_in_flight")]
+    outside = [r["tokens_per_s"] for r in rows if not r.get("checkpoint_in_flight")]
+    figures = {"run_s": round(run_s, 2), "blocked_s": round(blocked_s, 2), "peak_rss_mb": round(rows[-1]["peak_rss_mb"], 1)}
+    if mode != "nosave":
+        figures.update(stall_s=[round(s, 3) for s in stalls], save_s=[round(s, 2) for s in saves])
+    if mode in ("async", "thread"):
+        figures["writer_peak_rss_mb"] = round(max(r["checkpoint_peak_rss_mb"] for r in rows if "checkpoint_peak_rss_mb" in r), 1)
+        figures["snapshot_mb"] = round(max(r.get("checkpoint_snapshot_bytes", 0) for r in rows) / 2**20, 1)
+        figures["tokens_per_s_during_save"] = round(statistics.mean(during), 1) if during else None
+        figures["tokens_per_s_outside_save"] = round(statistics.mean(outside), 1) if outside else None
+    return figures
+
+
+def _same_checkpoints(a: Path, b: Path) -> bool:
+    """Every step-N of two runs: the same files with the same sha256 (manifests), but the recipe state and
+    DCP's .metadata, which every save stamps afresh (step timings; a uuid and a temporary path): those
+    compared by content."""
+    fresh = {"recipe_state.pt", "train_state/.metadata"}
+    steps = sorted(p.name for p in a.glob("step-*"))
+    if not steps or steps != sorted(p.name for p in b.glob("step-*")):
+        return False
+    for step in steps:
+        fa, fb = ({f["path"]: f["sha256"] for f in read_manifest(d / step)["files"]} for d in (a, b))
+        if fa.keys() != fb.keys() or any(fa[k] != fb[k] for k in fa if k not in fresh):
+            return False
+        meta = [FileSystemReader(str(d / step / "train_state")).read_metadata() for d in (a, b)]
+        if (meta[0].state_dict_metadata, meta[0].storage_data) != (meta[1].state_dict_metadata, meta[1].storage_data):
+            return False
+        states = [torch.load(d / step / "recipe_state.pt", weights_only=True) for d in (a, b)]
+        for state in states:
+            state["metrics"] = {k: v for k, v in state["metrics"].items() if k not in ("tokens_per_s", "step_s", "checkpoint_stall_s")}
+            state["config"] = {k: v for k, v in state["config"].items() if k not in ("output_dir", "checkpoint.async")}
+        if states[0] != states[1]:
+            return False
+    return True
+
+
+def bench_train_save(preset: str, out: Path, steps: int, save_every: int, layers: int = 2, device: str = "cpu") -> dict:
+    """Train a synthetic model of the preset's shape (``layers`` decoder layers) through the recipe four
+    times: no saves, synchronous merged saves, background merged saves (writer process) and the same
+    writer as a thread of the trainer (the mechanism comparison); one JSON-able dict of figures."""
+    config = preset_config(preset, num_hidden_layers=layers)
+    base, data = out / f"base-{preset}-{layers}l", out / "train.jsonl"
+    if not (base / "config.json").is_file():
+        write_synthetic_base(config, base, max_shard_size="2GB")
+        byte_tokenizer().save_pretrained(str(base))
+    write_jsonl(data, [{"text": f"record {i}: checkpoints stream while training goes on."} for i in range(steps + 1)])
+    figures, runs = {}, {}
+    for mode in TRAIN_SAVE_MODES:
+        runs[mode] = out / f"run-{mode}"
+        shutil.rmtree(runs[mode], ignore_errors=True)
+        figures[mode] = _run_figures(_train_save_run(base, data, runs[mode], mode, steps, save_every, device), mode)
+    sync, asyn, thread = figures["sync"], figures["async"], figures["thread"]
+    result = {
+        "preset": f"{preset}[{layers} layers]",
+        "device": device,
+        "steps": steps,
+        "save_every": save_every,
+        "stall_s_median": statistics.median(asyn["stall_s"]),
+        "stall_s_max": max(asyn["stall_s"]),
+        "sync_save_s_median": statistics.median(sync["save_s"]),
+        "async_save_s_median": statistics.median(asyn["save_s"]),
+        "run_s_nosave": figures["nosave"]["run_s"],
+        "run_s_sync": sync["run_s"],
+        "run_s_async": asyn["run_s"],
+        "tokens_per_s_during_save": asyn["tokens_per_s_during_save"],
+        "tokens_per_s_outside_save": asyn["tokens_per_s_outside_save"],
+        "blocked_s": {mode: figures[mode]["blocked_s"] for mode in TRAIN_SAVE_MODES if mode != "nosave"},
+        "peak_rss_mb": {mode: figures[mode]["peak_rss_mb"] for mode in TRAIN_SAVE_MODES},
+        "writer_peak_rss_mb": asyn["writer_peak_rss_mb"],
+        "snapshot_mb": asyn["snapshot_mb"],
+        "identical": _same_checkpoints(runs["sync"], runs["async"]) and _same_checkpoints(runs["sync"], runs["thread"]),
+        "thread": {k: thread[k] for k in ("run_s", "tokens_per_s_during_save", "tokens_per_s_outside_save")}
+        | {"stall_s_median": statistics.median(thread["stall_s"]), "save_s_median": statistics.median(thread["save_s"])},
+    }
+    return result
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m slimtune.bench")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -619,9 +730,23 @@ def main(argv: list[str] | None = None) -> None:
     step.add_argument("--rounds", type=int, default=2, help="slimtune/peer alternations")
     step.add_argument("--compile", action="store_true", help="slimtune with training.compile=true")
     step.add_argument("--threads", type=int, default=None, help="torch CPU threads for both sides (default: as the recipe picks)")
+    ts = sub.add_parser("train-save", help="training with no / synchronous / background merged saves (and a writer thread)")
+    ts.add_argument("--preset", choices=sorted(PRESETS), default="llama3.2-1b")
+    ts.add_argument("--out", type=Path, default=Path("bench-out/train-save"))
+    ts.add_argument("--steps", type=int, default=12)
+    ts.add_argument("--save-every", type=int, default=4)
+    ts.add_argument("--layers", type=int, default=2, help="decoder layers of the synthetic model")
+    ts.add_argument("--device", default="cpu")
+    ts.add_argument("--keep", action="store_true", help="keep the run directories")
     args = parser.parse_args(argv)
     if args.command == "train-step":
         _train_step(args)
+    if args.command == "train-save":
+        result = bench_train_save(args.preset, args.out, args.steps, args.save_every, args.layers, args.device)
+        if not args.keep:
+            for mode in TRAIN_SAVE_MODES:
+                shutil.rmtree(args.out / f"run-{mode}", ignore_errors=True)
+        print(json.dumps(result))
     if args.command == "dist-save":
         print(json.dumps(bench_dist_save(args.preset, args.out, args.nproc, args.layers, args.peer)))
     if args.command == "load-moe":

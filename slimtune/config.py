@@ -261,6 +261,13 @@ SCHEMA: tuple[Key, ...] = (
         minimum=1,
     ),
     Key("checkpoint.max_shard_size", "str", DEFAULT_SHARD_SIZE, "Largest merged safetensors shard, e.g. 2GB or 500MiB."),
+    Key(
+        "checkpoint.async",
+        "bool",
+        True,
+        "Save in the background: training blocks only to snapshot the adapters and training state, a writer process writes the "
+        "checkpoint (one process; under torchrun saves are synchronous).",
+    ),
     Key("logging.progress_bar", "bool", True, "Show a tqdm bar (loss, eval loss, lr, tokens/s) on stderr."),
     Key("logging.tensorboard", "bool", False, "Also write TensorBoard event files under output_dir/tensorboard (extra: tensorboard)."),
     Key("logging.wandb.project", "str", None, "Also log to this Weights & Biases project (extra: wandb).", nullable=True),

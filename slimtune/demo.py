@@ -41,6 +41,7 @@ def run_demo(
     out_dir = Path(out_dir).resolve()
     t0 = time.perf_counter()
     values = {"output_dir": str(out_dir), "training.max_steps": steps, "training.total_epochs": 10**6, "seed": seed, "overwrite": True}
+    values["checkpoint.async"] = False  # the demo reports the peak RSS of the save itself, made in this process
     if base_dir is not None:
         values.update({"model.path": str(Path(base_dir).resolve()), "model.create_tiny": False})
     if targets is not None:

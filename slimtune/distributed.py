@@ -20,6 +20,8 @@ import re
 import signal
 import sys
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -135,12 +137,46 @@ def init_distributed(device: str = "cpu", timeout_s: float = 1800.0) -> Ranks:
                 )
             torch.cuda.set_device(local)
         dist.init_process_group(backend="nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
-        signal.signal(signal.SIGTERM, _on_sigterm)
+        raise_on_sigterm(f"rank {os.environ.get('RANK', '?')}: stopped by SIGTERM (torchrun stops every rank when one fails)")
     return current_ranks()
 
 
+_SIGTERM: dict[str, Any] = {"message": None, "deferred": 0, "pending": False}
+
+
+def raise_on_sigterm(message: str) -> None:
+    """From now on SIGTERM raises ``SlimtuneError(message)`` in the main thread, so ``finally`` blocks
+    and ``atomic_directory`` clean up; inside ``sigterm_deferred`` blocks it waits until the block ends.
+
+    Example: ``raise_on_sigterm("rank 1: stopped by SIGTERM")``"""
+    _SIGTERM["message"] = message
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+
 def _on_sigterm(signum, frame) -> None:
-    raise SlimtuneError(f"rank {os.environ.get('RANK', '?')}: stopped by SIGTERM (torchrun stops every rank when one fails)")
+    if _SIGTERM["deferred"]:
+        _SIGTERM["pending"] = True
+        return
+    raise SlimtuneError(_SIGTERM["message"])
+
+
+@contextmanager
+def sigterm_deferred() -> Iterator[None]:
+    """A clean-up that must run to its end (removing a temporary directory): a SIGTERM that arrives
+    inside waits, and is raised at the end unless an exception is already on its way (torchrun sends
+    SIGTERM to the surviving ranks while they clean up after a lost peer; raised mid-``rmtree`` it left
+    the temporary directory behind).
+
+    Example: ``with sigterm_deferred(): shutil.rmtree(tmp, ignore_errors=True)``"""
+    _SIGTERM["deferred"] += 1
+    try:
+        yield
+    finally:
+        _SIGTERM["deferred"] -= 1
+    if not _SIGTERM["deferred"] and _SIGTERM["pending"]:
+        _SIGTERM["pending"] = False
+        if sys.exc_info()[0] is None:
+            raise SlimtuneError(_SIGTERM["message"])
 
 
 def shutdown(wait: bool = False) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -51,3 +52,30 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 300) -> subproce
 def run_python(code: str, timeout: int = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def digest(path: Path) -> dict[str, str]:
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def dcp_metadata(ckpt: Path):
+    """DCP's .metadata without the fields every save makes afresh (a uuid and its temporary path): two
+    synchronous saves of one state differ there too."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from slimtune.checkpoint.manager import TRAIN_STATE_DIR
+
+    meta = FileSystemReader(str(ckpt / TRAIN_STATE_DIR)).read_metadata()
+    return meta.state_dict_metadata, meta.storage_data
+
+
+def assert_same_checkpoint(a: Path, b: Path, also: frozenset[str] = frozenset()) -> None:
+    """Every file of two checkpoints byte for byte, but DCP's .metadata (compared without its fresh
+    fields), the manifest that lists its hash, and the files in ``also`` (compared by the caller)."""
+    from slimtune.checkpoint.manager import TRAIN_STATE_DIR
+
+    da, db = digest(a), digest(b)
+    assert da.keys() == db.keys()
+    fresh = {f"{TRAIN_STATE_DIR}/.metadata", "slimtune_manifest.json", *also}
+    assert {k for k in da if da[k] != db[k]} <= fresh, {k for k in da if da[k] != db[k]}
+    assert dcp_metadata(a) == dcp_metadata(b)

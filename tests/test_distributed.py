@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,11 +17,12 @@ import pytest
 import torch
 
 from slimtune import save_checkpoint
-from slimtune.checkpoint.atomic import MANIFEST_NAME, sha256_file
+from slimtune.checkpoint.atomic import MANIFEST_NAME, atomic_directory, sha256_file
 from slimtune.checkpoint.plan import plan_save
 from slimtune.checkpoint.stream import StreamTensor, merged_tensor_stream
 from slimtune.checkpoint.writer import WriteOptions
-from slimtune.distributed import split_rows
+from slimtune.distributed import raise_on_sigterm, split_rows
+from slimtune.errors import SlimtuneError
 from tests.conftest import ROOT, run_cli, run_python
 
 
@@ -252,3 +254,25 @@ def test_fsdp2_export_of_a_gigabyte_model_keeps_every_rank_within_256_mb(tmp_pat
         assert row["bytes_written"] >= 0.4 * result["merged_bytes"], result  # rows split: both ranks write
     written = sum(row["bytes_written"] for row in result["ranks"])
     assert abs(written - result["output_bytes"]) <= 0.01 * result["output_bytes"], result
+
+
+def test_a_sigterm_during_the_cleanup_of_a_temporary_directory_waits_for_it(tmp_path, monkeypatch):
+    """torchrun sends SIGTERM to the surviving ranks while they clean up after a lost peer (under load it
+    came mid-rmtree, and the temporary directory of the interrupted export stayed): the clean-up runs to
+    its end, and the error on its way is the one raised."""
+    rmtree = shutil.rmtree
+
+    def rmtree_hit_by_sigterm(path, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler runs at the next bytecode, here
+        return rmtree(path, *args, **kwargs)
+
+    previous = signal.getsignal(signal.SIGTERM)
+    raise_on_sigterm("rank 0: stopped by SIGTERM")
+    monkeypatch.setattr(shutil, "rmtree", rmtree_hit_by_sigterm)
+    try:
+        with pytest.raises(SlimtuneError, match="lost contact"), atomic_directory(tmp_path / "step-000004") as tmp:
+            (tmp / "model-00001-of-00002.safetensors").write_bytes(b"rows")
+            raise SlimtuneError("rank 0: lost contact with the other ranks during writing (did one die?)")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert list(tmp_path.iterdir()) == []  # neither the temporary directory nor its lock

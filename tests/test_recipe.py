@@ -18,9 +18,10 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from slimtune.checkpoint.atomic import is_complete_checkpoint
+from slimtune.checkpoint.manager import checkpoint_problem
 from slimtune.cli import main
 from slimtune.tiny import DEMO_TEXTS, byte_tokenizer
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, assert_same_checkpoint, run_cli
 
 TRAIN_LINES = [
     {"text": "alpha beta gamma delta"},
@@ -161,7 +162,7 @@ sys.exit(main(sys.argv[4:]))
 def test_sigkill_during_save_keeps_previous_checkpoint(point, straight_run, settings, tmp_path, capsys):
     pattern, nth = KILL_POINTS[point]
     out, marker = tmp_path / "run", tmp_path / "inside-save"
-    args = ["finetune", "--config", "tiny", f"output_dir={out}", *settings, "checkpoint.keep_last_n=1"]
+    args = ["finetune", "--config", "tiny", f"output_dir={out}", *settings, "checkpoint.keep_last_n=1", "checkpoint.async=false"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     child = subprocess.Popen(
         [sys.executable, "-c", CHILD, pattern, str(nth), str(marker), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
@@ -276,7 +277,10 @@ def test_tiny_config_trains_and_its_merged_model_reloads(tmp_path):
     assert {"step", "epoch", "loss", "lr", "tokens_per_s", "peak_rss_mb"} <= rows[0].keys()
     saves = [m for m in rows if "checkpoint" in m]
     assert [m["step"] for m in saves] == [5, 10, 15]  # epoch ends: 18 built-in examples, batch 4
-    assert all(m["checkpoint_save_s"] > 0 and m["checkpoint_peak_rss_mb"] > 0 for m in saves)
+    assert all(m["checkpoint_stall_s"] >= 0 for m in saves)
+    finished = [m for m in rows if "checkpoint_saved" in m]  # background saves: figures where each finished
+    assert [m["checkpoint_saved"] for m in finished] == ["step-000005", "step-000010", "step-000015"]
+    assert all(m["checkpoint_save_s"] > 0 and m["checkpoint_peak_rss_mb"] > 0 for m in finished)
     losses = [m["loss"] for m in rows]
     assert sum(losses[-5:]) / 5 < losses[0] - 0.3, losses
     assert sorted(p.name for p in out.glob("step-*")) == ["step-000010", "step-000015"]  # keep_last_n: 2
@@ -355,3 +359,136 @@ def test_chunked_loss_equals_the_plain_one(monkeypatch):
     (chunked_grad,) = torch.autograd.grad(chunked / n, logits)
     assert torch.allclose(chunked, plain, rtol=1e-6)
     assert torch.equal(chunked_grad, plain_grad)
+
+
+# --- checkpoint.async: the background writer (slimtune/checkpoint/background.py) ---
+
+WRITER_FAULT = ROOT / "tests" / "writer_fault"
+STEP2_ADAPTER = r"/\.step-000002\.tmp-[0-9a-f]+/adapter/adapter_model\.safetensors$"
+
+
+def without_run_facts(state: dict) -> dict:
+    """A recipe state without what differs between two runs of one training: the step timings in the
+    metrics record, output_dir and checkpoint.async."""
+    metrics_record = {k: v for k, v in state["metrics"].items() if k not in ("tokens_per_s", "step_s", "checkpoint_stall_s")}
+    config = {k: v for k, v in state["config"].items() if k not in ("output_dir", "checkpoint.async")}
+    return {**state, "metrics": metrics_record, "config": config}
+
+
+def test_async_checkpoints_equal_the_synchronous_ones(straight_run, settings, tmp_path):
+    """straight_run saved in the background (the default); the same run saved synchronously writes the
+    same files: weights, adapters, optimizer and RNG state, documents (the recipe state differs only in
+    step timings and the config's own output_dir and checkpoint.async)."""
+    sync = tmp_path / "sync"
+    finetune(sync, settings, "checkpoint.async=false")
+    rows = metrics(straight_run)
+    saved = [a["checkpoint_saved"] for m in rows for a in [*m.get("checkpoint_also_saved", []), m] if "checkpoint_saved" in a]
+    assert saved == [f"step-{s:06d}" for s in range(1, 7)]
+    assert [m["loss"] for m in metrics(sync)] == [m["loss"] for m in rows]
+    for step in range(1, 7):
+        a, b = straight_run / f"step-{step:06d}", sync / f"step-{step:06d}"
+        assert_same_checkpoint(a, b, also=frozenset({"recipe_state.pt"}))
+        states = [without_run_facts(torch.load(p / "recipe_state.pt", weights_only=True)) for p in (a, b)]
+        assert states[0] == states[1]
+    assert any(p.name.startswith("model-") for p in (sync / "step-000006").iterdir())  # merged shards compared too
+
+
+def writer_fault(fault: str, marker: Path) -> dict:
+    return {
+        **os.environ,
+        "PYTHONPATH": f"{WRITER_FAULT}{os.pathsep}{ROOT}",
+        "SLIMTUNE_WRITER_FAULT": fault,
+        "SLIMTUNE_WRITER_MARKER": str(marker),
+    }
+
+
+def finetune_process(out: Path, settings: list[str], env: dict, *extra: str) -> subprocess.Popen:
+    args = [sys.executable, "-m", "slimtune", "finetune", "--config", "tiny", f"output_dir={out}", *settings, *extra]
+    return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def stalled_writer(child: subprocess.Popen, marker: Path) -> int:
+    """Wait until the writer sleeps inside step-000002's save; its pid."""
+    deadline = time.monotonic() + 240
+    while not (marker.exists() and marker.read_text()):
+        assert child.poll() is None, child.communicate()
+        assert time.monotonic() < deadline, "the writer never reached the fault"
+        time.sleep(0.05)
+    return int(marker.read_text())
+
+
+def gone(pid: int, seconds: float = 30) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return True
+        except (OSError, IndexError):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def only_the_first_checkpoint(out: Path) -> None:
+    assert sorted(p.name for p in out.glob("step-*")) == ["step-000001"]
+    assert checkpoint_problem(out / "step-000001") is None
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temporary directory left
+
+
+def test_sigkill_of_the_trainer_mid_background_save(straight_run, settings, tmp_path, capsys):
+    """The writer dies with its trainer (removing its temporary directory); the earlier checkpoint is
+    whole and resume continues bit-exactly."""
+    out, marker = tmp_path / "run", tmp_path / "writer-pid"
+    child = finetune_process(out, settings, writer_fault(f"stall:600:{STEP2_ADAPTER}", marker))
+    writer = stalled_writer(child, marker)
+    os.kill(child.pid, signal.SIGKILL)
+    child.communicate(timeout=60)
+    assert gone(writer), "the writer outlived its trainer"
+    only_the_first_checkpoint(out)
+
+    code, stdout, stderr = run_main(capsys, f"output_dir={out}", *settings, "resume=true", "training.stop_after_steps=3")
+    assert code == 0, stdout + stderr
+    assert "resumed from step-000001" in stdout
+    assert [m["loss"] for m in metrics(out)] == [m["loss"] for m in metrics(straight_run)][:3]
+    assert_same_adapters(straight_run / "step-000003", out / "step-000003")
+
+
+def test_background_failures_stop_the_run_with_one_line(settings, tmp_path):
+    """A full disk under the writer, and a writer killed mid-save: the trainer stops at its next step
+    with one line and exit 2; step-000001 is whole and no temporary directory is left."""
+    lean = [*settings, "checkpoint.merged=never", "training.stop_after_steps=3"]
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    child = finetune_process(full, lean, writer_fault(f"enospc:0:{STEP2_ADAPTER}", tmp_path / "unused"))
+    _, stderr = child.communicate(timeout=300)
+    errors = [line for line in stderr.splitlines() if line.startswith("slimtune finetune: error:")]
+    assert child.returncode == 2 and len(errors) == 1, stderr
+    assert f"cannot write {full / 'step-000002'}: no space left on device" in errors[0]
+    only_the_first_checkpoint(full)
+
+    child = finetune_process(killed, lean, writer_fault(f"stall:600:{STEP2_ADAPTER}", tmp_path / "writer-pid"))
+    os.kill(stalled_writer(child, tmp_path / "writer-pid"), signal.SIGKILL)
+    _, stderr = child.communicate(timeout=120)
+    assert child.returncode == 2, stderr
+    assert (
+        stderr.strip()
+        .splitlines()[-1]
+        .startswith("slimtune finetune: error: the checkpoint writer died (killed by SIGKILL) while writing step-000002")
+    ), stderr
+    only_the_first_checkpoint(killed)
+
+
+def test_a_save_point_reached_during_a_save_waits_and_counts_as_stall(settings, tmp_path):
+    out = tmp_path / "run"
+    step1 = r"/\.step-000001\.tmp-[0-9a-f]+/adapter/adapter_model\.safetensors$"
+    child = finetune_process(
+        out, [*settings, "checkpoint.merged=never", "training.stop_after_steps=3"], writer_fault(f"stall:45:{step1}", tmp_path / "m")
+    )
+    stdout, stderr = child.communicate(timeout=300)
+    assert child.returncode == 0, stdout + stderr
+    first, second, third = metrics(out)
+    assert first["checkpoint"] == "step-000001" and not first["checkpoint_in_flight"]
+    assert second["checkpoint_in_flight"] and second["checkpoint_saved"] == "step-000001"
+    assert second["checkpoint_save_s"] > 44  # the writer slept 45 s inside step-000001's save ...
+    assert second["checkpoint_stall_s"] > 10  # ... and step 2's save point waited for it (step 2 took 11 s on a loaded machine)
+    assert third["checkpoint_also_saved"][0]["checkpoint_saved"] == "step-000002" and third["checkpoint_saved"] == "step-000003"
+    assert "checkpoint_final_wait_s" in third and sorted(p.name for p in out.glob("step-*")) == [f"step-00000{i}" for i in (1, 2, 3)]

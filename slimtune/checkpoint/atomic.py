@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from slimtune.distributed import sigterm_deferred
 from slimtune.errors import SlimtuneError
 from slimtune.fileio import fsync_dir
 from slimtune.formats.manifest import (  # noqa: F401 - re-exported: the checkpoint's manifest, as callers know it from here
@@ -240,9 +241,11 @@ def atomic_directory(target: Path, overwrite: bool = False) -> Iterator[Path]:
             fsync_dir(parent)
         created = []  # they hold the target now
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        with sigterm_deferred():  # a SIGTERM raised mid-rmtree would leave the temporary directory behind
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
-        if fd is not None:
-            _release(lock, fd)
-        _remove_empty(created)
+        with sigterm_deferred():
+            if fd is not None:
+                _release(lock, fd)
+            _remove_empty(created)

@@ -50,6 +50,7 @@ from tqdm.auto import tqdm
 
 from slimtune.card import CardFacts, model_card
 from slimtune.checkpoint.atomic import os_errors
+from slimtune.checkpoint.background import BackgroundSaver, WriterSpec
 from slimtune.checkpoint.fidelity import merged_forward
 from slimtune.checkpoint.manager import (
     STATE_FORMAT,
@@ -145,6 +146,7 @@ class Run:
     memory: PeakMemory | None = None
     bar: tqdm | None = None
     result: FinetuneResult | None = None
+    saver: BackgroundSaver | None = None  # checkpoint.async: the background writer
 
 
 def run_finetune(cfg: Config, on_step: Callable[[dict], None] | None = None) -> FinetuneResult:
@@ -279,6 +281,10 @@ def restore(run: Run) -> None:
         last_record = run.resume.state.get("metrics") if run.resume is not None else None
         run.metrics = MetricsLog(run.manager.metrics_path, keep_through_step=run.global_step, last_record=last_record)
         run.trackers = Trackers.from_config(cfg, run.manager.out, resume_step=run.global_step)
+    if cfg.values["checkpoint.async"] and not ranks.distributed:  # a writer process rebuilds the frozen model now
+        run.saver = BackgroundSaver(WriterSpec(Path(cfg.model.path), _lora_config(cfg), cfg.seed, run.dtype), run.manager, say)
+    elif cfg.values["checkpoint.async"] and ranks.is_coordinator:
+        say("checkpoint.async: under torchrun the saves are synchronous (the background writer is for one process)")
     run.memory = PeakMemory(run.device)
     run.result = FinetuneResult(run.model, run.tokenizer, run.manager.out, run.global_step, metrics_path=run.manager.metrics_path)
     if run.global_step >= run.stop_at:
@@ -327,11 +333,12 @@ def evaluate(run: Run, merged: bool = False) -> dict:
     return run.last_eval
 
 
-def checkpoint(run: Run) -> SaveResult:
+def checkpoint(run: Run) -> SaveResult | None:
     """Samples (training.sample_prompts) into the step's record, then ``step-N`` through the manager,
     written by every rank: the merged model (unless checkpoint.merged says adapter only), the adapter,
-    tokenizer, model card, recipe state and training state; then pruning (keep_last_n).
-    The one place a checkpoint is taken: an asynchronous save hooks in here."""
+    tokenizer, model card, recipe state and training state; then pruning (keep_last_n). With
+    checkpoint.async (one process) the background writer writes it: this step blocks only for the
+    snapshot (``checkpoint_stall_s``) and returns None; ``log_step`` reports the save when it finishes."""
     cfg, ranks, record, step = run.cfg, run.ranks, run.record, run.global_step
     if cfg.training.sample_prompts:
         record["samples"] = _sample_generations(run)
@@ -346,13 +353,19 @@ def checkpoint(run: Run) -> SaveResult:
     write = WriteOptions(cfg.checkpoint.max_shard_size, dtype=_merged_dtype(run), adapter_only=adapter_only)
     options = SaveOptions(write, extra_files=extra, tokenizer_dir=run.docs.tokenizer_dir)
     training = train_state(run.model, run.optimizer, run.scheduler, run.scaler, run.position, ranks)
+    kind = "adapter" if adapter_only else "adapter + merged"
+    if run.saver is not None and run.saver.available(step):  # blocks for the snapshot (and a save still in flight)
+        stall = run.saver.submit(step, state, options, training)
+        record.update(checkpoint=ckpt.name, checkpoint_stall_s=stall)
+        say(f"saving {ckpt.name} ({kind}) in the background; training blocked {stall:.2f} s")
+        run.result.checkpoint = ckpt
+        return None
     save = partial(run.manager.save, run.model, step, state, options, training, ranks)
     result, before, save_peak = run.memory.around_save(save)
     del training, save
     removed = run.manager.prune() if ranks.is_coordinator else []
     record.update(checkpoint=ckpt.name, checkpoint_save_s=result.seconds, checkpoint_bytes=result.total_bytes)
-    record.update(checkpoint_peak_rss_mb=save_peak)
-    kind = "adapter" if adapter_only else "adapter + merged"
+    record.update(checkpoint_peak_rss_mb=save_peak, checkpoint_stall_s=result.seconds)
     say(
         f"saved {ckpt.name} ({kind}, {result.total_bytes:,} bytes, {result.seconds:.2f} s, "
         f"peak RSS during save {save_peak:.0f} MB)" + (f"; removed {', '.join(removed)}" if removed else "")
@@ -363,8 +376,11 @@ def checkpoint(run: Run) -> SaveResult:
 
 
 def log_step(run: Run, on_step: Callable[[dict], None] | None = None) -> None:
-    """The step's record, with memory figures, to metrics.jsonl, the trackers, the progress bar and ``on_step``."""
+    """The step's record, with memory figures (and a background save's, which may stop the run here with
+    its failure), to metrics.jsonl, the trackers, the progress bar and ``on_step``."""
     record = run.record
+    if run.saver is not None:
+        run.saver.annotate(record, last=run.global_step >= run.stop_at)
     record.update(run.memory.snapshot())
     if run.metrics is not None:
         run.metrics.write(record)
@@ -372,13 +388,16 @@ def log_step(run: Run, on_step: Callable[[dict], None] | None = None) -> None:
     run.result.losses.append(record["loss"])
     run.bar.update(1)
     shown_eval = {"eval": f"{run.last_eval['eval_loss']:.4f}"} if run.last_eval else {}
+    shown_eval.update({"ckpt": "saving"} if run.saver is not None and run.saver.in_flight else {})  # a background save runs
     run.bar.set_postfix(loss=f"{record['loss']:.4f}", **shown_eval, lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
     if on_step is not None:
         on_step(record)
 
 
 def finish(run: Run) -> FinetuneResult:
-    """Close the logs, draw the loss curve (loss.png) and print the summary."""
+    """Wait for the last background save, close the logs, draw the loss curve (loss.png) and print the summary."""
+    if run.saver is not None:
+        run.saver.close()
     run.bar.close()
     run.trackers.close()
     run.docs.close()
@@ -468,7 +487,7 @@ def _read_data(cfg: Config, ranks: Ranks, resume: ResumePoint | None) -> tuple[o
 def _load_model(cfg: Config, ranks: Ranks, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """NF4 base + fp32 adapters, frozen weights in the compute dtype, on the device. Under a process group
     the model comes out FSDP2-sharded, NF4 base and adapters alike (model.py says how)."""
-    lora = LoRAConfig(cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.use_rslora, list(cfg.lora.target_modules))
+    lora = _lora_config(cfg)
     progress = cfg.logging.progress_bar and ranks.is_coordinator
     model = load_qlora_model(Path(cfg.model.path), lora, seed=cfg.seed, progress=progress, ranks=ranks, dtype=dtype)
     say(f"lora targets ({', '.join(lora.target_modules)}): {', '.join(model.slimtune_targets)}")
@@ -480,6 +499,10 @@ def _load_model(cfg: Config, ranks: Ranks, device: torch.device, dtype: torch.dt
     if cfg.training.compile:
         say(f"compile: {compile_decoder_layers(model)} decoder layers (torch.compile, regional); the first step compiles them")
     return model
+
+
+def _lora_config(cfg: Config) -> LoRAConfig:
+    return LoRAConfig(cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.use_rslora, list(cfg.lora.target_modules))
 
 
 def _load_train_state(run: Run) -> None:

@@ -1,0 +1,80 @@
+"""slimtune.checkpoint.background: a checkpoint written by the writer process from a snapshot is the
+synchronous save of the same state, file for file; the writer's failures reach the trainer as one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slimtune.checkpoint.background import BackgroundSaver, WriterSpec, base_fingerprint
+from slimtune.checkpoint.manager import CheckpointManager
+from slimtune.checkpoint.save import SaveOptions
+from slimtune.checkpoint.writer import WriteOptions
+from slimtune.errors import SlimtuneError
+from slimtune.lora import LoRAConfig
+from slimtune.model import load_qlora_model
+from tests.conftest import assert_same_checkpoint, perturb_adapters
+
+LORA = LoRAConfig(rank=8, alpha=16)
+
+
+@pytest.fixture
+def snapshot(tiny_base):
+    model = load_qlora_model(tiny_base, LORA, seed=0, progress=False)
+    perturb_adapters(model, seed=3)
+    train_state = {
+        "adapter": {n: p.detach() for n, p in model.named_parameters() if p.requires_grad},
+        "position": {"epoch": 0, "step_in_epoch": 1},
+        "rng": {"0": {"torch": torch.get_rng_state()}},
+    }
+    return model, {"format": "test", "global_step": 1}, train_state
+
+
+def test_background_checkpoint_equals_the_synchronous_save(tiny_base, snapshot, tmp_path):
+    model, state, train_state = snapshot
+    card = tmp_path / "card.md"
+    card.write_text("# card\n")
+    options = SaveOptions(WriteOptions("300KB"), extra_files={"README.md": card, "adapter/README.md": card})
+    CheckpointManager(tmp_path / "sync").save(model, 1, state, options, train_state)
+
+    logged = []
+    saver = BackgroundSaver(WriterSpec(tiny_base, LORA, seed=5), CheckpointManager(tmp_path / "async"), logged.append)
+    assert saver.available(1)
+    stall = saver.submit(1, state, options, train_state)
+    card.write_text("# changed after the save point\n")  # the snapshot holds the bytes of the save point
+    with torch.no_grad():  # training goes on: the writer has its own copy
+        for p in train_state["adapter"].values():
+            p.add_(1.0)
+    record = {"step": 2, "tokens_per_s": 100.0}
+    saver.close()
+    saver.annotate(record)
+    assert stall >= 0 and record["checkpoint_saved"] == "step-000001" and record["checkpoint_save_s"] > 0
+    assert len([p for p in (tmp_path / "sync" / "step-000001").iterdir() if p.name.startswith("model-")]) >= 2
+    assert_same_checkpoint(tmp_path / "sync" / "step-000001", tmp_path / "async" / "step-000001")
+    assert saver.proc.returncode == 0
+
+
+def test_changed_base_files_fall_back_to_the_synchronous_save(tiny_base, tmp_path):
+    base = tmp_path / "base"
+    base.mkdir()
+    for p in tiny_base.iterdir():
+        (base / p.name).write_bytes(p.read_bytes())
+    logged = []
+    saver = BackgroundSaver(WriterSpec(base, LORA), CheckpointManager(tmp_path / "run"), logged.append)
+    assert base_fingerprint(base) == saver.fingerprint
+    config = base / "config.json"
+    config.write_text(config.read_text() + " ")
+    assert not saver.available(3) and not saver.available(4)
+    assert logged == [f"checkpoint.async: the base files in {base} changed since the run started; saving synchronously from step 3 on"]
+    saver.close()
+    assert saver.proc.returncode is not None
+
+
+def test_a_dead_writer_is_one_line(tiny_base, snapshot, tmp_path):
+    _, state, train_state = snapshot
+    saver = BackgroundSaver(WriterSpec(tiny_base, LORA), CheckpointManager(tmp_path / "run"), print)
+    assert saver.available(1)
+    saver.proc.kill()
+    with pytest.raises(SlimtuneError, match=r"^the checkpoint writer died \(killed by SIGKILL\) while writing step-000001; "):
+        saver.submit(1, state, SaveOptions(WriteOptions(adapter_only=True)), train_state)
+        saver.close()

@@ -25,7 +25,8 @@ from torch import nn
 
 from slimtune.data import IGNORE_INDEX, model_inputs
 
-LOSS_CHUNK_BYTES = 64 * 2**20
+LOSS_CHUNK_BYTES = 64 * 2**20  # fp32 per chunk on a GPU: few, large kernels
+CPU_LOSS_CHUNK_BYTES = 2 * 2**20  # on a CPU: every pass over a chunk stays in cache (vocab 128k, 1024 positions: 6.4 s -> 3.3 s)
 
 
 @dataclass
@@ -78,11 +79,18 @@ def optimizer_step(parts: StepParts, micro_batches: list[dict[str, torch.Tensor]
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Sum of next-token cross-entropy over the trained (non -100) labels, in fp32, chunk by chunk of
-    positions (at most ``LOSS_CHUNK_BYTES`` of fp32 at a time); differentiable in ``logits``.
+    positions (``_chunk_rows``: at most 64 MB of fp32 at a time, 2 MB on a CPU); differentiable in ``logits``.
 
     Example: ``token_loss_sum(model(input_ids).logits, labels) / trained_tokens``"""
     targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # position t predicts t + 1
     return _ChunkedCrossEntropy.apply(logits, targets.to(logits.device))
+
+
+def _chunk_rows(logits: torch.Tensor) -> int:
+    """Positions per chunk: as many as fit ``LOSS_CHUNK_BYTES`` of fp32 on a GPU, ``CPU_LOSS_CHUNK_BYTES`` on
+    a CPU. Every row's values are the same whatever the chunk (row-wise kernels), so the loss is too."""
+    chunk_bytes = LOSS_CHUNK_BYTES if logits.is_cuda else CPU_LOSS_CHUNK_BYTES
+    return max(1, chunk_bytes // (4 * logits.shape[-1]))
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
@@ -90,7 +98,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         vocab = logits.shape[-1]
         flat, flat_targets = logits.reshape(-1, vocab), targets.reshape(-1)
-        rows = max(1, LOSS_CHUNK_BYTES // (4 * vocab))
+        rows = _chunk_rows(logits)
         total = torch.zeros((), dtype=torch.float32, device=logits.device)
         for start in range(0, flat.shape[0], rows):
             x = flat[start : start + rows].float()
@@ -107,7 +115,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         vocab = logits.shape[-1]
         flat, flat_targets = logits.reshape(-1, vocab), targets.reshape(-1)
         out = torch.empty_like(flat)
-        rows = max(1, LOSS_CHUNK_BYTES // (4 * vocab))
+        rows = _chunk_rows(logits)
         for start in range(0, flat.shape[0], rows):
             t = flat_targets[start : start + rows]
             g = torch.where(t != IGNORE_INDEX, grad, 0.0).unsqueeze(1)  # d(sum)/d(loss_i), 0 where not trained

@@ -354,7 +354,7 @@ def test_chunked_loss_equals_the_plain_one(monkeypatch):
     plain = F.cross_entropy(logits[:, :-1].float().reshape(-1, 300), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum")
     n = int((labels[:, 1:] != -100).sum())  # the recipe's token mean: a gradient that is not a power of two
     (plain_grad,) = torch.autograd.grad(plain / n, logits)
-    monkeypatch.setattr(step, "LOSS_CHUNK_BYTES", 4 * 300 * 16)  # chunks of 16 positions
+    monkeypatch.setattr(step, "CPU_LOSS_CHUNK_BYTES", 4 * 300 * 16)  # chunks of 16 positions
     chunked = step.token_loss_sum(logits, labels)
     (chunked_grad,) = torch.autograd.grad(chunked / n, logits)
     assert torch.allclose(chunked, plain, rtol=1e-6)

@@ -262,3 +262,29 @@ def atomic_directory(target: Path, overwrite: bool = False) -> Iterator[Path]:
         if fd is not None:
             _release(lock, fd)
         _remove_empty(created)
+
+
+@contextmanager
+def atomic_file(target: Path, overwrite: bool = False) -> Iterator[Path]:
+    """Yields a temporary sibling path ``.NAME.tmp-XXXXXXXX`` of the file ``target``; on normal exit the
+    file is fsynced and renamed onto ``target`` (then the directory is fsynced). On any exception the
+    temporary file is removed and ``target`` is untouched: never a partial file under the final name.
+
+    Example: ``with atomic_file(Path("out/model.gguf")) as tmp: tmp.write_bytes(data)``"""
+    target = Path(target)
+    if target.exists() and (not overwrite or target.is_dir()):
+        raise SlimtuneError(f"{target} already exists; pass overwrite to replace it" if not target.is_dir() else f"{target} is a directory")
+    created = _make_parents(target.parent)
+    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+        fsync_dir(target.parent)
+        created = []
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        _remove_empty(created)

@@ -19,7 +19,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from slimtune.data import FALLBACK_CHAT_TEMPLATE
 from slimtune.errors import SlimtuneError
 from slimtune.formats import gguf_pretokenizers, gguf_vocab
-from slimtune.formats.gguf_vocab import pre_tokenizer_name, vocab_fields
+from slimtune.formats.gguf_vocab import pre_tokenizer_name, vocab_fields, write_modelfile
 from slimtune.tiny import byte_tokenizer
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is in the dev extras: pip install -e '.[dev]'")
@@ -207,3 +207,68 @@ def test_unigram_tokenizer_is_one_line(tmp_path):
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(tmp_path / "tok")
     with pytest.raises(SlimtuneError, match=r"model.type 'Unigram' cannot be exported to GGUF"):
         vocab_fields(tmp_path / "tok", SimpleNamespace(vocab_size=2), None)
+
+
+# --- Modelfile ----------------------------------------------------------------------------------------
+
+_CHATML_GO = (
+    '{{ range .Messages }}{{ if eq .Role "system" }}<|im_start|>system\n{{ else if eq .Role "user" }}<|im_start|>user\n'
+    '{{ else if eq .Role "assistant" }}<|im_start|>assistant\n{{ end }}{{ .Content }}<|im_end|>\n{{ end }}<|im_start|>assistant\n'
+)
+_LLAMA3_STYLE = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] }}<|eot_id|>"
+    "{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+_GEMMA_STYLE = (  # the system message is folded into the first user turn: not one wrapper per message
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}{% set sys = m['content'] %}{% else %}"
+    "<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+@pytest.mark.real_model
+def test_modelfile_for_smollm2(tmp_path, smollm2_dir):
+    template = (smollm2_dir / "chat_template.jinja").read_text()
+    path = write_modelfile(tmp_path / "model-q8_0.gguf", smollm2_dir, template)
+    assert path == tmp_path / "Modelfile" and sorted(p.name for p in tmp_path.iterdir()) == ["Modelfile"]
+    assert path.read_text() == (
+        f'FROM ./model-q8_0.gguf\nTEMPLATE """{_CHATML_GO}"""\nPARAMETER stop "<|im_end|>"\n'
+        'SYSTEM """You are a helpful AI assistant named SmolLM, trained by Hugging Face"""\n'
+    )
+
+
+def test_modelfile_for_the_fallback_template(tmp_path):
+    byte_tokenizer().save_pretrained(tmp_path / "tok")
+    path = write_modelfile(tmp_path / "out" / "model-f16.gguf", tmp_path / "tok", FALLBACK_CHAT_TEMPLATE, "Be terse.")
+    go = (
+        '<|bos|>{{ range .Messages }}{{ if eq .Role "system" }}<|system|>\n{{ else if eq .Role "user" }}<|user|>\n'
+        '{{ else if eq .Role "assistant" }}<|assistant|>\n{{ end }}{{ .Content }}<|eos|>\n{{ end }}<|assistant|>\n'
+    )
+    want = f'FROM ./model-f16.gguf\nTEMPLATE """{go}"""\nPARAMETER stop "<|eos|>"\nSYSTEM """Be terse."""\n'
+    assert path.read_text() == want  # the tokenizer does not add BOS: the template keeps it
+
+
+def test_modelfile_leaves_bos_to_llama_cpp_and_stops_at_end_of_turn(tmp_path):
+    model_dir = _sentencepiece_bpe(tmp_path / "tok", True)  # adds <s> itself, as llama.cpp will
+    text = write_modelfile(tmp_path / "model.gguf", model_dir, _LLAMA3_STYLE).read_text()
+    assert text.startswith('FROM ./model.gguf\nTEMPLATE """{{ range .Messages }}{{ if eq .Role "system" }}<|start_header_id|>system')
+    assert '{{ .Content }}<|eot_id|>{{ end }}<|start_header_id|>assistant<|end_header_id|>\n\n"""\n' in text
+    assert text.endswith('PARAMETER stop "<|eot_id|>"\nPARAMETER stop "</s>"\n') and "SYSTEM" not in text
+
+
+def test_modelfile_without_a_translatable_template(tmp_path):
+    model_dir = _sentencepiece_bpe(tmp_path / "tok", False)
+    text = write_modelfile(tmp_path / "model.gguf", model_dir, _GEMMA_STYLE).read_text()
+    assert text.splitlines()[0] == "FROM ./model.gguf" and "TEMPLATE" not in text.replace("# no TEMPLATE", "")
+    assert text.splitlines()[1].startswith("# no TEMPLATE: ") and text.endswith('PARAMETER stop "</s>"\n')
+
+
+def test_modelfile_write_is_atomic(tmp_path):
+    byte_tokenizer().save_pretrained(tmp_path / "tok")
+    (tmp_path / "Modelfile").write_text("FROM ./old.gguf\n")
+    with pytest.raises(SlimtuneError, match=r'^Modelfile SYSTEM: contains """'):
+        write_modelfile(tmp_path / "model.gguf", tmp_path / "tok", FALLBACK_CHAT_TEMPLATE, 'say """hi"""')
+    assert (tmp_path / "Modelfile").read_text() == "FROM ./old.gguf\n"
+    write_modelfile(tmp_path / "model.gguf", tmp_path / "tok", None)
+    assert (tmp_path / "Modelfile").read_text() == 'FROM ./model.gguf\nPARAMETER stop "<|eos|>"\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["Modelfile", "tok"]

@@ -16,12 +16,15 @@ checkpoint (what training rendered conversations with)."""
 from __future__ import annotations
 
 import hashlib
+import json
 import re
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import gguf
 from gguf import GGUFValueType, Keys, TokenType
 
+from slimtune.checkpoint.atomic import atomic_file
 from slimtune.errors import SlimtuneError
 from slimtune.formats.gguf_pretokenizers import CHECK_TEXT, PRE_TOKENIZER_BY_HASH
 from slimtune.formats.strict_json import json_kind, load_json
@@ -240,3 +243,131 @@ def _special_fields(special: gguf.SpecialVocab, added: dict[str, bool]) -> list[
         if key is not None:
             fields.append((key, bool(flag), GGUFValueType.BOOL))
     return fields
+
+
+# --- Ollama Modelfile ---------------------------------------------------------------------------------
+
+_MARK = "\x02{}\x03"  # message contents the chat template is rendered with, to find what it puts around them
+
+
+@dataclass(frozen=True)
+class _Turns:
+    """A chat template that wraps each message alike: ``lead`` once, then per message ``prefix[role]``,
+    the content and ``suffix``; then ``generation`` (the assistant's opening). ``default_system`` is the
+    system message the template inserts when a conversation has none."""
+
+    lead: str
+    prefix: dict[str, str]
+    suffix: str
+    generation: str
+    default_system: str | None
+
+    def render(self, messages: list[dict[str, str]], system: str | None = None) -> str:
+        if messages[0]["role"] != "system" and system is not None:
+            messages = [{"role": "system", "content": system}, *messages]
+        body = "".join(self.prefix[m["role"]] + m["content"] + self.suffix for m in messages)
+        return self.lead + body + self.generation
+
+    def go_template(self) -> str:
+        """The same in Ollama's Go template language (``.Messages``: each with ``.Role`` and ``.Content``)."""
+        roles = "".join(
+            f'{{{{ {"if" if i == 0 else "else if"} eq .Role "{role}" }}}}{prefix}' for i, (role, prefix) in enumerate(self.prefix.items())
+        )
+        return f"{self.lead}{{{{ range .Messages }}}}{roles}{{{{ end }}}}{{{{ .Content }}}}{self.suffix}{{{{ end }}}}{self.generation}"
+
+
+def write_modelfile(gguf_path: str | Path, model_dir: str | Path, chat_template: str | None, system_prompt: str | None = None) -> Path:
+    """Write ``Modelfile`` beside ``gguf_path`` for ``ollama create NAME -f Modelfile``: ``FROM`` the GGUF,
+    ``TEMPLATE`` (the chat template translated to Go where it wraps each message alike, checked by
+    rendering both), ``PARAMETER stop`` for the template's end-of-turn token and EOS, and ``SYSTEM``
+    (``system_prompt``, else the system message the template inserts by default). Atomic. Returns its path.
+
+    Example: ``write_modelfile(out / "model-q8_0.gguf", ckpt, template)  # -> out/Modelfile``"""
+    gguf_path = Path(gguf_path)
+    tokenizer = _load_tokenizer(Path(model_dir))
+    turns = _turns(tokenizer, chat_template) if chat_template else None
+    lines = [f"FROM ./{gguf_path.name}"]
+    if turns is not None:
+        lines.append(f'TEMPLATE """{_triple_quoted(turns.go_template(), "TEMPLATE")}"""')
+    elif chat_template:
+        lines.append("# no TEMPLATE: the chat template does not wrap each message alike; the GGUF carries it (tokenizer.chat_template)")
+    stops = [turns.suffix.strip()] if turns is not None and turns.suffix.strip() else []
+    stops += [t for t in [getattr(tokenizer, "eos_token", None)] if t and t not in stops]
+    lines += [f"PARAMETER stop {json.dumps(s, ensure_ascii=False)}" for s in stops]
+    system = system_prompt if system_prompt is not None else (turns.default_system if turns else None)
+    if system:
+        lines.append(f'SYSTEM """{_triple_quoted(system, "SYSTEM")}"""')
+    target = gguf_path.with_name("Modelfile")
+    with atomic_file(target) as tmp:
+        tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return target
+
+
+def _triple_quoted(text: str, what: str) -> str:
+    if '"""' in text:
+        raise SlimtuneError(f'Modelfile {what}: contains """, which a Modelfile cannot quote')
+    return text
+
+
+def _turns(tokenizer, template: str) -> _Turns | None:
+    """The per-message wrapping of ``template``, found by rendering conversations with marked contents
+    and kept only if it renders several conversations exactly as the Jinja template does."""
+    conversation = [_msg("system", "S"), _msg("user", "U1"), _msg("assistant", "A1"), _msg("user", "U2")]
+    rendered = _render(tokenizer, template, conversation, True)
+    closed = _render(tokenizer, template, conversation, False)
+    if rendered is None or closed is None or not rendered.startswith(closed):
+        return None
+    pieces = re.split("\x02(?:S|U1|A1|U2)\x03", closed)
+    if len(pieces) != 5 or "{{" in "".join(pieces) + rendered[len(closed) :]:
+        return None
+    head, after_system, after_user, after_assistant, suffix = pieces
+    if not (after_system.startswith(suffix) and after_user.startswith(suffix) and after_assistant == after_system):
+        return None
+    user, assistant = after_system[len(suffix) :], after_user[len(suffix) :]
+    system = user.replace("user", "system")
+    if "user" not in user or not head.endswith(system):
+        return None
+    lead = head[: len(head) - len(system)]
+    if lead not in ("", getattr(tokenizer, "bos_token", None)):
+        return None
+    turns = _Turns(lead, {"system": system, "user": user, "assistant": assistant}, suffix, rendered[len(closed) :], None)
+    turns = _with_default_system(tokenizer, template, turns)
+    if turns is None or not _renders_alike(tokenizer, template, turns):
+        return None
+    return replace(turns, lead="") if lead and _added_special_tokens(tokenizer).get("bos") else turns  # llama.cpp adds BOS
+
+
+def _with_default_system(tokenizer, template: str, turns: _Turns) -> _Turns | None:
+    """The system message the template inserts into a conversation without one (SmolLM2's does)."""
+    alone = _render(tokenizer, template, [_msg("user", "U1")], False)
+    plain = turns.prefix["user"] + _MARK.format("U1") + turns.suffix
+    if alone is None or alone == turns.lead + plain:
+        return turns
+    start, end = turns.lead + turns.prefix["system"], turns.suffix + plain
+    if not (alone.startswith(start) and alone.endswith(end)) or len(alone) < len(start) + len(end):
+        return None
+    return replace(turns, default_system=alone[len(start) : len(alone) - len(end)])
+
+
+def _renders_alike(tokenizer, template: str, turns: _Turns) -> bool:
+    conversations = [
+        [_msg("user", "Hi there")],
+        [_msg("system", "Be brief."), _msg("user", "Q1"), _msg("assistant", "R1"), _msg("user", "Q2 {{ x }}")],
+        [_msg("user", "Q1"), _msg("assistant", "R1"), _msg("user", "Q2")],
+    ]
+    for conversation in conversations:
+        want = _render(tokenizer, template, conversation, True)
+        if want is None or want != turns.render(conversation, turns.default_system):
+            return False
+    return True
+
+
+def _msg(role: str, content: str) -> dict[str, str]:
+    return {"role": role, "content": _MARK.format(content) if content in ("S", "U1", "A1", "U2") else content}
+
+
+def _render(tokenizer, template: str, messages: list[dict[str, str]], generation: bool) -> str | None:
+    try:
+        return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=generation)
+    except Exception:  # noqa: BLE001 - a template that rejects a conversation is one this cannot translate
+        return None

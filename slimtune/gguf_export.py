@@ -185,7 +185,7 @@ def write_gguf(path: Path, arch: GGUFArch, kv: list[tuple], plan: GGUFPlan, opti
         t = slot.source
         writer.add_tensor_info(t.name, t.shape or (1,), np.dtype(np.float32), slot.nbytes, raw_dtype=slot.qtype)
     check_free_space(path.parent, plan.data_bytes)
-    with atomic_file(path, options.overwrite) as tmp, os_errors("write", path, plan.data_bytes):
+    with atomic_file(path) as tmp, os_errors("write", path, plan.data_bytes):
         try:
             writer.write_header_to_file(path=tmp)
             writer.write_kv_data_to_file()

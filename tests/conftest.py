@@ -51,3 +51,14 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 300) -> subproce
 def run_python(code: str, timeout: int = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout)
+
+
+SMOLLM2_DIR = Path(os.environ.get("SLIMTUNE_SMOLLM2", "/work/cache/smollm2-hf"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The real SmolLM2-135M-Instruct checkpoint (Hugging Face layout; $SLIMTUNE_SMOLLM2 or /work/cache)."""
+    if not (SMOLLM2_DIR / "tokenizer.json").is_file():
+        pytest.skip(f"real_model: {SMOLLM2_DIR} not present (set SLIMTUNE_SMOLLM2)")
+    return SMOLLM2_DIR

@@ -10,6 +10,7 @@ killed processes (lock free) and never those of a live one. Every ``OSError`` of
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -219,6 +220,30 @@ def _remove_empty(created: list[Path]) -> None:
 
 
 @contextmanager
+def atomic_file(target: Path) -> Iterator[Path]:
+    """Yields the path of a temporary sibling of the file ``target`` to write; on normal exit it is fsynced
+    and renamed over ``target``. On any exception it is removed and ``target`` is untouched (never a
+    partial file under the final name). An ``OSError`` is one ``SlimtuneError`` line.
+
+    Example: ``with atomic_file(Path("out/Modelfile")) as tmp: tmp.write_text("FROM ./model.gguf\\n")``"""
+    target = Path(target)
+    if target.is_dir():
+        raise SlimtuneError(f"{target} is a directory; expected a file path")
+    tmp = target.with_name(f".{target.name}.partial-{uuid.uuid4().hex[:8]}")
+    try:
+        with os_errors("write", target):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            yield tmp
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+            fsync_dir(target.parent)
+    finally:
+        with contextlib.suppress(OSError):  # gone (renamed), or its directory never was
+            tmp.unlink(missing_ok=True)
+
+
+@contextmanager
 def atomic_directory(target: Path, overwrite: bool = False) -> Iterator[Path]:
     """Yields an empty temporary sibling of ``target``; on normal exit it replaces ``target``.
     On any exception the temporary directory (and any parent directory made for it) is removed and
@@ -261,30 +286,4 @@ def atomic_directory(target: Path, overwrite: bool = False) -> Iterator[Path]:
     finally:
         if fd is not None:
             _release(lock, fd)
-        _remove_empty(created)
-
-
-@contextmanager
-def atomic_file(target: Path, overwrite: bool = False) -> Iterator[Path]:
-    """Yields a temporary sibling path ``.NAME.tmp-XXXXXXXX`` of the file ``target``; on normal exit the
-    file is fsynced and renamed onto ``target`` (then the directory is fsynced). On any exception the
-    temporary file is removed and ``target`` is untouched: never a partial file under the final name.
-
-    Example: ``with atomic_file(Path("out/model.gguf")) as tmp: tmp.write_bytes(data)``"""
-    target = Path(target)
-    if target.exists() and (not overwrite or target.is_dir()):
-        raise SlimtuneError(f"{target} already exists; pass overwrite to replace it" if not target.is_dir() else f"{target} is a directory")
-    created = _make_parents(target.parent)
-    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
-    try:
-        yield tmp
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-        fsync_dir(target.parent)
-        created = []
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    finally:
         _remove_empty(created)

@@ -323,5 +323,16 @@ def export_gguf(out: Path, options: GGUFOptions, src: Path | None = None, base: 
             *vocab_fields(source.model_dir, load_config(source.config_dir), template),
         ]
         size = write_gguf(out, arch, kv, plan, options)
-    modelfile = write_modelfile(out, template, source.record.get("system_prompt"))
+    modelfile = write_modelfile(out, source.model_dir, template, source.record.get("system_prompt"))
     return GGUFResult(out, options.type, len(plan.slots), size, time.perf_counter() - started, modelfile)
+
+
+def export_checkpoint_gguf(checkpoint: Path, type_name: str, base: Path) -> GGUFResult:
+    """What ``checkpoint.gguf: TYPE`` writes after training: ``model-TYPE.gguf`` (+ Modelfile) beside the
+    final checkpoint (in the run directory: the checkpoint itself stays as its manifest lists it), from its merged model, or from its adapter merged into dequant(NF4(base)) (the
+    weights training saw) when the checkpoint holds no merged model.
+    Example: ``export_checkpoint_gguf(Path("runs/1/step-000100"), "q8_0", Path("base"))``"""
+    out = Path(checkpoint).parent / f"model-{type_name}.gguf"
+    if _has_merged(Path(checkpoint)):
+        return export_gguf(out, GGUFOptions(type_name, overwrite=True), src=Path(checkpoint))
+    return export_gguf(out, GGUFOptions(type_name, "quantized", overwrite=True), src=Path(checkpoint), base=Path(base))

@@ -376,6 +376,11 @@ def _finetune(cfg: Config, on_step: Callable[[dict], None] | None, ranks: Ranks)
     say(f"metrics: {manager.metrics_path}" + (f"; loss curve: {result.plot_path}" if result.plot_path else ""))
     if result.checkpoint is not None:
         say(f"newest checkpoint: {result.checkpoint}")
+    if cfg.checkpoint.gguf and result.checkpoint is not None and global_step == total_steps and ranks.is_coordinator:
+        from slimtune.gguf_export import export_checkpoint_gguf  # gguf and numpy quantizers: only when asked
+
+        g = export_checkpoint_gguf(result.checkpoint, cfg.checkpoint.gguf, Path(cfg.model.path))
+        say(f"wrote {g.path} ({g.type}, {g.tensors} tensors, {g.bytes:,} bytes, {g.seconds:.1f} s) and {g.modelfile}")
     gpu = f"; peak GPU memory {result.peak_gpu_mb:.0f} MB" if result.peak_gpu_mb is not None else ""
     say(f"peak RSS of the run: {result.peak_rss_mb:.0f} MB{gpu}")
     return result

@@ -66,8 +66,9 @@ class GGUFOptions:
     merge_base: str = "original"
     """Merge an adapter into W itself (original) or into dequant(NF4(W)) (quantized), as ``slimtune merge``."""
     overwrite: bool = False
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    """fp32 bytes of one chunk of rows (at least one row)."""
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES // 2
+    """fp32 bytes of one chunk of rows (at least one row); the quantizers' numpy temporaries are several
+    times this, hence half the safetensors writer's chunk."""
     progress: bool = False
 
 

@@ -272,3 +272,9 @@ def test_modelfile_write_is_atomic(tmp_path):
     write_modelfile(tmp_path / "model.gguf", tmp_path / "tok", None)
     assert (tmp_path / "Modelfile").read_text() == 'FROM ./model.gguf\nPARAMETER stop "<|eos|>"\n'
     assert sorted(p.name for p in tmp_path.iterdir()) == ["Modelfile", "tok"]
+
+
+def test_chat_template_must_be_a_string(tmp_path):
+    byte_tokenizer().save_pretrained(tmp_path / "tok")
+    with pytest.raises(SlimtuneError, match=r"^chat_template: expected a string, found"):
+        vocab_fields(tmp_path / "tok", SimpleNamespace(vocab_size=259), ["not", "a", "template"])

@@ -10,8 +10,11 @@ Two vocabulary kinds, as llama.cpp's converter writes them:
   tokens, scores (a token's score is minus the rank of the merge that makes it, so llama.cpp's
   highest-score-first merging takes the merges in Hugging Face's order), token types, ``add_space_prefix``.
 
-Special-token ids and the add-bos/eos flags come from ``gguf.SpecialVocab``, the chat template from the
-checkpoint (what training rendered conversations with)."""
+Special-token ids come from ``gguf.SpecialVocab``; the add-bos/eos flags from what the tokenizer does; the
+chat template from the checkpoint (what training rendered conversations with: ``generate.read_format_record``).
+
+``write_modelfile`` writes Ollama's ``Modelfile``: the chat template translated to a Go template where it
+wraps each message alike (ChatML, Llama 3 style, slimtune's fallback), checked by rendering both."""
 
 from __future__ import annotations
 
@@ -45,6 +48,8 @@ def vocab_fields(model_dir: str | Path, hf_config, chat_template: str | None) ->
 
     Example: ``for key, value, vtype in vocab_fields(ckpt, config, template): writer.add_key_value(key, value, vtype)``"""
     model_dir = Path(model_dir)
+    if chat_template is not None and not isinstance(chat_template, str):
+        raise SlimtuneError(f"chat_template: expected a string, found {json_kind(chat_template)}")
     path = model_dir / "tokenizer.json"
     spec = load_json(path, expect=dict, max_bytes=TOKENIZER_JSON_BYTES, what="the tokenizer")
     model = spec.get("model")

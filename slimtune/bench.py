@@ -587,7 +587,9 @@ def bench_gguf(preset: str, out: Path, qtype: str, layers: int | None = None, to
         shutil.copy(f, base / f.name)
     base_bytes = sum(p.stat().st_size for p in base.glob("*.safetensors"))
     disk = disk_write_mb_s(out, min(base_bytes, 2 * 1024**3))
-    child = subprocess.run([sys.executable, "-c", GGUF_CHILD, str(base), str(adapter), str(target), qtype], stdout=subprocess.PIPE, text=True)
+    child = subprocess.run(
+        [sys.executable, "-c", GGUF_CHILD, str(base), str(adapter), str(target), qtype], stdout=subprocess.PIPE, text=True
+    )
     if child.returncode:
         raise SystemExit(f"GGUF export failed with exit code {child.returncode}")
     stats = json.loads(child.stdout.strip().splitlines()[-1])

@@ -122,7 +122,10 @@ def cmd_export(args: argparse.Namespace) -> None:
     out = args.out or (args.src or args.adapter) / f"model-{args.type}.gguf"
     options = GGUFOptions(args.type, args.merge_base, args.overwrite)
     result = export_gguf(out, options, src=args.src, base=args.base, adapter=args.adapter)
-    print(f"wrote {result.path}: {args.type}, {result.tensors} tensors, {result.bytes:,d} bytes in {result.seconds:.1f} s, peak RSS {peak_rss_mb():.0f} MB")
+    print(
+        f"wrote {result.path}: {args.type}, {result.tensors} tensors, {result.bytes:,d} bytes in {result.seconds:.1f} s, "
+        f"peak RSS {peak_rss_mb():.0f} MB"
+    )
     if result.modelfile is not None:
         print(f"wrote {result.modelfile} (ollama create NAME -f {result.modelfile})")
 
@@ -246,9 +249,13 @@ def build_parser() -> argparse.ArgumentParser:
     merge.set_defaults(func=cmd_merge)
 
     export = sub.add_parser("export", help="write a checkpoint (or an adapter merged into its base) as one GGUF file, in bounded memory")
-    export.add_argument("src", type=Path, nargs="?", default=None, help="a checkpoint: a merged model directory, or a step-N/adapter directory with --base")
+    export.add_argument(
+        "src", type=Path, nargs="?", default=None, help="a checkpoint: merged model directory, or step-N/adapter with --base"
+    )
     export.add_argument("--format", choices=["gguf"], default="gguf", help="output format (gguf)")
-    export.add_argument("--type", choices=["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"], default="f16", help="default: f16")
+    export.add_argument(
+        "--type", choices=["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"], default="f16", help="default: f16"
+    )
     export.add_argument("--out", type=Path, default=None, help="output file (default: SRC/model-TYPE.gguf)")
     export.add_argument("--base", type=Path, default=None, help="base model directory, to merge an adapter on the fly")
     export.add_argument("--adapter", type=Path, default=None, help="PEFT adapter directory (or a checkpoint holding adapter/)")

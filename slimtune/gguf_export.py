@@ -36,7 +36,7 @@ from slimtune.errors import SlimtuneError
 from slimtune.formats.gguf_arch import GGUFArch, gguf_arch
 from slimtune.formats.gguf_vocab import vocab_fields, write_modelfile
 from slimtune.formats.hf import load_config
-from slimtune.formats.strict_json import load_json
+from slimtune.generate import read_format_record
 from slimtune.merge import BaseCheckpoint, merged_file_stream
 
 Q = gguf.GGMLQuantizationType
@@ -53,7 +53,6 @@ _FILE_TYPES = {
 }
 _TORCH = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 _F32_TENSORS = (gguf.MODEL_TENSOR.POS_EMBD, gguf.MODEL_TENSOR.ROPE_FREQS)  # kept F32 by llama.cpp's converter
-FORMAT_NAME = "slimtune_format.json"  # what training recorded: prompt format, chat template (slimtune.generate)
 
 
 @dataclass(frozen=True)
@@ -239,12 +238,8 @@ def _adapter_dir(path: Path) -> Path | None:
 
 
 def _record(*dirs: Path) -> dict:
-    for d in dirs:
-        for candidate in (d / FORMAT_NAME, d.parent / FORMAT_NAME):
-            if candidate.is_file():
-                record = load_json(candidate, what=FORMAT_NAME)
-                return record if isinstance(record, dict) else {}
-    return {}
+    """What training recorded (slimtune_format.json: the chat template it used) in the first of ``dirs`` that has it."""
+    return next((r for r in map(read_format_record, dirs) if r), {})
 
 
 @contextmanager
@@ -303,7 +298,9 @@ def gguf_tensors(arch: GGUFArch, stream: list[StreamTensor]) -> list[tuple[str, 
     return out
 
 
-def export_gguf(out: Path, options: GGUFOptions, src: Path | None = None, base: Path | None = None, adapter: Path | None = None) -> GGUFResult:
+def export_gguf(
+    out: Path, options: GGUFOptions, src: Path | None = None, base: Path | None = None, adapter: Path | None = None
+) -> GGUFResult:
     """Write the merged model of SRC (or ``adapter`` merged into ``base``) as one GGUF file at ``out``,
     with the tokenizer's vocabulary and chat template, and a Modelfile beside it for Ollama.
     Example: ``export_gguf(Path("m.gguf"), GGUFOptions("bf16"), base=Path("base"), adapter=Path("run/step-000010"))``"""
@@ -330,8 +327,9 @@ def export_gguf(out: Path, options: GGUFOptions, src: Path | None = None, base: 
 
 def export_checkpoint_gguf(checkpoint: Path, type_name: str, base: Path) -> GGUFResult:
     """What ``checkpoint.gguf: TYPE`` writes after training: ``model-TYPE.gguf`` (+ Modelfile) beside the
-    final checkpoint (in the run directory: the checkpoint itself stays as its manifest lists it), from its merged model, or from its adapter merged into dequant(NF4(base)) (the
-    weights training saw) when the checkpoint holds no merged model.
+    final checkpoint (in the run directory: the checkpoint stays as its manifest lists it), from its
+    merged model, or from its adapter merged into dequant(NF4(base)) (the weights training saw) when
+    the checkpoint holds no merged model.
     Example: ``export_checkpoint_gguf(Path("runs/1/step-000100"), "q8_0", Path("base"))``"""
     out = Path(checkpoint).parent / f"model-{type_name}.gguf"
     if _has_merged(Path(checkpoint)):

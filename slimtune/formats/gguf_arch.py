@@ -138,7 +138,10 @@ class GGUFArch:
         if eps is not None:
             out.append((K.Attention.LAYERNORM_EPS.format(arch=a), float(eps), T.FLOAT32))
         if cfg.get("head_dim") is not None:
-            out += [(K.Attention.KEY_LENGTH.format(arch=a), self.head_dim, T.UINT32), (K.Attention.VALUE_LENGTH.format(arch=a), self.head_dim, T.UINT32)]
+            out += [
+                (K.Attention.KEY_LENGTH.format(arch=a), self.head_dim, T.UINT32),
+                (K.Attention.VALUE_LENGTH.format(arch=a), self.head_dim, T.UINT32),
+            ]
         if not gpt2:
             out += [
                 (K.Rope.DIMENSION_COUNT.format(arch=a), self.rope_dims(), T.UINT32),
@@ -159,7 +162,10 @@ class GGUFArch:
         out: list[tuple[str, object, gguf.GGUFValueType]] = []
         if mt in _SWA_PERIOD:
             out.append((K.Attention.SLIDING_WINDOW.format(arch=a), int(_need(cfg, "sliding_window", self.where)), T.UINT32))
-            for key, gkey in (("attn_logit_softcapping", K.LLM.ATTN_LOGIT_SOFTCAPPING), ("final_logit_softcapping", K.LLM.FINAL_LOGIT_SOFTCAPPING)):
+            for key, gkey in (
+                ("attn_logit_softcapping", K.LLM.ATTN_LOGIT_SOFTCAPPING),
+                ("final_logit_softcapping", K.LLM.FINAL_LOGIT_SOFTCAPPING),
+            ):
                 if cfg.get(key) is not None:
                     if mt == "gemma3_text":
                         raise SlimtuneError(f"{self.where}: Gemma 3 with {key} {cfg[key]}: llama.cpp's gemma3 does not apply it")

@@ -119,7 +119,8 @@ def cmd_export(args: argparse.Namespace) -> None:
 
     if args.src is None and (args.base is None or args.adapter is None):
         raise SlimtuneError("export: give SRC (a checkpoint) or both --base and --adapter")
-    out = args.out or (args.src or args.adapter) / f"model-{args.type}.gguf"
+    # beside the checkpoint, as checkpoint.gguf writes it: a file inside would not be in its manifest
+    out = args.out or (args.src or args.adapter).resolve().parent / f"model-{args.type}.gguf"
     options = GGUFOptions(args.type, args.merge_base, args.overwrite)
     result = export_gguf(out, options, src=args.src, base=args.base, adapter=args.adapter)
     print(
@@ -256,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--type", choices=["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"], default="f16", help="default: f16"
     )
-    export.add_argument("--out", type=Path, default=None, help="output file (default: SRC/model-TYPE.gguf)")
+    export.add_argument("--out", type=Path, default=None, help="output file (default: model-TYPE.gguf beside SRC)")
     export.add_argument("--base", type=Path, default=None, help="base model directory, to merge an adapter on the fly")
     export.add_argument("--adapter", type=Path, default=None, help="PEFT adapter directory (or a checkpoint holding adapter/)")
     export.add_argument("--merge-base", choices=["original", "quantized"], default="original", help="as for merge (default: original)")

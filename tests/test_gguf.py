@@ -248,3 +248,20 @@ def test_bad_input_is_one_line_exit_2_nothing_written(family_dirs, tmp_path, cap
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "blocks of 32" in err
     assert not out.exists() and not list(tmp_path.glob(".x.gguf*"))
+
+
+def test_training_writes_gguf_beside_the_final_checkpoint(tmp_path):
+    """checkpoint.gguf: q8_0 -> model-q8_0.gguf + Modelfile in the run directory, from the final merged checkpoint."""
+    from slimtune.config import load_config
+    from slimtune.recipes.finetune import run_finetune
+
+    run_dir = tmp_path / "run"
+    values = {"output_dir": str(run_dir), "training.max_steps": 2, "training.total_epochs": 10**6, "checkpoint.gguf": "q8_0"}
+    result = run_finetune(load_config("tiny", values={**values, "overwrite": True}))
+    path = run_dir / "model-q8_0.gguf"
+    assert path.is_file() and (run_dir / "Modelfile").read_text().startswith("FROM ./model-q8_0.gguf")
+    check_readback(path, result.checkpoint, "q8_0")
+    ids = list(range(40, 80))
+    hf = hf_logits(result.checkpoint, ids).argmax(-1)
+    agree = float((cpp_logits(load_cpp(path), ids).argmax(-1) == hf).mean())
+    assert agree >= 0.95, f"q8_0 top-1 agreement {agree:.2%}"

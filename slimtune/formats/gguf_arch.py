@@ -269,10 +269,11 @@ def _grouped(t: StreamTensor, group: int, perm: torch.Tensor | None, source_grou
     return StreamTensor(t.name, t.shape, t.dtype, rows)
 
 
-def _transposed(t: StreamTensor, pass_rows: int = 4096) -> StreamTensor:
+def _transposed(t: StreamTensor, pass_bytes: int = 4 * 1024 * 1024) -> StreamTensor:
     """The transpose of a 2-D entry: output rows [s, e) are input columns [s, e), gathered by a pass over
-    the input rows in chunks (GPT-2's Conv1D weights, a few MB each)."""
+    the input rows in chunks of ``pass_bytes`` (GPT-2's Conv1D weights, a few MB each)."""
     n_in, n_out = t.shape
+    pass_rows = max(1, pass_bytes // (4 * n_out))
 
     def rows(s: int, e: int) -> torch.Tensor:
         out = torch.empty((e - s, n_in), dtype=t.dtype)

@@ -7,7 +7,8 @@ For every dense family llama.cpp supports: a tiny random model of the family (pe
   - f16/bf16: llama.cpp's logits on a prompt are within LOGIT_BOUND * std(logits) of transformers' (fp32
     forward of the same checkpoint), and the greedy continuation is the same, stepped on transformers'
     choices, a disagreement allowed only where transformers' own top two are within that bound;
-  - q8_0: top-1 agreement with transformers on >= 95% of positions;
+  - q8_0: logits within Q8_BOUND std; top-1 agreement >= 95% of the positions that are not near-ties
+    (every position on the real SmolLM2-135M);
   - every tensor reads back with gguf.GGUFReader equal to the streamed rows (exactly for f32/f16/bf16;
     byte-equal to gguf.quants.quantize of the whole tensor for quantized types).
 The merge on the fly (--base + --adapter, a PEFT adapter) gives the same file as exporting the merged
@@ -23,7 +24,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from slimtune.cli import main as slimtune_main
 from slimtune.families import family_of, tiny_config
@@ -35,6 +36,7 @@ llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is in the 
 
 TOKENIZER = Path(os.environ.get("SLIMTUNE_SMOLLM2", "/work/cache/smollm2-hf"))  # a real byte-level BPE tokenizer
 LOGIT_BOUND = 0.03  # in units of std(transformers' logits); measured up to 0.005 (f16) on these models
+Q8_BOUND = 0.15  # q8_0 (llama.cpp also quantizes activations to 8 bits); measured 0.08 on the tiny Llama
 PROMPT = list(range(100, 140))  # ids every test model's vocabulary has
 GREEDY_STEPS = 12
 
@@ -109,7 +111,7 @@ def _no_weight_repacking(monkeypatch):
 
 
 def load_cpp(path: Path):
-    return llama_cpp.Llama(str(path), logits_all=True, verbose=False, n_ctx=128, n_threads=2)
+    return llama_cpp.Llama(str(path), logits_all=True, verbose=False, n_ctx=256, n_threads=2)
 
 
 def check_readback(path: Path, src: Path, typ: str) -> None:
@@ -179,9 +181,23 @@ def test_family_loads_in_llama_cpp_with_transformers_logits(family_dirs, tmp_pat
     check_close_and_greedy(llm, src)
     qpath = export(src, "q8_0", tmp_path / "model-q8_0.gguf")
     check_readback(qpath, src, "q8_0")
-    hf = hf_logits(src, PROMPT).argmax(-1)
-    agree = float((cpp_logits(load_cpp(qpath), PROMPT).argmax(-1) == hf).mean())
-    assert agree >= 0.95, f"q8_0 top-1 agreement {agree:.2%}"
+    check_q8_0_top1(load_cpp(qpath), src)
+
+
+def check_q8_0_top1(llm, model_dir: Path) -> None:
+    """q8_0 logits within Q8_BOUND std of transformers'; top-1 equal on >= 95% of the positions that are
+    not near-ties. A random tiny model over 49,152 tokens has nearly Gaussian logits, whose top two are
+    often closer than q8_0's noise (there, which wins is noise: measured 3 of 40 positions within 0.016
+    std); the plain >= 95% over every position is checked on the real SmolLM2 (test_q8_0_real_model)."""
+    hf = hf_logits(model_dir, PROMPT)
+    cpp = cpp_logits(llm, PROMPT)
+    scale = float(hf.std())
+    err = float(np.abs(cpp - hf).max()) / scale
+    assert err <= Q8_BOUND, f"q8_0: max |llama.cpp - transformers| = {err:.4f} std"
+    top2 = np.sort(hf, axis=-1)[:, -2:]
+    clear = (top2[:, 1] - top2[:, 0]) > Q8_BOUND * scale
+    agree = float((cpp.argmax(-1) == hf.argmax(-1))[clear].mean())
+    assert clear.sum() >= len(PROMPT) // 4 and agree >= 0.95, f"q8_0 top-1 agreement {agree:.2%} on {clear.sum()} clear positions"
 
 
 def test_every_family_of_the_table_is_covered():
@@ -261,7 +277,28 @@ def test_training_writes_gguf_beside_the_final_checkpoint(tmp_path):
     path = run_dir / "model-q8_0.gguf"
     assert path.is_file() and (run_dir / "Modelfile").read_text().startswith("FROM ./model-q8_0.gguf")
     check_readback(path, result.checkpoint, "q8_0")
-    ids = list(range(40, 80))
-    hf = hf_logits(result.checkpoint, ids).argmax(-1)
-    agree = float((cpp_logits(load_cpp(path), ids).argmax(-1) == hf).mean())
-    assert agree >= 0.95, f"q8_0 top-1 agreement {agree:.2%}"
+    check_q8_0_top1(load_cpp(path), result.checkpoint)
+
+
+@pytest.mark.real_model
+def test_q8_0_real_model_top1(tmp_path):
+    """The real SmolLM2-135M-Instruct (30 layers, tied embeddings) in q8_0: llama.cpp's top-1 equals
+    transformers' (fp32 forward of the bf16 checkpoint) on >= 95% of the positions of a real text."""
+    src = _tokenizer_dir(None)
+    path = export(src, "q8_0", tmp_path / "smollm2-q8_0.gguf")
+
+    text = (
+        "A checkpoint is an ordered stream of named tensors. Each tensor is produced on demand, a few rows at a time, "
+        "so the memory holds one chunk and never the whole model. def merge(w, a, b): return w + b @ a  # fp32, one rounding"
+    )
+    tok = AutoTokenizer.from_pretrained(src)
+    chat = [
+        {"role": "user", "content": "What is the capital of France? Answer in one sentence."},
+        {"role": "assistant", "content": "The capital of France is Paris, a city on the Seine known for the Eiffel Tower."},
+    ]
+    llm, same, total = load_cpp(path), 0, 0
+    for ids in (tok.encode(text), tok.encode(tok.apply_chat_template(chat, tokenize=False))):
+        same += int((cpp_logits(llm, ids).argmax(-1) == hf_logits(src, ids).argmax(-1)).sum())
+        total += len(ids)
+    # measured 119 of 123 (96.7%); the 4 misses are near-ties (top two within 0.05 std)
+    assert total >= 100 and same / total >= 0.95, f"q8_0 top-1 agreement {same / total:.2%} over {total} positions"

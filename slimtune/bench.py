@@ -583,13 +583,16 @@ def bench_gguf(preset: str, out: Path, qtype: str, layers: int | None = None, to
     if not is_complete_checkpoint(adapter):
         write_synthetic_adapter(config, adapter)
     tokenizer = tokenizer or Path(os.environ.get("SLIMTUNE_SMOLLM2", "/work/cache/smollm2-hf"))
-    for f in tokenizer.glob("*token*"):
-        shutil.copy(f, base / f.name)
     base_bytes = sum(p.stat().st_size for p in base.glob("*.safetensors"))
     disk = disk_write_mb_s(out, min(base_bytes, 2 * 1024**3))
-    child = subprocess.run(
-        [sys.executable, "-c", GGUF_CHILD, str(base), str(adapter), str(target), qtype], stdout=subprocess.PIPE, text=True
-    )
+    copied = [Path(shutil.copy(f, base / f.name)) for f in tokenizer.glob("*token*") if not (base / f.name).exists()]
+    try:  # the base is reused only while its manifest lists every file: the tokenizer goes back out
+        child = subprocess.run(
+            [sys.executable, "-c", GGUF_CHILD, str(base), str(adapter), str(target), qtype], stdout=subprocess.PIPE, text=True
+        )
+    finally:
+        for f in copied:
+            f.unlink()
     if child.returncode:
         raise SystemExit(f"GGUF export failed with exit code {child.returncode}")
     stats = json.loads(child.stdout.strip().splitlines()[-1])

@@ -146,7 +146,7 @@ def _show_gguf(ckpt: Path, out: Path, transformers_text: str, prompt: str = "Can
 
     rel = os.path.relpath(ckpt) if not os.path.relpath(ckpt).startswith("..") else str(ckpt)
     print(f"\n$ slimtune export {rel} --format gguf --type f16 --out {out} --overwrite")
-    cmd = [sys.executable, "-m", "slimtune", "export", str(ckpt), "--type", "f16", "--out", str(out), "--overwrite"]
+    cmd = [sys.executable, "-m", "slimtune", "export", str(ckpt), "--format", "gguf", "--type", "f16", "--out", str(out), "--overwrite"]
     child = subprocess.run(cmd, capture_output=True, text=True)
     print((child.stdout + child.stderr).strip())
     if child.returncode:

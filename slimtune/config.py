@@ -21,7 +21,7 @@ import yaml
 
 from slimtune.errors import SlimtuneError
 from slimtune.lora import DEFAULT_TARGETS
-from slimtune.memory import parse_size
+from slimtune.memory import DEFAULT_SHARD_SIZE, parse_size
 
 PLACEHOLDER = "{output_dir}"
 
@@ -234,7 +234,7 @@ SCHEMA: tuple[Key, ...] = (
         nullable=True,
         minimum=1,
     ),
-    Key("checkpoint.max_shard_size", "str", "5GB", "Largest merged safetensors shard, e.g. 2GB or 500MiB."),
+    Key("checkpoint.max_shard_size", "str", DEFAULT_SHARD_SIZE, "Largest merged safetensors shard, e.g. 2GB or 500MiB."),
     Key(
         "checkpoint.gguf",
         "str",

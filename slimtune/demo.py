@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from slimtune.checkpoint.save import ADAPTER_DIR
 from slimtune.config import load_config
+from slimtune.generate import SamplingOptions, generate, load_for_generation, prompt_ids
 from slimtune.recipes.finetune import run_finetune
 from slimtune.tiny import DEMO_TEXTS
 
@@ -120,8 +121,6 @@ def _link(link: Path, target: Path) -> None:
 
 def _show_generate(out_dir: Path, ckpt: Path) -> str:
     """What `slimtune generate` prints on the demo checkpoint, both forms (greedy, so they can be compared)."""
-    from slimtune.generate import SamplingOptions, generate, load_for_generation, prompt_ids
-
     prompt = "Can training resume?"
     rel = os.path.relpath(ckpt) if not os.path.relpath(ckpt).startswith("..") else str(ckpt)
     print(f"\n$ slimtune generate {rel} --prompt {prompt!r} --temperature 0 --max-new-tokens 24")
@@ -173,7 +172,7 @@ def _show_gguf(ckpt: Path, out: Path, transformers_text: str, prompt: str = "Can
 
 def _peft_reload(base_dir: Path, adapter_dir: Path, batch: dict | None = None, qlora_logits: torch.Tensor | None = None) -> str:
     try:
-        from peft import PeftModel
+        from peft import PeftModel  # optional (a dev extra): the demo's reload check only
     except ImportError:
         return "peft is not installed: adapter reload skipped (pip install peft)"
     base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.bfloat16, local_files_only=True)

@@ -204,7 +204,7 @@ def test_merge_passes_reference_dtypes_and_empty_tensors_through(tiny_base, tmp_
         adapter / "adapter_model.safetensors",
     )
     out = tmp_path / "merged"
-    merge_from_files(base, adapter, out, dtype="fp32", progress=False)
+    merge_from_files(base, adapter, out, WriteOptions(dtype="fp32", progress=False))
     merged = {}
     for f in sorted(out.glob("model-*.safetensors")):
         assert _verdict_reference(f.read_bytes())

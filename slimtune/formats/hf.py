@@ -113,7 +113,7 @@ def load_config(model_dir: str | Path) -> PretrainedConfig:
     model_dir = Path(model_dir)
     read_config_dict(model_dir)
     path = model_dir / "config.json"
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # transformers (seconds to import) only where a model config object is needed
 
     try:
         return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)

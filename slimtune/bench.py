@@ -692,6 +692,78 @@ def bench_train_save(preset: str, out: Path, steps: int, save_every: int, layers
     return result
 
 
+GGUF_CHILD = """
+import json, sys, time
+from pathlib import Path
+from slimtune.gguf_export import GGUFOptions, export_gguf
+from slimtune.memory import bytes_written_by_process, peak_rss_mb, reset_peak_rss, rss_mb
+base, adapter, out, typ = sys.argv[1:5]
+before = rss_mb()
+reset = reset_peak_rss()
+w0, t0 = bytes_written_by_process(), time.perf_counter()
+result = export_gguf(Path(out), GGUFOptions(typ, overwrite=True), base=Path(base), adapter=Path(adapter))
+print(json.dumps({"export_s": time.perf_counter() - t0, "bytes_written": bytes_written_by_process() - w0,
+                  "reported_bytes": result.bytes, "tensors": result.tensors, "rss_before_mb": before,
+                  "peak_rss_mb": peak_rss_mb(), "peak_reset": reset}))
+"""
+
+
+def bench_gguf(preset: str, out: Path, qtype: str, layers: int | None = None, tokenizer: Path | None = None) -> dict:
+    """GGUF export of a synthetic base + adapter (made once under ``out``, reused), merged on the fly, in a
+    fresh child process that reports its peak RSS over its own baseline (RSS after imports, peak reset
+    with clear_refs), the bytes it wrote and the file's size; the disk's sequential write speed is
+    measured in the same run. ``tokenizer``: a directory whose tokenizer files the base gets (the GGUF
+    needs a vocabulary; SmolLM2's by default)."""
+    import subprocess
+    import sys
+
+    from slimtune.checkpoint.atomic import is_complete_checkpoint
+
+    config = preset_config(preset, **({"num_hidden_layers": layers} if layers else {}))
+    tag = preset + (f"-{layers}l" if layers else "")
+    base, adapter, target = out / f"base-{tag}", out / f"adapter-{tag}", out / f"{tag}-{qtype}.gguf"
+    if not is_complete_checkpoint(base):
+        write_synthetic_base(config, base)
+    if not is_complete_checkpoint(adapter):
+        write_synthetic_adapter(config, adapter)
+    tokenizer = tokenizer or Path(os.environ.get("SLIMTUNE_SMOLLM2", "/work/cache/smollm2-hf"))
+    base_bytes = sum(p.stat().st_size for p in base.glob("*.safetensors"))
+    disk = disk_write_mb_s(out, min(base_bytes, 2 * 1024**3))
+    copied = [Path(shutil.copy(f, base / f.name)) for f in tokenizer.glob("*token*") if not (base / f.name).exists()]
+    try:  # the base is reused only while its manifest lists every file: the tokenizer goes back out
+        child = subprocess.run(
+            [sys.executable, "-c", GGUF_CHILD, str(base), str(adapter), str(target), qtype], stdout=subprocess.PIPE, text=True
+        )
+    finally:
+        for f in copied:
+            f.unlink()
+    if child.returncode:
+        raise SystemExit(f"GGUF export failed with exit code {child.returncode}")
+    stats = json.loads(child.stdout.strip().splitlines()[-1])
+    size = target.stat().st_size
+    target.unlink()
+    for extra in out.glob("Modelfile"):
+        extra.unlink()
+    write_mb_s = size / stats["export_s"] / 1e6
+    return {
+        "preset": preset + (f"[{layers} layers]" if layers else ""),
+        "type": qtype,
+        "base_bytes": base_bytes,
+        "file_bytes": size,
+        "bytes_written": stats["bytes_written"],
+        "written_vs_file": round(stats["bytes_written"] / size, 5),
+        "tensors": stats["tensors"],
+        "export_s": round(stats["export_s"], 2),
+        "write_mb_s": round(write_mb_s, 1),
+        "disk_mb_s": round(disk, 1),
+        "ratio": round(write_mb_s / disk, 3),
+        "rss_before_mb": round(stats["rss_before_mb"], 1),
+        "peak_rss_mb": round(stats["peak_rss_mb"], 1),
+        "overhead_mb": round(stats["peak_rss_mb"] - stats["rss_before_mb"], 1),
+        "peak_reset": stats["peak_reset"],
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m slimtune.bench")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -738,6 +810,12 @@ def main(argv: list[str] | None = None) -> None:
     ts.add_argument("--layers", type=int, default=2, help="decoder layers of the synthetic model")
     ts.add_argument("--device", default="cpu")
     ts.add_argument("--keep", action="store_true", help="keep the run directories")
+    gg = sub.add_parser("gguf", help="GGUF export of a synthetic base + adapter (merged on the fly): peak RSS, bytes, time vs disk")
+    gg.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    gg.add_argument("--type", default="q8_0", help="f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1 (default q8_0)")
+    gg.add_argument("--out", type=Path, default=Path("bench-out"))
+    gg.add_argument("--layers", type=int, default=None, help="override the number of layers")
+    gg.add_argument("--tokenizer", type=Path, default=None, help="tokenizer files for the base (default: SmolLM2's)")
     args = parser.parse_args(argv)
     if args.command == "train-step":
         _train_step(args)
@@ -747,6 +825,9 @@ def main(argv: list[str] | None = None) -> None:
             for mode in TRAIN_SAVE_MODES:
                 shutil.rmtree(args.out / f"run-{mode}", ignore_errors=True)
         print(json.dumps(result))
+    if args.command == "gguf":
+        args.out.mkdir(parents=True, exist_ok=True)
+        print(json.dumps(bench_gguf(args.preset, args.out, args.type, args.layers, args.tokenizer)))
     if args.command == "dist-save":
         print(json.dumps(bench_dist_save(args.preset, args.out, args.nproc, args.layers, args.peer)))
     if args.command == "load-moe":

@@ -109,6 +109,24 @@ def cmd_merge(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> None:
+    from slimtune.gguf_export import GGUFOptions, export_gguf
+    from slimtune.memory import peak_rss_mb
+
+    if args.src is None and (args.base is None or args.adapter is None):
+        raise SlimtuneError("export: give SRC (a checkpoint) or both --base and --adapter")
+    # beside the checkpoint, as checkpoint.gguf writes it: a file inside would not be in its manifest
+    out = args.out or (args.src or args.adapter).resolve().parent / f"model-{args.type}.gguf"
+    options = GGUFOptions(args.type, args.merge_base, args.overwrite)
+    result = export_gguf(out, options, src=args.src, base=args.base, adapter=args.adapter)
+    print(
+        f"wrote {result.path}: {args.type}, {result.tensors} tensors, {result.bytes:,d} bytes in {result.seconds:.1f} s, "
+        f"peak RSS {peak_rss_mb():.0f} MB"
+    )
+    if result.modelfile is not None:
+        print(f"wrote {result.modelfile} (ollama create NAME -f {result.modelfile})")
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     from slimtune.verify import verify_checkpoint  # lazy
 
@@ -186,6 +204,21 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=cmd_chat)
 
     _add_merge(sub)
+
+    export = sub.add_parser("export", help="write a checkpoint (or an adapter merged into its base) as one GGUF file, in bounded memory")
+    export.add_argument(
+        "src", type=Path, nargs="?", default=None, help="a checkpoint: merged model directory, or step-N/adapter with --base"
+    )
+    export.add_argument("--format", choices=["gguf"], default="gguf", help="output format (gguf)")
+    export.add_argument(
+        "--type", choices=["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"], default="f16", help="default: f16"
+    )
+    export.add_argument("--out", type=Path, default=None, help="output file (default: model-TYPE.gguf beside SRC)")
+    export.add_argument("--base", type=Path, default=None, help="base model directory, to merge an adapter on the fly")
+    export.add_argument("--adapter", type=Path, default=None, help="PEFT adapter directory (or a checkpoint holding adapter/)")
+    export.add_argument("--merge-base", choices=["original", "quantized"], default="original", help="as for merge (default: original)")
+    export.add_argument("--overwrite", action="store_true", help="replace an existing output file (atomically, once complete)")
+    export.set_defaults(func=cmd_export)
 
     verify = sub.add_parser("verify", help="check a checkpoint against its manifest, the format rules and (optionally) its sources")
     verify.add_argument("path", type=Path, help="checkpoint directory")

@@ -268,6 +268,14 @@ SCHEMA: tuple[Key, ...] = (
         "Save in the background: training blocks only to snapshot the adapters and training state, a writer process writes the "
         "checkpoint (one process; under torchrun saves are synchronous).",
     ),
+    Key(
+        "checkpoint.gguf",
+        "str",
+        None,
+        "Also write model-TYPE.gguf (+ an Ollama Modelfile) beside the run's final checkpoint, for llama.cpp/Ollama (docs/gguf.md).",
+        nullable=True,
+        choices=("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"),
+    ),
     Key("logging.progress_bar", "bool", True, "Show a tqdm bar (loss, eval loss, lr, tokens/s) on stderr."),
     Key("logging.tensorboard", "bool", False, "Also write TensorBoard event files under output_dir/tensorboard (extra: tensorboard)."),
     Key("logging.wandb.project", "str", None, "Also log to this Weights & Biases project (extra: wandb).", nullable=True),

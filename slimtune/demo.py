@@ -104,6 +104,7 @@ def run_demo(
     print(peft_line)
     print(f"peak RSS of the whole run: {run.peak_rss_mb:.0f} MB")
     summary["generated"] = _show_generate(out_dir, ckpt)
+    _show_gguf(ckpt, out_dir / "model-f16.gguf", summary["generated"])
     print(f"demo finished in {time.perf_counter() - t0:.1f} s; outputs under {out_dir}")
     return summary
 
@@ -141,6 +142,39 @@ def _show_generate(out_dir: Path, ckpt: Path) -> str:
         f"{'the same text' if same else 'a different text'}; try: slimtune chat {rel})"
     )
     return text
+
+
+def _show_gguf(ckpt: Path, out: Path, transformers_text: str, prompt: str = "Can training resume?") -> None:
+    """`slimtune export CKPT --format gguf` in a child process (its own peak RSS), then, where llama_cpp
+    is installed, llama.cpp's greedy reply to the prompt next to transformers'."""
+    import subprocess
+    import sys
+
+    rel = os.path.relpath(ckpt) if not os.path.relpath(ckpt).startswith("..") else str(ckpt)
+    print(f"\n$ slimtune export {rel} --format gguf --type f16 --out {out} --overwrite")
+    cmd = [sys.executable, "-m", "slimtune", "export", str(ckpt), "--format", "gguf", "--type", "f16", "--out", str(out), "--overwrite"]
+    child = subprocess.run(cmd, capture_output=True, text=True)
+    print((child.stdout + child.stderr).strip())
+    if child.returncode:
+        return
+    try:
+        import llama_cpp
+    except ImportError:
+        print("(llama-cpp-python is not installed: pip install -e .[dev] to see llama.cpp's reply)")
+        return
+    from slimtune.generate import load_for_generation, prompt_ids
+
+    merged = load_for_generation(ckpt, form="merged", device="cpu")
+    ids = prompt_ids(merged, prompt=prompt)
+    llm = llama_cpp.Llama(str(out), verbose=False, n_ctx=256)
+    reply = []
+    for token in llm.generate(ids, temp=0.0, top_k=1):
+        if token == llm.token_eos() or len(reply) >= 24:
+            break
+        reply.append(token)
+    text = merged.tokenizer.decode(reply, skip_special_tokens=True)
+    print(f"llama.cpp (greedy):    {text!r}")
+    print(f"transformers (greedy): {transformers_text!r}")
 
 
 def _peft_reload(base_dir: Path, adapter_dir: Path, batch: dict | None = None, qlora_logits: torch.Tensor | None = None) -> str:

@@ -150,12 +150,23 @@ def _recorded_base(path: Path, adapter_dir: Path, config: dict) -> Path:
     raise SlimtuneError(f"{adapter_dir}: cannot find the base model it was trained on ({candidates}); pass --base DIR")
 
 
-def _recorded_prompt_format(path: Path, tokenizer) -> str:
+def read_format_record(path: str | Path) -> dict:
+    """``slimtune_format.json`` of the checkpoint at ``path`` (or of the directory above it, for its
+    ``adapter/``); empty when there is none. The chat template training used is its ``chat_template``.
+
+    Example: ``read_format_record("runs/x/step-10").get("chat_template")``"""
+    path = Path(path)
     for candidate in (path / FORMAT_NAME, path.parent / FORMAT_NAME):
         if candidate.is_file():
             record = parse_json(candidate.read_bytes(), str(candidate))
-            if isinstance(record, dict) and record.get("prompt_format") in PROMPT_FORMATS:
-                return record["prompt_format"]
+            return record if isinstance(record, dict) else {}
+    return {}
+
+
+def _recorded_prompt_format(path: Path, tokenizer) -> str:
+    recorded = read_format_record(path).get("prompt_format")
+    if recorded in PROMPT_FORMATS:
+        return recorded
     return "chat" if getattr(tokenizer, "chat_template", None) else "text"
 
 

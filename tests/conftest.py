@@ -79,3 +79,14 @@ def assert_same_checkpoint(a: Path, b: Path, also: frozenset[str] = frozenset())
     fresh = {f"{TRAIN_STATE_DIR}/.metadata", "slimtune_manifest.json", *also}
     assert {k for k in da if da[k] != db[k]} <= fresh, {k for k in da if da[k] != db[k]}
     assert dcp_metadata(a) == dcp_metadata(b)
+
+
+SMOLLM2_DIR = Path(os.environ.get("SLIMTUNE_SMOLLM2", "/work/cache/smollm2-hf"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The real SmolLM2-135M-Instruct checkpoint (Hugging Face layout; $SLIMTUNE_SMOLLM2 or /work/cache)."""
+    if not (SMOLLM2_DIR / "tokenizer.json").is_file():
+        pytest.skip(f"real_model: {SMOLLM2_DIR} not present (set SLIMTUNE_SMOLLM2)")
+    return SMOLLM2_DIR

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from slimtune.checkpoint.atomic import atomic_directory, is_complete_checkpoint, reclaim_leftovers
+from slimtune.checkpoint.atomic import atomic_directory, atomic_file, is_complete_checkpoint, reclaim_leftovers
 from slimtune.checkpoint.manager import CheckpointManager
 from slimtune.checkpoint.save import save_checkpoint
 from slimtune.checkpoint.writer import WriteOptions
@@ -413,3 +413,19 @@ def test_a_fresh_run_that_fails_before_its_first_checkpoint_leaves_nothing(tmp_p
     with pytest.raises(SlimtuneError):
         run_finetune(load_config("tiny", values={**ok, **bad, "resume": True, "training.max_steps": 4}))
     assert sorted(p.name for p in done.iterdir()) == kept
+
+
+def test_atomic_file_replaces_whole_or_not_at_all(tmp_path):
+    target = tmp_path / "sub" / "Modelfile"
+    with atomic_file(target) as tmp:
+        assert tmp.parent == target.parent and not target.exists()
+        tmp.write_text("one\n")
+    assert target.read_text() == "one\n"
+    with pytest.raises(RuntimeError), atomic_file(target) as tmp:
+        tmp.write_text("half")
+        raise RuntimeError("killed mid-write")
+    assert target.read_text() == "one\n" and sorted(p.name for p in target.parent.iterdir()) == ["Modelfile"]
+    (tmp_path / "afile").write_text("")  # an OSError (the parent is a file) is one line naming the target
+    with pytest.raises(SlimtuneError, match=r"afile/Modelfile") as e, atomic_file(tmp_path / "afile" / "Modelfile") as tmp:
+        tmp.write_text("x")
+    assert "\n" not in str(e.value)

@@ -15,7 +15,8 @@ from transformers import AutoTokenizer
 from slimtune.cli import main
 from slimtune.config import load_config
 from slimtune.data import Record, tokenize
-from slimtune.generate import SamplingOptions, generate, load_for_generation, prompt_ids
+from slimtune.errors import SlimtuneError
+from slimtune.generate import SamplingOptions, generate, load_for_generation, prompt_ids, read_format_record
 from slimtune.recipes.finetune import run_finetune
 from slimtune.tiny import byte_tokenizer
 
@@ -134,3 +135,16 @@ def test_cli_generate_and_chat(demo_checkpoint, tmp_path, capsys, monkeypatch):
     assert code == 0 and expected in out.out, out.err
     assert main(["generate", str(tmp_path / "nope"), "--prompt", "x"]) == 2
     assert "no such checkpoint directory" in capsys.readouterr().err
+
+
+def test_read_format_record_from_a_checkpoint_or_its_adapter(tmp_path):
+    step = tmp_path / "step-3"
+    (step / "adapter").mkdir(parents=True)
+    assert read_format_record(step) == {}
+    (step / "slimtune_format.json").write_text(json.dumps({"prompt_format": "chat", "chat_template": "{{ x }}"}))
+    assert read_format_record(step)["chat_template"] == "{{ x }}" == read_format_record(step / "adapter")["chat_template"]
+    (step / "slimtune_format.json").write_text("[1]")
+    assert read_format_record(step) == {}
+    (step / "slimtune_format.json").write_text("{")
+    with pytest.raises(SlimtuneError, match="slimtune_format.json"):
+        read_format_record(step)

@@ -10,6 +10,7 @@ killed processes (lock free) and never those of a live one. Every ``OSError`` of
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -201,6 +202,30 @@ def _remove_empty(created: list[Path]) -> None:
             d.rmdir()
         except OSError:
             break
+
+
+@contextmanager
+def atomic_file(target: Path) -> Iterator[Path]:
+    """Yields the path of a temporary sibling of the file ``target`` to write; on normal exit it is fsynced
+    and renamed over ``target``. On any exception it is removed and ``target`` is untouched (never a
+    partial file under the final name). An ``OSError`` is one ``SlimtuneError`` line.
+
+    Example: ``with atomic_file(Path("out/Modelfile")) as tmp: tmp.write_text("FROM ./model.gguf\\n")``"""
+    target = Path(target)
+    if target.is_dir():
+        raise SlimtuneError(f"{target} is a directory; expected a file path")
+    tmp = target.with_name(f".{target.name}.partial-{uuid.uuid4().hex[:8]}")
+    try:
+        with os_errors("write", target):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            yield tmp
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+            fsync_dir(target.parent)
+    finally:
+        with contextlib.suppress(OSError):  # gone (renamed), or its directory never was
+            tmp.unlink(missing_ok=True)
 
 
 @contextmanager

@@ -82,6 +82,7 @@ from slimtune.errors import SlimtuneError
 from slimtune.formats.hf import load_config as load_hf_config
 from slimtune.formats.hf import tokenizer_files
 from slimtune.generate import FORMAT_NAME, Loaded, SamplingOptions, format_record, generate, prompt_format_of, prompt_ids
+from slimtune.gguf_export import export_checkpoint_gguf
 from slimtune.lora import LoRAConfig, lora_parameters
 from slimtune.memory import peak_rss_mb, reset_peak_rss, rss_mb
 from slimtune.model import config_dtype, load_qlora_model, load_tokenizer, nf4_report, nf4_summary_line, pick_device, pick_dtype
@@ -416,6 +417,9 @@ def finish(run: Run) -> FinetuneResult:
     say(f"metrics: {run.manager.metrics_path}" + (f"; loss curve: {result.plot_path}" if result.plot_path else ""))
     if result.checkpoint is not None:
         say(f"newest checkpoint: {result.checkpoint}")
+    if run.cfg.checkpoint.gguf and result.checkpoint is not None and step == total and run.ranks.is_coordinator:
+        g = export_checkpoint_gguf(result.checkpoint, run.cfg.checkpoint.gguf, Path(run.cfg.model.path))
+        say(f"wrote {g.path} ({g.type}, {g.tensors} tensors, {g.bytes:,} bytes, {g.seconds:.1f} s) and {g.modelfile}")
     gpu = f"; peak GPU memory {result.peak_gpu_mb:.0f} MB" if result.peak_gpu_mb is not None else ""
     say(f"peak RSS of the run: {result.peak_rss_mb:.0f} MB{gpu}")
     return result

@@ -1,0 +1,289 @@
+"""What llama.cpp expects of each model family in a GGUF file: the architecture, its metadata keys from
+the Hugging Face config, each tensor's GGUF name (the ``gguf`` package's own HF -> GGUF name map) and
+the few row transformations llama.cpp's ``convert_hf_to_gguf.py`` applies (facts followed, not code
+copied): Llama's Q/K row permutation, Gemma's norm weights stored as ``1 + w``, GPT-NeoX's fused QKV
+regrouped from per-head [q k v] to [Q K V], GPT-2's Conv1D weights transposed.
+
+Every transformation is a row map over a tensor stream entry (``StreamTensor``), so the export stays a
+stream: rows in, rows out, one chunk at a time. Example::
+
+    arch = gguf_arch(config_dict)              # SlimtuneError for a family llama.cpp cannot take
+    arch.kv()                                  # [(key, value, GGUFValueType), ...]
+    arch.tensor(stream_entry)                  # the GGUF-named, transformed entry, or None (dropped)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import gguf
+import torch
+
+from slimtune.checkpoint.stream import StreamTensor
+from slimtune.errors import SlimtuneError
+
+ARCHS = {
+    "llama": gguf.MODEL_ARCH.LLAMA,
+    "mistral": gguf.MODEL_ARCH.LLAMA,  # llama.cpp's converter reads HF Mistral as Llama
+    "qwen2": gguf.MODEL_ARCH.QWEN2,
+    "qwen3": gguf.MODEL_ARCH.QWEN3,
+    "gemma2": gguf.MODEL_ARCH.GEMMA2,
+    "gemma3_text": gguf.MODEL_ARCH.GEMMA3,
+    "phi3": gguf.MODEL_ARCH.PHI3,
+    "olmo2": gguf.MODEL_ARCH.OLMO2,
+    "gpt_neox": gguf.MODEL_ARCH.GPTNEOX,
+    "gpt2": gguf.MODEL_ARCH.GPT2,
+}
+# tensors the HF checkpoint may hold that llama.cpp does not read (attention masks saved as buffers)
+_DROPPED = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attention.masked_bias", ".rotary_emb.inv_freq")
+# llama.cpp hard-codes which Gemma layers use the sliding window: every layer i with i % n < n - 1
+_SWA_PERIOD = {"gemma2": 2, "gemma3_text": 6}
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}
+
+T = gguf.GGUFValueType
+
+
+def _need(cfg: dict, key: str, where: str):
+    value = cfg.get(key)
+    if value is None:
+        raise SlimtuneError(f"{where}: config.json has no {key!r}, which the GGUF metadata needs")
+    return value
+
+
+class GGUFArch:
+    """One model's GGUF architecture: metadata and tensor mapping (build with ``gguf_arch``)."""
+
+    def __init__(self, cfg: dict, where: str = "config.json"):
+        self.cfg, self.where = cfg, where
+        self.model_type = cfg.get("model_type")
+        if self.model_type not in ARCHS:
+            names = ", ".join(sorted(ARCHS))
+            raise SlimtuneError(f"{where}: model_type {self.model_type!r} cannot be exported to GGUF; families that can: {names}")
+        self.arch = ARCHS[self.model_type]
+        self.name = gguf.MODEL_ARCH_NAMES[self.arch]
+        gpt2 = self.model_type == "gpt2"
+        self.hidden = int(_need(cfg, "n_embd" if gpt2 else "hidden_size", where))
+        self.layers = int(_need(cfg, "n_layer" if gpt2 else "num_hidden_layers", where))
+        self.heads = int(_need(cfg, "n_head" if gpt2 else "num_attention_heads", where))
+        self.kv_heads = int(cfg.get("num_key_value_heads") or self.heads)
+        self.head_dim = int(cfg.get("head_dim") or self.hidden // self.heads)
+        self.rope = self._rope_parameters()
+        self.names = gguf.get_tensor_name_map(self.arch, self.layers)
+        self._check_attention()
+
+    # --- metadata ---------------------------------------------------------------------------------
+
+    def _rope_parameters(self) -> dict:
+        """The rope settings of full-attention layers (transformers 5 ``rope_parameters``, or the older
+        ``rope_theta`` / ``rope_scaling`` keys), with ``theta_swa`` for Gemma 3's sliding layers."""
+        cfg = self.cfg
+        params = dict(cfg.get("rope_parameters") or {})
+        swa = None
+        if "full_attention" in params:
+            swa = params.get("sliding_attention", {}).get("rope_theta")
+            params = dict(params["full_attention"])
+        legacy = cfg.get("rope_scaling") or {}
+        params = {**legacy, **params}
+        params.setdefault("rope_theta", cfg.get("rope_theta", cfg.get("rotary_emb_base", 10000.0)))
+        params["theta_swa"] = swa
+        kind = params.get("rope_type", params.get("type", "default")) or "default"
+        if kind not in ("default", "linear", "llama3"):
+            raise SlimtuneError(f"{self.where}: rope scaling {kind!r} is not supported by slimtune's GGUF export (default, linear, llama3)")
+        params["rope_type"] = kind
+        return params
+
+    def _check_attention(self) -> None:
+        """Settings llama.cpp cannot be told: refuse them rather than write a model that computes otherwise."""
+        cfg, mt = self.cfg, self.model_type
+        if mt in _SWA_PERIOD:
+            scalar = cfg.get("query_pre_attn_scalar", self.head_dim)
+            big = self.layers == _GEMMA_27B_LAYERS[mt] and scalar == self.hidden // self.heads
+            if scalar != self.head_dim and not big:
+                raise SlimtuneError(
+                    f"{self.where}: query_pre_attn_scalar {scalar} differs from head_dim {self.head_dim}; llama.cpp scales "
+                    f"attention by head_dim (27B models excepted), so this model cannot be exported to GGUF"
+                )
+            n = _SWA_PERIOD[mt]
+            want = ["sliding_attention" if i % n < n - 1 else "full_attention" for i in range(self.layers)]
+            if cfg.get("layer_types") not in (None, want):
+                raise SlimtuneError(f"{self.where}: layer_types {cfg['layer_types']} differ from llama.cpp's fixed pattern {want}")
+        if mt == "phi3" and self.rope.get("long_factor") is not None:
+            raise SlimtuneError(f"{self.where}: Phi-3 longrope scaling is not supported by slimtune's GGUF export")
+
+    def rope_dims(self) -> int:
+        factor = self.rope.get("partial_rotary_factor", self.cfg.get("partial_rotary_factor", self.cfg.get("rotary_pct", 1.0)))
+        if self.model_type in ("phi3", "gpt_neox"):  # as llama.cpp's converter computes them
+            return int(factor * self.hidden) // self.heads if self.model_type == "phi3" else int(factor * (self.hidden // self.heads))
+        return int(factor * self.head_dim)
+
+    def kv(self) -> list[tuple[str, object, gguf.GGUFValueType]]:
+        """The architecture's metadata as llama.cpp's converter writes it for this family."""
+        cfg, a, mt = self.cfg, self.name, self.model_type
+        K = gguf.Keys
+        gpt2 = mt == "gpt2"
+        ff = 4 * self.hidden if gpt2 else int(_need(cfg, "intermediate_size", self.where))
+        ctx = int(_need(cfg, "n_positions" if gpt2 else "max_position_embeddings", self.where))
+        out = [
+            (K.LLM.CONTEXT_LENGTH.format(arch=a), ctx, T.UINT32),
+            (K.LLM.EMBEDDING_LENGTH.format(arch=a), self.hidden, T.UINT32),
+            (K.LLM.BLOCK_COUNT.format(arch=a), self.layers, T.UINT32),
+            (K.LLM.FEED_FORWARD_LENGTH.format(arch=a), ff, T.UINT32),
+            (K.Attention.HEAD_COUNT.format(arch=a), self.heads, T.UINT32),
+            (K.Attention.HEAD_COUNT_KV.format(arch=a), self.kv_heads, T.UINT32),
+        ]
+        if "rms_norm_eps" in cfg:
+            out.append((K.Attention.LAYERNORM_RMS_EPS.format(arch=a), float(cfg["rms_norm_eps"]), T.FLOAT32))
+        eps = cfg.get("layer_norm_eps", cfg.get("layer_norm_epsilon"))
+        if eps is not None:
+            out.append((K.Attention.LAYERNORM_EPS.format(arch=a), float(eps), T.FLOAT32))
+        if cfg.get("head_dim") is not None:
+            out += [
+                (K.Attention.KEY_LENGTH.format(arch=a), self.head_dim, T.UINT32),
+                (K.Attention.VALUE_LENGTH.format(arch=a), self.head_dim, T.UINT32),
+            ]
+        if not gpt2:
+            out += [
+                (K.Rope.DIMENSION_COUNT.format(arch=a), self.rope_dims(), T.UINT32),
+                (K.Rope.FREQ_BASE.format(arch=a), float(self.rope["rope_theta"]), T.FLOAT32),
+            ]
+        if self.rope.get("theta_swa") is not None:
+            out.append((K.Rope.FREQ_BASE_SWA.format(arch=a), float(self.rope["theta_swa"]), T.FLOAT32))
+        if self.rope["rope_type"] == "linear":
+            out += [
+                (K.Rope.SCALING_TYPE.format(arch=a), "linear", T.STRING),
+                (K.Rope.SCALING_FACTOR.format(arch=a), float(self.rope["factor"]), T.FLOAT32),
+            ]
+        return out + self._family_kv()
+
+    def _family_kv(self) -> list[tuple[str, object, gguf.GGUFValueType]]:
+        cfg, a, mt = self.cfg, self.name, self.model_type
+        K = gguf.Keys
+        out: list[tuple[str, object, gguf.GGUFValueType]] = []
+        if mt in _SWA_PERIOD:
+            out.append((K.Attention.SLIDING_WINDOW.format(arch=a), int(_need(cfg, "sliding_window", self.where)), T.UINT32))
+            for key, gkey in (
+                ("attn_logit_softcapping", K.LLM.ATTN_LOGIT_SOFTCAPPING),
+                ("final_logit_softcapping", K.LLM.FINAL_LOGIT_SOFTCAPPING),
+            ):
+                if cfg.get(key) is not None:
+                    if mt == "gemma3_text":
+                        raise SlimtuneError(f"{self.where}: Gemma 3 with {key} {cfg[key]}: llama.cpp's gemma3 does not apply it")
+                    out.append((gkey.format(arch=a), float(cfg[key]), T.FLOAT32))
+        if mt == "phi3":
+            orig = cfg.get("original_max_position_embeddings", cfg.get("max_position_embeddings"))
+            out += [
+                (K.Rope.SCALING_ORIG_CTX_LEN.format(arch=a), int(orig), T.UINT32),
+                (K.Attention.SLIDING_WINDOW.format(arch=a), int(cfg.get("sliding_window") or 0), T.UINT32),
+            ]
+        if mt == "gpt_neox":
+            out.append((K.LLM.USE_PARALLEL_RESIDUAL.format(arch=a), bool(cfg.get("use_parallel_residual", True)), T.BOOL))
+        return out
+
+    # --- tensors ----------------------------------------------------------------------------------
+
+    def gguf_name(self, key: str) -> str | None:
+        """The GGUF name of an HF tensor key; None for tensors llama.cpp does not read."""
+        if key.endswith(_DROPPED):
+            return None
+        name = self.names.get_name(key, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise SlimtuneError(f"{self.where}: tensor {key} has no GGUF name for llama.cpp's {self.name} architecture")
+        return name
+
+    def tensor(self, t: StreamTensor) -> StreamTensor | None:
+        """``t`` (float32 rows) under its GGUF name, with the family's row transformation applied."""
+        name = self.gguf_name(t.name)
+        if name is None:
+            return None
+        key, mt = t.name, self.model_type
+        if mt in ("llama", "mistral") and key.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
+            t = _grouped(t, self.head_dim, _llama_perm(self.head_dim), lambda g: g)
+        elif mt == "gpt_neox" and key.endswith(("query_key_value.weight", "query_key_value.bias")):
+            heads = self.heads
+            t = _grouped(t, self.hidden // heads, None, lambda g: (g % heads) * 3 + g // heads)
+        elif mt == "gpt2" and key.endswith((".c_attn.weight", ".c_proj.weight", ".c_fc.weight")):
+            t = _transposed(t)
+        elif mt in _SWA_PERIOD and key.endswith("norm.weight"):
+            t = _mapped(t, lambda rows: rows + 1.0)  # Gemma's RMSNorm computes x * (1 + w): llama.cpp stores 1 + w
+        return StreamTensor(name, t.shape, t.dtype, t.rows)
+
+    def extra_tensors(self) -> list[StreamTensor]:
+        """Tensors llama.cpp needs that the checkpoint does not hold: Llama 3's rope frequency factors."""
+        if self.rope["rope_type"] != "llama3":
+            return []
+        factors = torch.tensor(_llama3_rope_factors(self.rope, self.head_dim), dtype=torch.float32)
+        name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
+        return [StreamTensor(name, tuple(factors.shape), torch.float32, lambda s, e: factors[s:e].clone())]
+
+
+def gguf_arch(cfg: dict, where: str = "config.json") -> GGUFArch:
+    """The GGUF architecture of a model from its config.json contents; one error line if llama.cpp
+    cannot take it. Example: ``gguf_arch(json.loads(Path("m/config.json").read_text())).name``"""
+    return GGUFArch(cfg, where)
+
+
+def _llama3_rope_factors(rope: dict, head_dim: int) -> list[float]:
+    """Llama 3.1's per-frequency rope scaling, as llama.cpp's ``rope_freqs`` tensor holds it."""
+    base, factor = float(rope["rope_theta"]), float(rope.get("factor", 8.0))
+    low, high = float(rope.get("low_freq_factor", 1.0)), float(rope.get("high_freq_factor", 4.0))
+    old = float(rope.get("original_max_position_embeddings", 8192))
+    low_wavelen, high_wavelen = old / low, old / high
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * base ** (i / head_dim)
+        if wavelen < high_wavelen:
+            out.append(1.0)
+        elif wavelen > low_wavelen:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return out
+
+
+def _llama_perm(head_dim: int) -> torch.Tensor:
+    """Within one head: output row 2i + j is input row j * head_dim/2 + i (HF's rotate-half layout to
+    llama.cpp's interleaved pairs)."""
+    half = head_dim // 2
+    return torch.arange(head_dim).view(2, half).t().reshape(-1)
+
+
+def _grouped(t: StreamTensor, group: int, perm: torch.Tensor | None, source_group: Callable[[int], int]) -> StreamTensor:
+    """A row permutation in groups of ``group`` rows: output group g is input group ``source_group(g)``,
+    its rows reordered by ``perm``. Each chunk reads only the groups it covers."""
+    if t.num_rows % group:
+        raise SlimtuneError(f"tensor {t.name}: {t.num_rows} rows do not divide into heads of {group}")
+
+    def rows(s: int, e: int) -> torch.Tensor:
+        parts = []
+        for g in range(s // group, (e - 1) // group + 1):
+            src = source_group(g) * group
+            block = t.rows(src, src + group)
+            if perm is not None:
+                block = block[perm]
+            lo, hi = max(s, g * group) - g * group, min(e, (g + 1) * group) - g * group
+            parts.append(block[lo:hi])
+        return torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
+
+    return StreamTensor(t.name, t.shape, t.dtype, rows)
+
+
+def _transposed(t: StreamTensor, pass_bytes: int = 4 * 1024 * 1024) -> StreamTensor:
+    """The transpose of a 2-D entry: output rows [s, e) are input columns [s, e), gathered by a pass over
+    the input rows in chunks of ``pass_bytes`` (GPT-2's Conv1D weights, a few MB each)."""
+    n_in, n_out = t.shape
+    pass_rows = max(1, pass_bytes // (4 * n_out))
+
+    def rows(s: int, e: int) -> torch.Tensor:
+        out = torch.empty((e - s, n_in), dtype=t.dtype)
+        for a in range(0, n_in, pass_rows):
+            b = min(a + pass_rows, n_in)
+            out[:, a:b] = t.rows(a, b)[:, s:e].t()
+        return out
+
+    return StreamTensor(t.name, (n_out, n_in), t.dtype, rows)
+
+
+def _mapped(t: StreamTensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> StreamTensor:
+    return StreamTensor(t.name, t.shape, t.dtype, lambda s, e: fn(t.rows(s, e)))

@@ -1,0 +1,378 @@
+"""The tokenizer half of a GGUF export: the ``tokenizer.*`` metadata llama.cpp reads, and the Ollama
+Modelfile written beside the GGUF.
+
+Two vocabulary kinds, as llama.cpp's converter writes them:
+
+- ``gpt2``: byte-level BPE (Llama 3, Qwen, SmolLM, GPT-2/NeoX, OLMo): tokens, token types, merges, and the
+  pre-tokenizer name llama.cpp identifies by the sha256 of the tokenizer's ids on a fixed text
+  (``gguf_pretokenizers``). A pre-tokenizer llama.cpp does not know is an error, never a wrong file.
+- ``llama``: SentencePiece BPE with byte fallback (Llama 2, Mistral v0.1, Gemma) from its ``tokenizer.json``:
+  tokens, scores (a token's score is minus the rank of the merge that makes it, so llama.cpp's
+  highest-score-first merging takes the merges in Hugging Face's order), token types, ``add_space_prefix``.
+
+Special-token ids come from ``gguf.SpecialVocab``; the add-bos/eos flags from what the tokenizer does; the
+chat template from the checkpoint (what training rendered conversations with: ``generate.read_format_record``).
+
+``write_modelfile`` writes Ollama's ``Modelfile``: the chat template translated to a Go template where it
+wraps each message alike (ChatML, Llama 3 style, slimtune's fallback), checked by rendering both."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import gguf
+from gguf import GGUFValueType, Keys, TokenType
+
+from slimtune.checkpoint.atomic import atomic_file
+from slimtune.errors import SlimtuneError
+from slimtune.formats.gguf_pretokenizers import CHECK_TEXT, PRE_TOKENIZER_BY_HASH
+from slimtune.formats.strict_json import json_kind, load_json
+
+Field = tuple[str, object, "GGUFValueType | None"]
+
+TOKENIZER_JSON_BYTES = 256 * 1024 * 1024  # Gemma 3's is 33 MB
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+_SPACE = "\u2581"  # SentencePiece's visible space
+_INERT_MERGE = "\u0120\u0120 \u0120\u0120"  # two-character halves: never adjacent symbols when no merge exists
+
+
+def vocab_fields(model_dir: str | Path, hf_config, chat_template: str | None) -> list[Field]:
+    """The GGUF ``tokenizer.*`` key/value pairs for the tokenizer in ``model_dir`` (``tokenizer.json`` and
+    its config files), sized to ``hf_config``'s vocabulary, with ``chat_template`` (the one training used;
+    None: the tokenizer's own, if any). Each item is (key, value, GGUF value type) for
+    ``GGUFWriter.add_key_value``. A tokenizer llama.cpp cannot reproduce is one ``SlimtuneError`` line.
+
+    Example: ``for key, value, vtype in vocab_fields(ckpt, config, template): writer.add_key_value(key, value, vtype)``"""
+    model_dir = Path(model_dir)
+    if chat_template is not None and not isinstance(chat_template, str):
+        raise SlimtuneError(f"chat_template: expected a string, found {json_kind(chat_template)}")
+    path = model_dir / "tokenizer.json"
+    spec = load_json(path, expect=dict, max_bytes=TOKENIZER_JSON_BYTES, what="the tokenizer")
+    model = spec.get("model")
+    if not isinstance(model, dict) or model.get("type") != "BPE":
+        found = model.get("type") if isinstance(model, dict) else json_kind(model)
+        raise SlimtuneError(f"{path}: model.type {found!r} cannot be exported to GGUF (BPE or SentencePiece BPE expected)")
+    tokenizer = _load_tokenizer(model_dir)
+    n_vocab = _vocab_size(hf_config, tokenizer, path)
+    if model.get("byte_fallback") is True:
+        fields = _sentencepiece_fields(tokenizer, model, n_vocab)
+        special = gguf.SpecialVocab(model_dir, n_vocab=n_vocab)
+    else:
+        special = gguf.SpecialVocab(model_dir, load_merges=True, n_vocab=n_vocab)
+        # Without merges every token is one byte however the text is split: any pre-tokenizer gives the
+        # same ids. llama.cpp needs a merges array all the same; one that can never apply stands in.
+        pre = _pre_tokenizer_name(tokenizer, spec, path) if special.merges else "gpt-2"
+        fields = _byte_level_fields(tokenizer, n_vocab, pre)
+        fields.append((Keys.Tokenizer.MERGES, special.merges or [_INERT_MERGE], GGUFValueType.ARRAY))
+    fields += _special_fields(special, _added_special_tokens(tokenizer))
+    template = chat_template if chat_template else special.chat_template
+    if isinstance(template, str) and template:
+        fields.append((Keys.Tokenizer.CHAT_TEMPLATE, template, GGUFValueType.STRING))
+    return fields
+
+
+def pre_tokenizer_name(model_dir: str | Path) -> str:
+    """The name llama.cpp gives the byte-level BPE pre-tokenizer of the tokenizer in ``model_dir``.
+
+    Example: ``pre_tokenizer_name("/work/cache/smollm2-hf") == "smollm"``"""
+    path = Path(model_dir) / "tokenizer.json"
+    spec = load_json(path, expect=dict, max_bytes=TOKENIZER_JSON_BYTES, what="the tokenizer")
+    return _pre_tokenizer_name(_load_tokenizer(Path(model_dir)), spec, path)
+
+
+def _load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer  # heavy: loaded only when a GGUF is written
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SlimtuneError(f"{model_dir}: the tokenizer does not load: {first}") from None
+
+
+def _vocab_size(hf_config, tokenizer, path: Path) -> int:
+    """The embedding's row count (the GGUF vocabulary is padded to it); every token id must be below it."""
+    text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    n_vocab = getattr(text_config, "vocab_size", None)
+    if not isinstance(n_vocab, int) or isinstance(n_vocab, bool) or n_vocab <= 0:
+        raise SlimtuneError(f"{path}: the model config has no positive integer vocab_size (found {n_vocab!r})")
+    top = max(tokenizer.get_vocab().values(), default=-1)
+    if top >= n_vocab:
+        raise SlimtuneError(f"{path}: token id {top} is outside the model's vocab_size {n_vocab}")
+    return n_vocab
+
+
+def _pre_tokenizer_name(tokenizer, spec: dict, path: Path) -> str:
+    """llama.cpp's identification: sha256 of ``str(tokenizer.encode(CHECK_TEXT))`` looked up in its table."""
+    digest = hashlib.sha256(str(tokenizer.encode(CHECK_TEXT)).encode()).hexdigest()
+    name = PRE_TOKENIZER_BY_HASH.get(digest)
+    if name is None:
+        raise SlimtuneError(
+            f"{path}: pre-tokenizer {_describe_pre_tokenizer(spec)} is not one llama.cpp knows "
+            f"(check-text sha256 {digest}); its GGUF would tokenize differently"
+        )
+    return name
+
+
+def _describe_pre_tokenizer(spec: dict) -> str:
+    pre = spec.get("pre_tokenizer")
+    if not isinstance(pre, dict):
+        return json_kind(pre) if pre is not None else "none"
+    parts = pre.get("pretokenizers") if pre.get("type") == "Sequence" else [pre]
+    names = [p.get("type", "?") for p in parts if isinstance(p, dict)] if isinstance(parts, list) else []
+    options = "".join(f"({k}={pre[k]})" for k in ("use_regex", "add_prefix_space") if k in pre)
+    return f"{pre.get('type', '?')}{options}" + (f"[{', '.join(names)}]" if pre.get("type") == "Sequence" else "")
+
+
+def _added_token_text(tokenizer, token_id: int, token: str) -> str:
+    """An added token as llama.cpp matches it: pre-normalized (encoded and decoded back) when the
+    tokenizer does not normalize it itself, as the converter does."""
+    if tokenizer.added_tokens_decoder[token_id].normalized:
+        return token
+    return tokenizer.decode(tokenizer.encode(token, add_special_tokens=False))
+
+
+def _looks_special(token: str) -> bool:
+    """Added tokens llama.cpp's converter makes control tokens although the tokenizer does not mark them special."""
+    return (
+        token in ("<pad>", "<mask>", "<2mass>", "[@BOS@]")
+        or (token.startswith("<|") and token.endswith("|>"))
+        or (token.startswith("<\uff5c") and token.endswith("\uff5c>"))
+        or (token.startswith("<unused") and token.endswith(">"))
+    )
+
+
+def _byte_level_fields(tokenizer, n_vocab: int, pre: str) -> list[Field]:
+    reverse = {i: t for t, i in tokenizer.get_vocab().items()}
+    added = tokenizer.get_added_vocab()
+    tokens, types = [], []
+    for i in range(n_vocab):
+        token = reverse.get(i)
+        kind = TokenType.NORMAL
+        if token is None:
+            token, kind = f"[PAD{i}]", TokenType.UNUSED
+        elif token in added:
+            token = _added_token_text(tokenizer, i, token)
+            if tokenizer.added_tokens_decoder[i].special or _looks_special(token):
+                kind = TokenType.CONTROL
+            else:
+                token, kind = token.replace(_SPACE, " "), TokenType.USER_DEFINED
+        tokens.append(token)
+        types.append(int(kind))
+    return [
+        (Keys.Tokenizer.MODEL, "gpt2", GGUFValueType.STRING),
+        (Keys.Tokenizer.PRE, pre, GGUFValueType.STRING),
+        (Keys.Tokenizer.LIST, tokens, GGUFValueType.ARRAY),
+        (Keys.Tokenizer.TOKEN_TYPE, types, GGUFValueType.ARRAY),
+    ]
+
+
+def _merge_scores(model: dict) -> dict[str, float]:
+    """Minus the rank of the first merge that makes each token (Hugging Face merges lowest rank first)."""
+    scores: dict[str, float] = {}
+    for rank, merge in enumerate(model.get("merges") or []):
+        pair = merge.split(" ", 1) if isinstance(merge, str) else merge
+        if isinstance(pair, list) and len(pair) == 2 and all(isinstance(p, str) for p in pair):
+            scores.setdefault(pair[0] + pair[1], -float(rank))
+    return scores
+
+
+def _sentencepiece_fields(tokenizer, model: dict, n_vocab: int) -> list[Field]:
+    reverse = {i: t for t, i in tokenizer.get_vocab().items()}
+    added = tokenizer.get_added_vocab()
+    scores_by_token = _merge_scores(model)
+    floor = -float(len(scores_by_token) + 1)  # below every merge: single characters are never merged into
+    tokens, scores, types = [], [], []
+    for i in range(n_vocab):
+        token = reverse.get(i)
+        score, kind = -1000.0, TokenType.NORMAL
+        if token is None:
+            token, kind = f"[PAD{i}]", TokenType.UNUSED
+        elif token == model.get("unk_token"):
+            score, kind = 0.0, TokenType.UNKNOWN
+        elif token in added:
+            if tokenizer.added_tokens_decoder[i].special or _looks_special(token):
+                kind = TokenType.CONTROL
+            else:
+                token, kind = token.replace(_SPACE, " "), TokenType.USER_DEFINED
+        elif _BYTE_TOKEN.fullmatch(token):
+            score, kind = 0.0, TokenType.BYTE
+        else:
+            score = scores_by_token.get(token, floor)
+        tokens.append(token)
+        scores.append(score)
+        types.append(int(kind))
+    return [
+        (Keys.Tokenizer.MODEL, "llama", GGUFValueType.STRING),
+        (Keys.Tokenizer.PRE, "default", GGUFValueType.STRING),
+        (Keys.Tokenizer.LIST, tokens, GGUFValueType.ARRAY),
+        (Keys.Tokenizer.SCORES, scores, GGUFValueType.ARRAY),
+        (Keys.Tokenizer.TOKEN_TYPE, types, GGUFValueType.ARRAY),
+        (Keys.Tokenizer.ADD_PREFIX, _adds_space_prefix(tokenizer), GGUFValueType.BOOL),
+    ]
+
+
+def _adds_space_prefix(tokenizer) -> bool:
+    """Whether the tokenizer puts SentencePiece's space before the text (Llama 2 does, Gemma does not)."""
+    pieces = tokenizer.convert_ids_to_tokens(tokenizer.encode("a", add_special_tokens=False))
+    return bool(pieces) and pieces[0].startswith(_SPACE)
+
+
+def _added_special_tokens(tokenizer) -> dict[str, bool]:
+    """Whether encoding adds BOS and EOS, as the tokenizer does it (llama.cpp's default depends on the
+    pre-tokenizer, so both flags are always written)."""
+    plain = tokenizer.encode("a", add_special_tokens=False)
+    full = tokenizer.encode("a", add_special_tokens=True)
+    start = next((k for k in range(len(full) - len(plain) + 1) if full[k : k + len(plain)] == plain), None)
+    if start is None:
+        return {}
+    prefix, suffix = full[:start], full[start + len(plain) :]
+    return {
+        "bos": tokenizer.bos_token_id is not None and prefix == [tokenizer.bos_token_id],
+        "eos": tokenizer.eos_token_id is not None and suffix == [tokenizer.eos_token_id],
+    }
+
+
+def _special_fields(special: gguf.SpecialVocab, added: dict[str, bool]) -> list[Field]:
+    fields: list[Field] = []
+    for kind, token_id in special.special_token_ids.items():
+        key = getattr(Keys.Tokenizer, f"{kind.upper()}_ID", None)
+        if key is not None:
+            fields.append((key, token_id, GGUFValueType.UINT32))
+    for kind, flag in {**special.add_special_token, **added}.items():
+        key = getattr(Keys.Tokenizer, f"ADD_{kind.upper()}", None)
+        if key is not None:
+            fields.append((key, bool(flag), GGUFValueType.BOOL))
+    return fields
+
+
+# --- Ollama Modelfile ---------------------------------------------------------------------------------
+
+_MARK = "\x02{}\x03"  # message contents the chat template is rendered with, to find what it puts around them
+
+
+@dataclass(frozen=True)
+class _Turns:
+    """A chat template that wraps each message alike: ``lead`` once, then per message ``prefix[role]``,
+    the content and ``suffix``; then ``generation`` (the assistant's opening). ``default_system`` is the
+    system message the template inserts when a conversation has none."""
+
+    lead: str
+    prefix: dict[str, str]
+    suffix: str
+    generation: str
+    default_system: str | None
+
+    def render(self, messages: list[dict[str, str]], system: str | None = None) -> str:
+        if messages[0]["role"] != "system" and system is not None:
+            messages = [{"role": "system", "content": system}, *messages]
+        body = "".join(self.prefix[m["role"]] + m["content"] + self.suffix for m in messages)
+        return self.lead + body + self.generation
+
+    def go_template(self) -> str:
+        """The same in Ollama's Go template language (``.Messages``: each with ``.Role`` and ``.Content``)."""
+        roles = "".join(
+            f'{{{{ {"if" if i == 0 else "else if"} eq .Role "{role}" }}}}{prefix}' for i, (role, prefix) in enumerate(self.prefix.items())
+        )
+        return f"{self.lead}{{{{ range .Messages }}}}{roles}{{{{ end }}}}{{{{ .Content }}}}{self.suffix}{{{{ end }}}}{self.generation}"
+
+
+def write_modelfile(gguf_path: str | Path, model_dir: str | Path, chat_template: str | None, system_prompt: str | None = None) -> Path:
+    """Write ``Modelfile`` beside ``gguf_path`` for ``ollama create NAME -f Modelfile``: ``FROM`` the GGUF,
+    ``TEMPLATE`` (the chat template translated to Go where it wraps each message alike, checked by
+    rendering both), ``PARAMETER stop`` for the template's end-of-turn token and EOS, and ``SYSTEM``
+    (``system_prompt``, else the system message the template inserts by default). Atomic. Returns its path.
+
+    Example: ``write_modelfile(out / "model-q8_0.gguf", ckpt, template)  # -> out/Modelfile``"""
+    gguf_path = Path(gguf_path)
+    tokenizer = _load_tokenizer(Path(model_dir))
+    turns = _turns(tokenizer, chat_template) if chat_template else None
+    lines = [f"FROM ./{gguf_path.name}"]
+    if turns is not None:
+        lines.append(f'TEMPLATE """{_triple_quoted(turns.go_template(), "TEMPLATE")}"""')
+    elif chat_template:
+        lines.append("# no TEMPLATE: the chat template does not wrap each message alike; the GGUF carries it (tokenizer.chat_template)")
+    stops = [turns.suffix.strip()] if turns is not None and turns.suffix.strip() else []
+    stops += [t for t in [getattr(tokenizer, "eos_token", None)] if t and t not in stops]
+    lines += [f"PARAMETER stop {json.dumps(s, ensure_ascii=False)}" for s in stops]
+    system = system_prompt if system_prompt is not None else (turns.default_system if turns else None)
+    if system:
+        lines.append(f'SYSTEM """{_triple_quoted(system, "SYSTEM")}"""')
+    target = gguf_path.with_name("Modelfile")
+    with atomic_file(target) as tmp:
+        tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return target
+
+
+def _triple_quoted(text: str, what: str) -> str:
+    if '"""' in text:
+        raise SlimtuneError(f'Modelfile {what}: contains """, which a Modelfile cannot quote')
+    return text
+
+
+def _turns(tokenizer, template: str) -> _Turns | None:
+    """The per-message wrapping of ``template``, found by rendering conversations with marked contents
+    and kept only if it renders several conversations exactly as the Jinja template does."""
+    conversation = [_msg("system", "S"), _msg("user", "U1"), _msg("assistant", "A1"), _msg("user", "U2")]
+    rendered = _render(tokenizer, template, conversation, True)
+    closed = _render(tokenizer, template, conversation, False)
+    if rendered is None or closed is None or not rendered.startswith(closed):
+        return None
+    pieces = re.split("\x02(?:S|U1|A1|U2)\x03", closed)
+    if len(pieces) != 5 or "{{" in "".join(pieces) + rendered[len(closed) :]:
+        return None
+    head, after_system, after_user, after_assistant, suffix = pieces
+    if not (after_system.startswith(suffix) and after_user.startswith(suffix) and after_assistant == after_system):
+        return None
+    user, assistant = after_system[len(suffix) :], after_user[len(suffix) :]
+    system = user.replace("user", "system")
+    if "user" not in user or not head.endswith(system):
+        return None
+    lead = head[: len(head) - len(system)]
+    if lead not in ("", getattr(tokenizer, "bos_token", None)):
+        return None
+    turns = _Turns(lead, {"system": system, "user": user, "assistant": assistant}, suffix, rendered[len(closed) :], None)
+    turns = _with_default_system(tokenizer, template, turns)
+    if turns is None or not _renders_alike(tokenizer, template, turns):
+        return None
+    return replace(turns, lead="") if lead and _added_special_tokens(tokenizer).get("bos") else turns  # llama.cpp adds BOS
+
+
+def _with_default_system(tokenizer, template: str, turns: _Turns) -> _Turns | None:
+    """The system message the template inserts into a conversation without one (SmolLM2's does)."""
+    alone = _render(tokenizer, template, [_msg("user", "U1")], False)
+    plain = turns.prefix["user"] + _MARK.format("U1") + turns.suffix
+    if alone is None or alone == turns.lead + plain:
+        return turns
+    start, end = turns.lead + turns.prefix["system"], turns.suffix + plain
+    if not (alone.startswith(start) and alone.endswith(end)) or len(alone) < len(start) + len(end):
+        return None
+    return replace(turns, default_system=alone[len(start) : len(alone) - len(end)])
+
+
+def _renders_alike(tokenizer, template: str, turns: _Turns) -> bool:
+    conversations = [
+        [_msg("user", "Hi there")],
+        [_msg("system", "Be brief."), _msg("user", "Q1"), _msg("assistant", "R1"), _msg("user", "Q2 {{ x }}")],
+        [_msg("user", "Q1"), _msg("assistant", "R1"), _msg("user", "Q2")],
+    ]
+    for conversation in conversations:
+        want = _render(tokenizer, template, conversation, True)
+        if want is None or want != turns.render(conversation, turns.default_system):
+            return False
+    return True
+
+
+def _msg(role: str, content: str) -> dict[str, str]:
+    return {"role": role, "content": _MARK.format(content) if content in ("S", "U1", "A1", "U2") else content}
+
+
+def _render(tokenizer, template: str, messages: list[dict[str, str]], generation: bool) -> str | None:
+    try:
+        return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=generation)
+    except Exception:  # noqa: BLE001 - a template that rejects a conversation is one this cannot translate
+        return None

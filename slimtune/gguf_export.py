@@ -1,0 +1,337 @@
+"""GGUF export: the merged model's tensor stream (the same stream the safetensors save and the offline
+merge write, ``slimtune.checkpoint.stream`` / ``slimtune.merge``) written as one GGUF file that
+llama.cpp, Ollama and LM Studio load, in bounded memory, with no intermediate 16-bit checkpoint.
+
+The file is planned from shapes alone before any byte is made (every tensor's GGML type, size and
+offset), written through the ``gguf`` package's own writer for the header, metadata and tensor infos,
+then the data section by row chunks: each chunk is merged in fp32, transformed for llama.cpp
+(``slimtune.formats.gguf_arch``), encoded (quantized by ``gguf.quants.quantize`` on whole rows, so the
+bytes equal the package's quantization of the whole tensor) and written, with the alignment padding
+between tensors. Temporary sibling, fsync, rename: never a partial ``.gguf`` under the final name.
+
+Example::
+
+    result = export_gguf(Path("model-q8_0.gguf"), GGUFOptions("q8_0"), src=Path("runs/1/step-000100"))
+    result.tensors, result.bytes
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from slimtune.checkpoint.atomic import atomic_file, check_free_space, os_errors
+from slimtune.checkpoint.stream import StreamTensor, row_chunks
+from slimtune.checkpoint.writer import DEFAULT_CHUNK_BYTES, DEFAULT_INFLIGHT_BYTES, pipelined_write
+from slimtune.errors import SlimtuneError
+from slimtune.formats.gguf_arch import GGUFArch, gguf_arch
+from slimtune.formats.gguf_vocab import vocab_fields, write_modelfile
+from slimtune.formats.hf import load_config
+from slimtune.generate import read_format_record
+from slimtune.merge import BaseCheckpoint, merged_file_stream
+
+Q = gguf.GGMLQuantizationType
+TYPES = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q5_0": Q.Q5_0, "q5_1": Q.Q5_1}
+_FILE_TYPES = {
+    "f32": gguf.LlamaFileType.ALL_F32,
+    "f16": gguf.LlamaFileType.MOSTLY_F16,
+    "bf16": gguf.LlamaFileType.MOSTLY_BF16,
+    "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+    "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+    "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
+    "q5_0": gguf.LlamaFileType.MOSTLY_Q5_0,
+    "q5_1": gguf.LlamaFileType.MOSTLY_Q5_1,
+}
+_TORCH = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
+_F32_TENSORS = (gguf.MODEL_TENSOR.POS_EMBD, gguf.MODEL_TENSOR.ROPE_FREQS)  # kept F32 by llama.cpp's converter
+
+
+@dataclass(frozen=True)
+class GGUFOptions:
+    """How a GGUF file is written. Example: ``GGUFOptions("q8_0", merge_base="quantized")``."""
+
+    type: str = "f16"
+    """f32, f16, bf16, q8_0, q4_0, q4_1, q5_0 or q5_1: the type of every 2-D weight (norms, biases and
+    position embeddings stay f32, as llama.cpp's converter keeps them)."""
+    merge_base: str = "original"
+    """Merge an adapter into W itself (original) or into dequant(NF4(W)) (quantized), as ``slimtune merge``."""
+    overwrite: bool = False
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES // 2
+    """fp32 bytes of one chunk of rows (at least one row); the quantizers' numpy temporaries are several
+    times this, hence half the safetensors writer's chunk."""
+    progress: bool = False
+
+
+@dataclass(frozen=True)
+class GGUFSlot:
+    """One tensor of the file: its rows (fp32, GGUF name), GGML type, bytes and offset in the data section."""
+
+    source: StreamTensor
+    hf_key: str
+    qtype: gguf.GGMLQuantizationType
+    nbytes: int
+    offset: int
+
+    @property
+    def row_bytes(self) -> int:
+        return self.nbytes // max(1, self.source.num_rows)
+
+
+@dataclass(frozen=True)
+class GGUFPlan:
+    slots: tuple[GGUFSlot, ...]
+    data_bytes: int
+    alignment: int = gguf.GGUF_DEFAULT_ALIGNMENT
+
+
+@dataclass(frozen=True)
+class GGUFResult:
+    path: Path
+    type: str
+    tensors: int
+    bytes: int
+    """Bytes written, header and padding included (equals the file's size)."""
+    seconds: float
+    modelfile: Path | None
+
+
+def _pad(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
+
+
+def tensor_type(name: str, shape: tuple[int, ...], qtype: gguf.GGMLQuantizationType) -> gguf.GGMLQuantizationType:
+    """The GGML type of one tensor in a file of ``qtype``: 1-D tensors, norms, position embeddings and
+    rope factors stay F32 (llama.cpp's converter rule); every other tensor takes ``qtype``."""
+    f32_names = tuple(gguf.TENSOR_NAMES[t] + "." for t in _F32_TENSORS)
+    if len(shape) <= 1 or name.endswith("_norm.weight") or name.startswith(f32_names):
+        return Q.F32
+    return qtype
+
+
+def plan_gguf(tensors: list[tuple[str, StreamTensor]], type_name: str) -> GGUFPlan:
+    """Types, sizes and data offsets of every tensor, from shapes alone. ``tensors`` pairs each HF key
+    with its GGUF entry. A row that does not divide into the type's blocks is one error line."""
+    if type_name not in TYPES:
+        raise SlimtuneError(f"GGUF type {type_name!r}: expected one of {', '.join(TYPES)}")
+    slots, offset = [], 0
+    for key, t in tensors:
+        qtype = tensor_type(t.name, t.shape, TYPES[type_name])
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        cols = t.shape[-1] if t.shape else 1
+        if cols % block:
+            raise SlimtuneError(
+                f"tensor {key} ({t.name} {list(t.shape)}): rows of {cols} values do not divide into {type_name}'s blocks of {block}; "
+                f"choose f16, bf16 or f32"
+            )
+        nbytes = math.prod(t.shape) // block * size
+        slots.append(GGUFSlot(t, key, qtype, nbytes, offset))
+        offset += _pad(nbytes, gguf.GGUF_DEFAULT_ALIGNMENT)
+    return GGUFPlan(tuple(slots), offset)
+
+
+def encode_rows(rows: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> torch.Tensor:
+    """fp32 rows as the file stores them (one rounding): a cast for F32/F16/BF16, ``gguf.quants.quantize``
+    for the block types. Returned as a flat uint8 tensor."""
+    if qtype in _TORCH:
+        return rows.to(_TORCH[qtype]).contiguous().view(-1).view(torch.uint8)
+    data = gguf.quants.quantize(rows.numpy(), qtype)
+    return torch.from_numpy(np.ascontiguousarray(data).reshape(-1))
+
+
+class _Sink:
+    """Writes chunks (flat uint8 tensors) to the open file, counting bytes."""
+
+    def __init__(self, f):
+        self.f, self.bytes = f, 0
+
+    def write(self, chunk: torch.Tensor) -> None:
+        data = chunk.numpy()
+        self.f.write(memoryview(data))
+        self.bytes += data.nbytes
+
+
+def _data_chunks(plan: GGUFPlan, chunk_bytes: int, start: int) -> Iterator[torch.Tensor]:
+    """The data section: alignment padding, then each tensor by row chunks, each followed by its padding."""
+    yield torch.zeros(_pad(start, plan.alignment) - start, dtype=torch.uint8)
+    for slot in plan.slots:
+        t = slot.source
+        cols = t.shape[-1] if len(t.shape) > 1 else 1
+        made = 0
+        for rows in row_chunks(t, chunk_bytes):  # entries are fp32: chunk_bytes of fp32 rows
+            out = encode_rows(rows.float().reshape(-1, cols), slot.qtype)
+            made += out.numel()
+            yield out
+        if made != slot.nbytes:
+            raise SlimtuneError(f"tensor {slot.hf_key}: {made} bytes made, the plan says {slot.nbytes}")
+        yield torch.zeros(_pad(slot.nbytes, plan.alignment) - slot.nbytes, dtype=torch.uint8)
+
+
+def write_gguf(path: Path, arch: GGUFArch, kv: list[tuple], plan: GGUFPlan, options: GGUFOptions) -> int:
+    """Header, metadata and tensor infos through ``gguf.GGUFWriter``, then the data by row chunks, into a
+    temporary sibling renamed onto ``path`` once complete. Returns the bytes written (the file size)."""
+    writer = gguf.GGUFWriter(None, arch.name)
+    for key, value, vtype in kv:
+        _add_kv(writer, key, value, vtype)
+    for slot in plan.slots:
+        t = slot.source
+        writer.add_tensor_info(t.name, t.shape or (1,), np.dtype(np.float32), slot.nbytes, raw_dtype=slot.qtype)
+    check_free_space(path.parent, plan.data_bytes)
+    with atomic_file(path) as tmp, os_errors("write", path, plan.data_bytes):
+        try:
+            writer.write_header_to_file(path=tmp)
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            f = writer.fout[0]
+            start = f.tell()
+            sink = _Sink(f)
+            pipelined_write(sink, _data_chunks(plan, options.chunk_bytes, start), DEFAULT_INFLIGHT_BYTES)
+            f.flush()
+            size = f.tell()
+        finally:
+            writer.close()
+        if size != _pad(start, plan.alignment) + plan.data_bytes or os.path.getsize(tmp) != size:
+            raise SlimtuneError(f"{path}: wrote {size:,} bytes, the plan says {_pad(start, plan.alignment) + plan.data_bytes:,}")
+    return size
+
+
+def _add_kv(writer: gguf.GGUFWriter, key: str, value, vtype) -> None:
+    """One metadata pair; a list with an element type is an array of that type."""
+    if vtype is None:
+        vtype = gguf.GGUFValueType.get_type(value)
+    if isinstance(value, (list, tuple)) and vtype != gguf.GGUFValueType.ARRAY:
+        writer.add_key_value(key, list(value), gguf.GGUFValueType.ARRAY, sub_type=vtype)
+    else:
+        writer.add_key_value(key, value, vtype)
+
+
+# --- sources ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Source:
+    config: dict
+    stream: list[StreamTensor]
+    model_dir: Path
+    """Where the tokenizer files are."""
+    config_dir: Path
+    record: dict
+    """What training recorded in slimtune_format.json (chat template), if anything."""
+
+
+def _has_merged(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def _adapter_dir(path: Path) -> Path | None:
+    if (path / "adapter_config.json").is_file():
+        return path
+    return path / "adapter" if (path / "adapter" / "adapter_config.json").is_file() else None
+
+
+def _record(*dirs: Path) -> dict:
+    """What training recorded (slimtune_format.json: the chat template it used) in the first of ``dirs`` that has it."""
+    return next((r for r in map(read_format_record, dirs) if r), {})
+
+
+@contextmanager
+def open_source(src: Path | None, base: Path | None, adapter: Path | None, merge_base: str) -> Iterator[_Source]:
+    """The merged model as an fp32 tensor stream: SRC's merged model, or an adapter (``--adapter``, or
+    SRC's ``adapter/``) merged on the fly into ``base`` exactly as ``slimtune merge`` merges it."""
+    if merge_base not in ("original", "quantized"):
+        raise SlimtuneError(f"merge base {merge_base!r}: expected 'original' or 'quantized'")
+    if src is not None and not Path(src).is_dir():
+        raise SlimtuneError(f"{src}: no such checkpoint directory")
+    if src is not None and adapter is None and base is None and _has_merged(Path(src)):
+        reader = BaseCheckpoint(src)
+        try:
+            stream = [_plain(reader, k) for k in reader.keys]
+            yield _Source(reader.config, stream, Path(src), Path(src), _record(Path(src)))
+        finally:
+            reader.close()
+        return
+    adapter = adapter if adapter is not None else (_adapter_dir(Path(src)) if src is not None else None)
+    if adapter is None:
+        raise SlimtuneError(f"{src}: neither a merged model (config.json, *.safetensors) nor an adapter; pass --base and --adapter")
+    if base is None:
+        raise SlimtuneError(f"{adapter}: an adapter needs the base it was trained on: pass --base DIR")
+    from slimtune.formats.peft import read_adapter
+
+    reader = BaseCheckpoint(base)
+    try:
+        stream = merged_file_stream(reader, read_adapter(adapter), torch.float32, merge_base)
+        dirs = [d for d in (Path(adapter), Path(src) if src else None) if d is not None]
+        tok_dir = next((d for d in dirs if (d / "tokenizer_config.json").is_file()), Path(base))
+        yield _Source(reader.config, stream, tok_dir, Path(base), _record(*dirs))
+    finally:
+        reader.close()
+
+
+def _plain(reader: BaseCheckpoint, key: str) -> StreamTensor:
+    shape = tuple(reader.shape(key))
+    if not shape:
+        return StreamTensor(key, (), torch.float32, lambda s, e: reader.rows(key, 0, None).float())
+    return StreamTensor(key, shape, torch.float32, lambda s, e: reader.rows(key, s, e).float())
+
+
+def gguf_tensors(arch: GGUFArch, stream: list[StreamTensor]) -> list[tuple[str, StreamTensor]]:
+    """(HF key, GGUF entry) for every tensor llama.cpp reads, in the stream's order, extras first."""
+    out = [(t.name, t) for t in arch.extra_tensors()]
+    for t in stream:
+        if not t.dtype.is_floating_point:
+            raise SlimtuneError(f"tensor {t.name}: dtype {t.dtype} cannot be written to GGUF")
+        g = arch.tensor(t)
+        if g is not None:
+            out.append((t.name, g))
+    names = [g.name for _, g in out]
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise SlimtuneError(f"GGUF tensor {dup} would be written twice")
+    return out
+
+
+def export_gguf(
+    out: Path, options: GGUFOptions, src: Path | None = None, base: Path | None = None, adapter: Path | None = None
+) -> GGUFResult:
+    """Write the merged model of SRC (or ``adapter`` merged into ``base``) as one GGUF file at ``out``,
+    with the tokenizer's vocabulary and chat template, and a Modelfile beside it for Ollama.
+    Example: ``export_gguf(Path("m.gguf"), GGUFOptions("bf16"), base=Path("base"), adapter=Path("run/step-000010"))``"""
+    out = Path(out)
+    if options.type not in TYPES:
+        raise SlimtuneError(f"GGUF type {options.type!r}: expected one of {', '.join(TYPES)}")
+    if out.exists() and not options.overwrite:
+        raise SlimtuneError(f"{out} already exists; pass --overwrite to replace it")
+    started = time.perf_counter()
+    with open_source(src, base, adapter, options.merge_base) as source:
+        arch = gguf_arch(source.config, str(source.model_dir / "config.json"))
+        plan = plan_gguf(gguf_tensors(arch, source.stream), options.type)
+        template = source.record.get("chat_template")
+        kv = [
+            (gguf.Keys.General.FILE_TYPE, int(_FILE_TYPES[options.type]), gguf.GGUFValueType.UINT32),
+            (gguf.Keys.General.QUANTIZATION_VERSION, gguf.GGML_QUANT_VERSION, gguf.GGUFValueType.UINT32),
+            *arch.kv(),
+            *vocab_fields(source.model_dir, load_config(source.config_dir), template),
+        ]
+        size = write_gguf(out, arch, kv, plan, options)
+    modelfile = write_modelfile(out, source.model_dir, template, source.record.get("system_prompt"))
+    return GGUFResult(out, options.type, len(plan.slots), size, time.perf_counter() - started, modelfile)
+
+
+def export_checkpoint_gguf(checkpoint: Path, type_name: str, base: Path) -> GGUFResult:
+    """What ``checkpoint.gguf: TYPE`` writes after training: ``model-TYPE.gguf`` (+ Modelfile) beside the
+    final checkpoint (in the run directory: the checkpoint stays as its manifest lists it), from its
+    merged model, or from its adapter merged into dequant(NF4(base)) (the weights training saw) when
+    the checkpoint holds no merged model.
+    Example: ``export_checkpoint_gguf(Path("runs/1/step-000100"), "q8_0", Path("base"))``"""
+    out = Path(checkpoint).parent / f"model-{type_name}.gguf"
+    if _has_merged(Path(checkpoint)):
+        return export_gguf(out, GGUFOptions(type_name, overwrite=True), src=Path(checkpoint))
+    return export_gguf(out, GGUFOptions(type_name, "quantized", overwrite=True), src=Path(checkpoint), base=Path(base))

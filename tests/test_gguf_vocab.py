@@ -211,18 +211,29 @@ def test_unigram_tokenizer_is_one_line(tmp_path):
 
 # --- Modelfile ----------------------------------------------------------------------------------------
 
+
+def _go_branches(roles: dict[str, str], suffix: str) -> str:
+    body = "{{ .Content }}" + suffix
+    return "{{ if" + "{{ else if".join(f' eq .Role "{r}" }}}}{p}{body}' for r, p in roles.items()) + "{{ end }}"
+
+
 _CHATML_GO = (
-    '{{ range .Messages }}{{ if eq .Role "system" }}<|im_start|>system\n{{ else if eq .Role "user" }}<|im_start|>user\n'
-    '{{ else if eq .Role "assistant" }}<|im_start|>assistant\n{{ end }}{{ .Content }}<|im_end|>\n{{ end }}<|im_start|>assistant\n'
+    "{{ range .Messages }}"
+    + _go_branches({r: f"<|im_start|>{r}\n" for r in ("system", "user", "assistant")}, "<|im_end|>\n")
+    + "{{ end }}<|im_start|>assistant\n"
 )
 _LLAMA3_STYLE = (
     "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] }}<|eot_id|>"
     "{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
 )
-_GEMMA_STYLE = (  # the system message is folded into the first user turn: not one wrapper per message
-    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}{% set sys = m['content'] %}{% else %}"
-    "<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endif %}"
+_GEMMA_STYLE = (  # no system role
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n{{ m['content'] }}<end_of_turn>\n"
     "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+_LLAMA2_STYLE = (  # user and assistant turns end differently: not one wrapper for every message
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+    "{% elif m['role'] == 'assistant' %} {{ m['content'] }} {{ eos_token }}{% endif %}{% endfor %}"
 )
 
 
@@ -240,10 +251,8 @@ def test_modelfile_for_smollm2(tmp_path, smollm2_dir):
 def test_modelfile_for_the_fallback_template(tmp_path):
     byte_tokenizer().save_pretrained(tmp_path / "tok")
     path = write_modelfile(tmp_path / "out" / "model-f16.gguf", tmp_path / "tok", FALLBACK_CHAT_TEMPLATE, "Be terse.")
-    go = (
-        '<|bos|>{{ range .Messages }}{{ if eq .Role "system" }}<|system|>\n{{ else if eq .Role "user" }}<|user|>\n'
-        '{{ else if eq .Role "assistant" }}<|assistant|>\n{{ end }}{{ .Content }}<|eos|>\n{{ end }}<|assistant|>\n'
-    )
+    roles = {r: f"<|{r}|>\n" for r in ("system", "user", "assistant")}
+    go = "<|bos|>{{ range .Messages }}" + _go_branches(roles, "<|eos|>\n") + "{{ end }}<|assistant|>\n"
     want = f'FROM ./model-f16.gguf\nTEMPLATE """{go}"""\nPARAMETER stop "<|eos|>"\nSYSTEM """Be terse."""\n'
     assert path.read_text() == want  # the tokenizer does not add BOS: the template keeps it
 
@@ -251,14 +260,24 @@ def test_modelfile_for_the_fallback_template(tmp_path):
 def test_modelfile_leaves_bos_to_llama_cpp_and_stops_at_end_of_turn(tmp_path):
     model_dir = _sentencepiece_bpe(tmp_path / "tok", True)  # adds <s> itself, as llama.cpp will
     text = write_modelfile(tmp_path / "model.gguf", model_dir, _LLAMA3_STYLE).read_text()
-    assert text.startswith('FROM ./model.gguf\nTEMPLATE """{{ range .Messages }}{{ if eq .Role "system" }}<|start_header_id|>system')
-    assert '{{ .Content }}<|eot_id|>{{ end }}<|start_header_id|>assistant<|end_header_id|>\n\n"""\n' in text
-    assert text.endswith('PARAMETER stop "<|eot_id|>"\nPARAMETER stop "</s>"\n') and "SYSTEM" not in text
+    roles = {r: f"<|start_header_id|>{r}<|end_header_id|>\n\n" for r in ("system", "user", "assistant")}
+    go = "{{ range .Messages }}" + _go_branches(roles, "<|eot_id|>") + "{{ end }}<|start_header_id|>assistant<|end_header_id|>\n\n"
+    assert text == f'FROM ./model.gguf\nTEMPLATE """{go}"""\nPARAMETER stop "<|eot_id|>"\nPARAMETER stop "</s>"\n'
+
+
+def test_modelfile_for_a_template_without_system_role(tmp_path):
+    model_dir = _sentencepiece_bpe(tmp_path / "tok", False)
+    text = write_modelfile(tmp_path / "model.gguf", model_dir, _GEMMA_STYLE).read_text()
+    roles = {"assistant": "<start_of_turn>model\n", "user": "<start_of_turn>user\n"}
+    go = "{{ range .Messages }}" + _go_branches(roles, "<end_of_turn>\n") + "{{ end }}<start_of_turn>model\n"
+    assert text == f'FROM ./model.gguf\nTEMPLATE """{go}"""\nPARAMETER stop "<end_of_turn>"\nPARAMETER stop "</s>"\n'
+    with pytest.raises(SlimtuneError, match="^Modelfile SYSTEM: the chat template has no system role"):
+        write_modelfile(tmp_path / "model.gguf", model_dir, _GEMMA_STYLE, "Be terse.")
 
 
 def test_modelfile_without_a_translatable_template(tmp_path):
-    model_dir = _sentencepiece_bpe(tmp_path / "tok", False)
-    text = write_modelfile(tmp_path / "model.gguf", model_dir, _GEMMA_STYLE).read_text()
+    model_dir = _sentencepiece_bpe(tmp_path / "tok", True)
+    text = write_modelfile(tmp_path / "model.gguf", model_dir, _LLAMA2_STYLE).read_text()
     assert text.splitlines()[0] == "FROM ./model.gguf" and "TEMPLATE" not in text.replace("# no TEMPLATE", "")
     assert text.splitlines()[1].startswith("# no TEMPLATE: ") and text.endswith('PARAMETER stop "</s>"\n')
 

@@ -128,12 +128,16 @@ def _describe_pre_tokenizer(spec: dict) -> str:
     return f"{pre.get('type', '?')}{options}" + (f"[{', '.join(names)}]" if pre.get("type") == "Sequence" else "")
 
 
-def _added_token_text(tokenizer, token_id: int, token: str) -> str:
-    """An added token as llama.cpp matches it: pre-normalized (encoded and decoded back) when the
-    tokenizer does not normalize it itself, as the converter does."""
-    if tokenizer.added_tokens_decoder[token_id].normalized:
-        return token
-    return tokenizer.decode(tokenizer.encode(token, add_special_tokens=False))
+def _added_token(tokenizer, decoder: dict, token_id: int, token: str, byte_level: bool) -> tuple[str, TokenType]:
+    """An added token as llama.cpp matches it, and its type, as the converter writes them: CONTROL when
+    special (or looking special), else USER_DEFINED with SentencePiece's spaces as spaces; in a byte-level
+    vocabulary pre-normalized (encoded and decoded back) when the tokenizer does not normalize it."""
+    added = decoder[token_id]
+    if byte_level and not added.normalized:
+        token = tokenizer.decode(tokenizer.encode(token, add_special_tokens=False))
+    if added.special or _looks_special(token):
+        return token, TokenType.CONTROL
+    return token.replace(_SPACE, " "), TokenType.USER_DEFINED
 
 
 def _looks_special(token: str) -> bool:
@@ -148,19 +152,15 @@ def _looks_special(token: str) -> bool:
 
 def _byte_level_fields(tokenizer, n_vocab: int, pre: str) -> list[Field]:
     reverse = {i: t for t, i in tokenizer.get_vocab().items()}
-    added = tokenizer.get_added_vocab()
+    decoder = tokenizer.added_tokens_decoder  # built anew on each access: once here
     tokens, types = [], []
     for i in range(n_vocab):
         token = reverse.get(i)
         kind = TokenType.NORMAL
         if token is None:
             token, kind = f"[PAD{i}]", TokenType.UNUSED
-        elif token in added:
-            token = _added_token_text(tokenizer, i, token)
-            if tokenizer.added_tokens_decoder[i].special or _looks_special(token):
-                kind = TokenType.CONTROL
-            else:
-                token, kind = token.replace(_SPACE, " "), TokenType.USER_DEFINED
+        elif i in decoder:
+            token, kind = _added_token(tokenizer, decoder, i, token, byte_level=True)
         tokens.append(token)
         types.append(int(kind))
     return [
@@ -183,7 +183,7 @@ def _merge_scores(model: dict) -> dict[str, float]:
 
 def _sentencepiece_fields(tokenizer, model: dict, n_vocab: int) -> list[Field]:
     reverse = {i: t for t, i in tokenizer.get_vocab().items()}
-    added = tokenizer.get_added_vocab()
+    decoder = tokenizer.added_tokens_decoder  # built anew on each access: once here
     scores_by_token = _merge_scores(model)
     floor = -float(len(scores_by_token) + 1)  # below every merge: single characters are never merged into
     tokens, scores, types = [], [], []
@@ -194,11 +194,8 @@ def _sentencepiece_fields(tokenizer, model: dict, n_vocab: int) -> list[Field]:
             token, kind = f"[PAD{i}]", TokenType.UNUSED
         elif token == model.get("unk_token"):
             score, kind = 0.0, TokenType.UNKNOWN
-        elif token in added:
-            if tokenizer.added_tokens_decoder[i].special or _looks_special(token):
-                kind = TokenType.CONTROL
-            else:
-                token, kind = token.replace(_SPACE, " "), TokenType.USER_DEFINED
+        elif i in decoder:
+            token, kind = _added_token(tokenizer, decoder, i, token, byte_level=False)
         elif _BYTE_TOKEN.fullmatch(token):
             score, kind = 0.0, TokenType.BYTE
         else:

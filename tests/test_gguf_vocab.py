@@ -196,6 +196,29 @@ def test_sentencepiece_bpe_matches_llama_cpp(tmp_path, prefix_space):
     assert types[-1] == gguf.TokenType.UNUSED and fields["tokenizer.ggml.tokens"][-1] == f"[PAD{n_vocab - 1}]"
 
 
+def test_transformers_llama_tokenizer_differs_from_llama_cpp_only_in_prefix_spaces(tmp_path):
+    """transformers 5's LlamaTokenizer class (Llama 2, Mistral v0.1 checkpoints) rebuilds the pipeline as
+    Metaspace(prepend_scheme="first"): the space prefix goes before the input's start only, and not
+    before one that starts with a space. llama.cpp's SentencePiece tokenizer (like SentencePiece itself)
+    puts it before every text after a special token and before a leading space; no GGUF setting changes
+    that. Elsewhere the ids agree; these are the known, pinned differences."""
+    model_dir = _sentencepiece_bpe(tmp_path / "tok", True)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "LlamaTokenizer"}))
+    AutoTokenizer.from_pretrained(str(model_dir)).save_pretrained(tmp_path / "saved")
+    assert json.loads((tmp_path / "saved" / "tokenizer.json").read_text())["pre_tokenizer"]["prepend_scheme"] == "first"
+    fields = vocab_fields(tmp_path / "saved", SimpleNamespace(vocab_size=700), None)
+    llm = llama_cpp.Llama(str(_vocab_gguf(tmp_path / "vocab.gguf", fields, 700)), vocab_only=True, verbose=False)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "saved"))
+    for text in [t for t in CORPUS if t and not t.startswith(" ")]:
+        assert llm.tokenize(text.encode(), add_bos=True, special=True) == tok.encode(text)
+    for text in (" Hello world", "  two spaces"):
+        assert llm.tokenize(text.encode(), add_bos=False, special=True) == tok.encode(" " + text, add_special_tokens=False)
+        assert tok.encode(" " + text, add_special_tokens=False) != tok.encode(text, add_special_tokens=False)
+    after_special = llm.tokenize(b"</s>hi there", add_bos=False, special=True)
+    assert after_special == [2, *tok.encode(" hi there", add_special_tokens=False)] != tok.encode("</s>hi there", add_special_tokens=False)
+
+
 def test_token_ids_beyond_the_vocab_size_are_one_line(tmp_path):
     byte_tokenizer().save_pretrained(tmp_path / "tok")
     with pytest.raises(SlimtuneError, match=r"tokenizer.json: token id 258 is outside the model's vocab_size 200$"):

@@ -9,6 +9,9 @@ Two vocabulary kinds, as llama.cpp's converter writes them:
 - ``llama``: SentencePiece BPE with byte fallback (Llama 2, Mistral v0.1, Gemma) from its ``tokenizer.json``:
   tokens, scores (a token's score is minus the rank of the merge that makes it, so llama.cpp's
   highest-score-first merging takes the merges in Hugging Face's order), token types, ``add_space_prefix``.
+  Known difference, which no GGUF setting removes: transformers 5's LlamaTokenizer class (Llama 2, Mistral
+  v0.1) puts SentencePiece's space prefix only before the start of the input, and not before a leading
+  space; llama.cpp (like SentencePiece) also puts it after every special token and before a leading space.
 
 Special-token ids come from ``gguf.SpecialVocab``; the add-bos/eos flags from what the tokenizer does; the
 chat template from the checkpoint (what training rendered conversations with: ``generate.read_format_record``).

@@ -6,6 +6,7 @@ template) must equal the Hugging Face tokenizer's."""
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import shutil
 from pathlib import Path
@@ -194,6 +195,44 @@ def test_sentencepiece_bpe_matches_llama_cpp(tmp_path, prefix_space):
     types = fields["tokenizer.ggml.token_type"]
     assert types[0] == gguf.TokenType.UNKNOWN and types[1] == gguf.TokenType.CONTROL and types[3] == gguf.TokenType.BYTE
     assert types[-1] == gguf.TokenType.UNUSED and fields["tokenizer.ggml.tokens"][-1] == f"[PAD{n_vocab - 1}]"
+
+
+def test_sentencepiece_model_converted_by_transformers_matches_llama_cpp(tmp_path):
+    """A real SentencePiece BPE model (trained here with the sentencepiece library, with Llama 2's trainer
+    settings: identity normalization, byte fallback, whitespace-only pieces), converted to tokenizer.json
+    by transformers (whose merges come from the pieces' scores, several per piece): llama.cpp's ids equal
+    SentencePiece's own on every text, and transformers' except before a leading space."""
+    spm = pytest.importorskip("sentencepiece", reason="sentencepiece is in the dev extras")
+    import inspect
+    import json as json_module
+    import textwrap
+
+    corpus = [line for m in (json_module, textwrap, inspect) for line in inspect.getsource(m).splitlines() if line.strip()]
+    corpus += [t for t in CORPUS if t] * 5
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus), model_writer=model, vocab_size=2000, model_type="bpe", byte_fallback=True,
+        character_coverage=0.98, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, split_digits=True, allow_whitespace_only_pieces=True, hard_vocab_limit=False, minloglevel=2,
+    )  # fmt: skip
+    sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "tokenizer.model").write_bytes(model.getvalue())
+    config = {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "legacy": True}
+    (tmp_path / "src" / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "src"))
+    tok.save_pretrained(tmp_path / "saved")
+    fields = vocab_fields(tmp_path / "saved", SimpleNamespace(vocab_size=sp.vocab_size()), FALLBACK_CHAT_TEMPLATE)
+    assert fields[0][1] == "llama" and len(json.loads((tmp_path / "saved" / "tokenizer.json").read_text())["model"]["merges"]) > 2000
+    llm = llama_cpp.Llama(str(_vocab_gguf(tmp_path / "vocab.gguf", fields, sp.vocab_size())), vocab_only=True, verbose=False)
+    texts = [t for t in CORPUS if t] + corpus[::5]
+    assert [llm.tokenize(t.encode(), add_bos=False, special=False) for t in texts] == [sp.encode(t) for t in texts]
+    # transformers matches both except before a leading space (the pinned difference below)
+    plain = [t for t in texts if not t.startswith(" ")]
+    spaced = [t for t in texts if t.startswith(" ")]
+    assert len(plain) > 20 and len(spaced) > 20
+    assert [llm.tokenize(t.encode(), add_bos=True, special=True) for t in plain] == [tok.encode(t) for t in plain]
+    assert [llm.tokenize(t.encode(), add_bos=False) for t in spaced] == [tok.encode(" " + t, add_special_tokens=False) for t in spaced]
 
 
 def test_transformers_llama_tokenizer_differs_from_llama_cpp_only_in_prefix_spaces(tmp_path):

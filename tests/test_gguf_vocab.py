@@ -359,3 +359,10 @@ def test_chat_template_must_be_a_string(tmp_path):
     byte_tokenizer().save_pretrained(tmp_path / "tok")
     with pytest.raises(SlimtuneError, match=r"^chat_template: expected a string, found"):
         vocab_fields(tmp_path / "tok", SimpleNamespace(vocab_size=259), ["not", "a", "template"])
+
+
+def test_unreadable_special_tokens_are_one_line(tmp_path):
+    byte_tokenizer().save_pretrained(tmp_path / "tok")
+    (tmp_path / "tok" / "config.json").write_text(json.dumps({"bos_token_id": -3}))
+    with pytest.raises(SlimtuneError, match=r"special tokens or merges are not readable: invalid value for special token type bos: -3$"):
+        vocab_fields(tmp_path / "tok", SimpleNamespace(vocab_size=259), None)

@@ -63,9 +63,9 @@ def vocab_fields(model_dir: str | Path, hf_config, chat_template: str | None) ->
     n_vocab = _vocab_size(hf_config, tokenizer, path)
     if model.get("byte_fallback") is True:
         fields = _sentencepiece_fields(tokenizer, model, n_vocab)
-        special = gguf.SpecialVocab(model_dir, n_vocab=n_vocab)
+        special = _special_vocab(model_dir, n_vocab, merges=False)
     else:
-        special = gguf.SpecialVocab(model_dir, load_merges=True, n_vocab=n_vocab)
+        special = _special_vocab(model_dir, n_vocab, merges=True)
         # Without merges every token is one byte however the text is split: any pre-tokenizer gives the
         # same ids. llama.cpp needs a merges array all the same; one that can never apply stands in.
         pre = _pre_tokenizer_name(tokenizer, spec, path) if special.merges else "gpt-2"
@@ -220,6 +220,15 @@ def _adds_space_prefix(tokenizer) -> bool:
     """Whether the tokenizer puts SentencePiece's space before the text (Llama 2 does, Gemma does not)."""
     pieces = tokenizer.convert_ids_to_tokens(tokenizer.encode("a", add_special_tokens=False))
     return bool(pieces) and pieces[0].startswith(_SPACE)
+
+
+def _special_vocab(model_dir: Path, n_vocab: int, merges: bool) -> gguf.SpecialVocab:
+    """gguf's reading of the special-token ids, add-token flags and merges; its errors as one line."""
+    try:
+        return gguf.SpecialVocab(model_dir, load_merges=merges, n_vocab=n_vocab)
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError, OSError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SlimtuneError(f"{model_dir}: the tokenizer's special tokens or merges are not readable: {first}") from None
 
 
 def _added_special_tokens(tokenizer) -> dict[str, bool]:

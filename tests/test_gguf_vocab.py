@@ -141,6 +141,19 @@ def test_bpe_pre_tokenizers_match_llama_cpp(tmp_path, smollm2_dir, monkeypatch, 
 
 
 @pytest.mark.real_model
+def test_smollm2_fields_equal_llama_cpp_converters(smollm2_dir, smollm2_gguf):
+    """The published SmolLM2 GGUF was written by llama.cpp's own converter: every tokenizer key it has is
+    the same here (add_space_prefix=False, which it writes, is llama.cpp's default for BPE; add_eos_token,
+    written here, is False as llama.cpp's default is)."""
+    reader = gguf.GGUFReader(smollm2_gguf)
+    theirs = {name: f.contents() for name, f in reader.fields.items() if name.startswith("tokenizer.")}
+    ours = {k: v for k, v, _ in vocab_fields(smollm2_dir, SimpleNamespace(vocab_size=49152), None)}
+    assert theirs.pop("tokenizer.ggml.add_space_prefix") is False and ours.pop("tokenizer.ggml.add_eos_token") is False
+    assert sorted(ours) == sorted(theirs) and len(theirs) == 11
+    assert {k: v for k, v in ours.items() if v != theirs[k]} == {}
+
+
+@pytest.mark.real_model
 def test_unknown_pre_tokenizer_is_one_line(tmp_path, smollm2_dir):
     model_dir = _smollm2_tokenizer(tmp_path, smollm2_dir)
     spec = json.loads((model_dir / "tokenizer.json").read_text())

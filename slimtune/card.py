@@ -29,6 +29,7 @@ class CardFacts:
     merged_dtype: str
     eval: dict | None = None  # eval_loss, eval_ppl, eval_tokens
     settings: dict = field(default_factory=dict)  # a few more config values worth stating
+    nf4: dict | None = None  # slimtune.model.nf4_report: NF4 count, scaler blocks, what kept its dtype
 
 
 def model_card(f: CardFacts) -> str:
@@ -46,6 +47,14 @@ def model_card(f: CardFacts) -> str:
         if f.merged
         else "This checkpoint holds the adapter only (merge it with `slimtune merge --merge-base quantized`)."
     )
+    quantized = _quantized_text(f.nf4)
+    merged_eval = ""
+    if f.eval and "eval_loss_merged" in f.eval:
+        diff = f.eval["eval_loss_merged"] - f.eval["eval_loss"]
+        merged_eval = (
+            f"\n| eval loss, merged model | {f.eval['eval_loss_merged']:.4f} ({diff:+.4f} vs the adapter on the NF4 base: the cost of "
+            f"rounding W' + B A once to {f.merged_dtype}; `checkpoint.merged_dtype: fp32` avoids it) |"
+        )
     return f"""---
 base_model: {f.base}
 library_name: peft
@@ -55,16 +64,16 @@ tags: [slimtune, qlora, lora]
 # QLoRA adapter for `{f.base}` (slimtune)
 
 Fine-tuned with slimtune (QLoRA) on an NF4-quantized `{f.model_type}` base: step {f.step} of {f.total_steps}
-(epoch {f.epoch}).
+(epoch {f.epoch}). {quantized}
 
 | | |
 | --- | --- |
 | base model | `{f.base}` |
 | steps | {f.step} of {f.total_steps} |
 | train loss (this step) | {f.train_loss:.4f} |
-| eval loss | {evaluated} |
-| LoRA | r = {lora['rank']}, alpha = {lora['alpha']:g}, scaling {scaling}, dropout {lora['dropout']:g} |
-| LoRA targets | {', '.join(lora['target_modules'])} |
+| eval loss | {evaluated} |{merged_eval}
+| LoRA | r = {lora["rank"]}, alpha = {lora["alpha"]:g}, scaling {scaling}, dropout {lora["dropout"]:g} |
+| LoRA targets | {", ".join(lora["target_modules"])} |
 | data rows | {shapes} |
 | prompt format | {f.prompt_format} (see below) |
 | merge base | {"quantized: dequant(NF4(W))" if f.merged else "n/a (adapter only)"} |
@@ -113,3 +122,16 @@ This applies the adapter to W instead of dequant(NF4(W)), the weights it was tra
 base's quantization error (`slimtune demo` prints how far on the tiny model). Prefer the merged model or the NF4
 form when you want what training measured; `slimtune merge --merge-base original` makes a merged model on W.
 """
+
+
+def _quantized_text(nf4: dict | None) -> str:
+    """One sentence: how many targeted linears were NF4, with which scaler blocks, and which were not."""
+    if not nf4:
+        return ""
+    blocks = ", ".join(f"{sbs} x {n}" for sbs, n in nf4["scaler_blocks"].items())
+    text = f"NF4 (blocks of {nf4['block_size']}): {nf4['nf4']} of {nf4['targets']} targeted linears"
+    text += f", double-quantized in scaler blocks of {blocks} (blocks per scaler group: tensors)" if blocks else ""
+    kept = nf4["kept"]
+    if kept:
+        text += f"; kept in their dtype: {', '.join(f'`{k}` ({why})' for k, why in kept.items())}"
+    return text + ". Per-tensor scaler blocks: `slimtune_format.json`, key `nf4`."

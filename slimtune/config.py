@@ -227,6 +227,15 @@ SCHEMA: tuple[Key, ...] = (
         choices=("every", "final", "never"),
     ),
     Key(
+        "checkpoint.merged_dtype",
+        "str",
+        None,
+        "dtype of the merged model's weights (null: the base checkpoint's). W' + B A is computed in fp32 and rounded once "
+        "to this dtype; fp32 skips that rounding (eval_loss_merged in metrics.jsonl measures what it costs).",
+        choices=("fp32", "fp16", "bf16"),
+        nullable=True,
+    ),
+    Key(
         "checkpoint.keep_last_n",
         "int",
         None,

@@ -242,15 +242,17 @@ def reshard(model: torch.nn.Module) -> None:
 
 def nf4_splits(shape: tuple[int, ...], world_size: int) -> bool:
     """Whether FSDP2 can cut an NF4 weight of ``shape`` among ``world_size`` ranks: torchao splits it into
-    equal parts of whole scaler blocks (64 x 256 elements), so the rows and the number of those blocks
-    must both divide by the number of ranks. With one rank there is nothing to cut, and FSDP2's one-rank
-    gather does not hand torchao's NF4 its parts (torchao 0.18: the forward fails), so: no."""
-    from slimtune.quant.nf4 import BLOCK_SIZE, SCALER_BLOCK_SIZE
+    equal parts of whole scaler blocks (64 x ``scaler_block_size(shape)`` elements, the tensor's own), so
+    the rows and the number of those blocks must both divide by the number of ranks. With one rank there is
+    nothing to cut, and FSDP2's one-rank gather does not hand torchao's NF4 its parts (torchao 0.18: the
+    forward fails), so: no."""
+    from slimtune.quant.nf4 import BLOCK_SIZE, scaler_block_size
 
-    numel = 1
-    for d in shape:
-        numel *= d
-    return world_size > 1 and bool(shape) and shape[0] % world_size == 0 and (numel // (BLOCK_SIZE * SCALER_BLOCK_SIZE)) % world_size == 0
+    sbs = scaler_block_size(tuple(shape))
+    if world_size <= 1 or sbs is None:
+        return False
+    scaler_blocks = shape[0] * shape[1] // (BLOCK_SIZE * sbs)
+    return shape[0] % world_size == 0 and scaler_blocks % world_size == 0
 
 
 def _unsplittable_nf4(model: torch.nn.Module, world_size: int) -> set[torch.nn.Parameter]:

@@ -66,6 +66,8 @@ class LoRALinear(nn.Module):
         self.lora_b = nn.Linear(rank, out_features, bias=False, dtype=torch.float32, device=device) if rank else None
         # DoRA's magnitude vector would be registered here (None = plain LoRA).
         self.magnitude: nn.Parameter | None = None
+        # Set only inside slimtune.checkpoint.fidelity.merged_forward: makes the merged weight round(W' + s B A).
+        self.merged_weight = None
 
     def reset_lora_parameters(self) -> None:
         """PEFT's default: A Kaiming-uniform, B zero, so training starts from the base model."""
@@ -73,6 +75,8 @@ class LoRALinear(nn.Module):
         nn.init.zeros_(self.lora_b.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.merged_weight is not None:
+            return self._merged_forward(x)
         if self.fan_in_fan_out:
             out = _FanInFanOutNF4.apply(x, self.weight) if is_nf4(self.weight) else x @ self.weight.to(x.dtype)
         elif is_nf4(self.weight):
@@ -87,6 +91,17 @@ class LoRALinear(nn.Module):
             return out
         lora = self.lora_b(self.lora_a(self.dropout(x).to(torch.float32))) * self.scaling
         return out + lora.to(out.dtype)
+
+    def _merged_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The merged checkpoint's layer: its weight (and bias) in the merged dtype, as transformers runs it."""
+        w = self.merged_weight()
+        bias = None if self.bias is None else self.bias.to(w.dtype)
+        if self.fan_in_fan_out:  # Conv1D: x W + b
+            out = x.to(w.dtype) @ w
+            out = out if bias is None else out + bias
+        else:
+            out = F.linear(x.to(w.dtype), w, bias)
+        return out.to(x.dtype)
 
     def extra_repr(self) -> str:
         kind = "nf4" if is_nf4(self.weight) else str(self.weight.dtype)

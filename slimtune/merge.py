@@ -101,11 +101,12 @@ def _base_rows_fn(base: BaseCheckpoint, key: str, merge_base: str, chunk_bytes: 
     """Rows of the base weight that the adapter is merged into: W itself, or dequant(NF4(W))."""
     if merge_base == "original" or key in base.bnb:
         return lambda s, e: base.rows(key, s, e)
-    from slimtune.quant.nf4 import NF4RoundTrip, can_quantize
+    from slimtune.quant.nf4 import NF4RoundTrip, can_quantize, not_quantizable_reason
 
     shape = base.shape(key)
-    if not can_quantize(shape) or shape[1] % 64:
-        log.warning("%s: %s %s does not divide into NF4 blocks; merged into the original weight", base.dir, key, list(shape))
+    if not can_quantize(shape):  # training kept it in its dtype too
+        why = not_quantizable_reason(shape)
+        log.warning("%s: %s %s cannot be NF4 (%s); merged into the original weight", base.dir, key, list(shape), why)
         return lambda s, e: base.rows(key, s, e)
     state: dict[str, NF4RoundTrip] = {}
 

@@ -42,7 +42,8 @@ from slimtune.families import (
 from slimtune.formats.hf import checkpoint_files, load_config
 from slimtune.formats.safetensors import SafetensorsReader
 from slimtune.lora import LoRAConfig, LoRALinear, lora_modules, qlora_linears
-from slimtune.quant.nf4 import can_quantize, quantize_nf4
+from slimtune.quant import is_nf4
+from slimtune.quant.nf4 import BLOCK_SIZE, can_quantize, not_quantizable_reason, quantize_nf4
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +209,50 @@ def load_qlora_model(
     for name, p in model.named_parameters():
         p.requires_grad_(".lora_a." in name or ".lora_b." in name)
     model.slimtune_source_dir = model_dir
+    log.info("%s", nf4_summary_line(nf4_report(model)))
     return model
+
+
+def nf4_report(model: nn.Module) -> dict:
+    """What the load made of each frozen-base linear (adapter targets and quantize_modules), read from
+    the loaded weights: the per-tensor scaler block of the NF4 ones, and why the others kept their dtype.
+    This is what the model card and ``slimtune_format.json`` record.
+
+    Example: ``nf4_report(model)["scaler_blocks"] == {"256": 90, "216": 120}`` on SmolLM2-135M"""
+    tensors: dict[str, int] = {}
+    kept: dict[str, str] = {}
+    for name, module in qlora_linears(model).items():
+        weight = module.weight.data
+        local = weight.to_local() if _is_dtensor(weight) else weight
+        if is_nf4(local):
+            tensors[f"{name}.weight"] = int(local.scaler_block_size)
+        else:
+            shape = tuple(weight.shape)
+            reason = not_quantizable_reason(shape) or "not quantized"
+            kept[f"{name}.weight"] = f"{list(shape)} {str(weight.dtype).removeprefix('torch.')}: {reason}"
+    counts: dict[str, int] = {}
+    for sbs in sorted(tensors.values(), reverse=True):
+        counts[str(sbs)] = counts.get(str(sbs), 0) + 1
+    return {
+        "block_size": BLOCK_SIZE,
+        "targets": len(tensors) + len(kept),
+        "nf4": len(tensors),
+        "scaler_blocks": counts,
+        "kept": kept,
+        "tensors": tensors,
+    }
+
+
+def nf4_summary_line(report: dict) -> str:
+    """One line for the log: ``NF4: 210 of 210 targets (scaler blocks: 256 x 90, 216 x 120)``, and the
+    ones kept in their dtype with the reason (the first three named)."""
+    blocks = ", ".join(f"{sbs} x {n}" for sbs, n in report["scaler_blocks"].items())
+    line = f"NF4: {report['nf4']} of {report['targets']} targets" + (f" (scaler blocks: {blocks})" if blocks else "")
+    kept = report["kept"]
+    if kept:
+        named = "; ".join(f"{k} {why}" for k, why in list(kept.items())[:3])
+        line += f"; {len(kept)} kept in their dtype: {named}" + (" ..." if len(kept) > 3 else "")
+    return line
 
 
 def _place(model: nn.Module, place: Placement, value: torch.Tensor, nf4_target: bool, path: Path) -> None:
@@ -228,11 +272,8 @@ def _place(model: nn.Module, place: Placement, value: torch.Tensor, nf4_target: 
         value = value.to(target.dtype)
     if place.whole:
         value = value.reshape(place.param_shape)
-        if nf4_target:
-            if can_quantize(value.shape):
-                value = quantize_nf4(value)
-            else:
-                log.warning("%s: %s %s does not divide into NF4 blocks; kept in %s", path, place.key, list(value.shape), value.dtype)
+        if nf4_target and can_quantize(value.shape):  # the others keep their dtype (nf4_report says which and why)
+            value = quantize_nf4(value)
         set_tensor(model, place.param, value)
         return
     if isinstance(module, LoRALinear):

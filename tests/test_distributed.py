@@ -50,7 +50,9 @@ def test_nf4_splits_follows_torchaos_rule():
     # the oracle: torchao's own split of an NF4 tensor into equal parts, as FSDP2 cuts it
     from slimtune.quant.nf4 import quantize_nf4
 
-    for shape in ((128, 128), (256, 256), (512, 256), (384, 256), (256, 384), (1024, 64)):
+    assert nf4_splits((576, 576), 2) and nf4_splits((576, 576), 3)  # 24 scaler blocks of 216
+    assert not nf4_splits((576, 576), 5)
+    for shape in ((128, 128), (256, 256), (512, 256), (384, 256), (256, 384), (1024, 64), (576, 576), (192, 576), (960, 960), (100, 96)):
         weight = quantize_nf4(torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16))
         for world in (2, 3, 4):
             try:
@@ -142,9 +144,7 @@ def test_merge_nproc_2_is_bit_identical_to_one_process_and_verifies(tiny_base, a
     assert a == b
     for name in a:
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
-    verify = run_cli(
-        "verify", str(tmp_path / "two"), "--base", str(tiny_base), "--adapter", str(adapter_ckpt), "--merge-base", "quantized"
-    )
+    verify = run_cli("verify", str(tmp_path / "two"), "--base", str(tiny_base), "--adapter", str(adapter_ckpt), "--merge-base", "quantized")
     assert verify.returncode == 0, verify.stdout + verify.stderr
     assert ": OK" in verify.stdout
 

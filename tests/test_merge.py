@@ -358,3 +358,35 @@ def test_save_and_offline_merge_of_its_adapter_write_the_same_files(qlora_model,
     config = json.loads((tmp_path / "merged" / "config.json").read_text())
     assert config["dtype"] == config["torch_dtype"] == ("float32" if dtype else "bfloat16")
     assert config["use_cache"] is True  # the base's config.json, not the training-time model.config
+
+
+def test_odd_widths_use_their_own_scaler_blocks_in_load_save_and_offline_merge(tmp_path):
+    """A width of 72 (81 blocks per 72 x 72 projection, rows not whole 64-blocks) and an MLP of 200
+    (225 blocks): every target is NF4 with the scaler block chosen for it, the in-training merged save is
+    torchao's own NF4 of the base with that scaler block + s * B @ A, and `merge --merge-base quantized`
+    rebuilds the same NF4 from the files: the same bytes."""
+    from slimtune import save_checkpoint
+    from slimtune.lora import LoRAConfig, lora_modules
+    from slimtune.model import load_qlora_model, nf4_report
+    from slimtune.quant.nf4 import to_nf4
+    from slimtune.tiny import make_tiny_checkpoint
+    from tests.conftest import perturb_adapters
+
+    base = make_tiny_checkpoint(tmp_path / "base", seed=2, hidden_size=72, intermediate_size=200)
+    model = load_qlora_model(base, LoRAConfig(rank=4, alpha=8), progress=False).eval()
+    perturb_adapters(model)
+    report = nf4_report(model)
+    assert (report["nf4"], report["targets"], report["kept"]) == (14, 14, {})
+    assert report["scaler_blocks"] == {"225": 6, "81": 8}
+    assert report["tensors"]["model.layers.0.self_attn.q_proj.weight"] == 81
+    save_checkpoint(model, tmp_path / "save", progress=False)
+    merge_from_files(base, tmp_path / "save" / "adapter", tmp_path / "merged", merge_base="quantized", progress=False)
+    saved, merged = _manifest_digests(tmp_path / "save"), _manifest_digests(tmp_path / "merged")
+    assert {p: saved[p] for p in merged} == merged
+    original = {k: v for f in base.glob("*.safetensors") for k, v in load_file(f).items()}
+    written = read_dir(tmp_path / "save")
+    m = lora_modules(model)["model.layers.1.mlp.down_proj"]
+    key = "model.layers.1.mlp.down_proj.weight"
+    oracle = to_nf4(original[key], 64, 225).get_original_weight().float()
+    expected = (oracle + m.scaling * (m.lora_b.weight.detach() @ m.lora_a.weight.detach())).to(torch.bfloat16)
+    assert torch.equal(written[key].view(torch.int16), expected.view(torch.int16))

@@ -2,7 +2,15 @@ import pytest
 import torch
 
 from slimtune.lora import lora_scaling, merge_lora_rows
-from slimtune.quant.nf4 import _torchao_linear_nf4, dequantize_nf4_rows, linear_nf4, quantize_nf4
+from slimtune.quant.nf4 import (
+    NF4RoundTrip,
+    _torchao_linear_nf4,
+    dequantize_nf4_rows,
+    linear_nf4,
+    quantize_nf4,
+    scaler_block_size,
+    to_nf4,
+)
 
 
 @pytest.mark.parametrize(
@@ -34,11 +42,12 @@ def test_dequantize_rows_bit_identical_to_torchao(shape, dtype):
     "weight_dtype,input_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float16, torch.float32)]
 )
 def test_linear_nf4_bit_identical_to_torchao_forward_and_backward(weight_dtype, input_dtype):
-    """The training forward's NF4 linear (slimtune's dequantization on the CPU) against torchao's linear_nf4."""
+    """The training forward's NF4 linear (slimtune's dequantization on the CPU) against torchao's linear_nf4,
+    on a weight whose scaler block is not torchao's default (SmolLM2's k/v projection: 216)."""
     torch.manual_seed(2)
-    nf4 = quantize_nf4(torch.randn(256, 128).mul(0.05).to(weight_dtype))
-    x = torch.randn(3, 5, 128).to(input_dtype)
-    grad = torch.randn(3, 5, 256).to(input_dtype)
+    nf4 = quantize_nf4(torch.randn(192, 576).mul(0.05).to(weight_dtype))
+    x = torch.randn(3, 5, 576).to(input_dtype)
+    grad = torch.randn(3, 5, 192).to(input_dtype)
     results = []
     for fn in (linear_nf4, _torchao_linear_nf4):
         leaf = x.clone().requires_grad_()
@@ -49,6 +58,51 @@ def test_linear_nf4_bit_identical_to_torchao_forward_and_backward(weight_dtype, 
     assert y.dtype == input_dtype and torch.equal(y, y_ref)
     assert torch.equal(dx, dx_ref)
     assert not torch.equal(dx, torch.zeros_like(dx))
+
+
+@pytest.mark.parametrize(
+    "shape,scaler_block",
+    [
+        ((576, 576), 216),  # SmolLM2-135M's attention: 5,184 blocks
+        ((192, 576), 216),  # its k/v projections: 1,728 blocks
+        ((1536, 576), 256),  # its MLP: 13,824 blocks
+        ((960, 960), 240),  # SmolLM2-360M's width: 14,400 blocks
+        ((320, 960), 240),
+        ((1024, 48), 256),  # rows that are not whole 64-blocks
+        ((100, 96), 150),
+        ((48, 100), 75),
+        ((5, 192), 15),
+        ((257, 64), 1),  # a prime number of blocks
+        ((64, 64), 64),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_other_scaler_blocks_match_torchao(shape, scaler_block, dtype):
+    """The scaler block is the largest divisor of the block count <= 256; quantization is torchao's own
+    to_nf4 with it, and slimtune's row dequantization and its by-rows round trip (merge base quantized)
+    are bit-identical to torchao's get_original_weight for it."""
+    assert scaler_block_size(shape) == scaler_block
+    torch.manual_seed(3)
+    weight = torch.randn(shape, dtype=torch.float32).mul(0.05).to(dtype)
+    nf4 = quantize_nf4(weight)
+    oracle = to_nf4(weight, 64, scaler_block)
+    assert nf4.scaler_block_size == scaler_block
+    for attr in ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean"):
+        assert torch.equal(getattr(nf4, attr), getattr(oracle, attr)), attr
+    reference = oracle.get_original_weight()
+    rows = shape[0]
+    round_trip = NF4RoundTrip(lambda a, b: weight[a:b], shape, dtype, chunk_rows=7)
+    for start, end in [(0, rows), (0, 1), (rows // 3, rows // 2 + 1), (rows - 1, rows), (1, rows - 1)]:
+        expected = reference[start:end].contiguous().view(torch.uint8)
+        assert torch.equal(dequantize_nf4_rows(nf4, start, end).contiguous().view(torch.uint8), expected), (start, end)
+        assert torch.equal(round_trip.rows(start, end).contiguous().view(torch.uint8), expected), (start, end)
+
+
+def test_weights_that_cannot_be_nf4():
+    for shape in ((3, 50), (64,), (0, 64), (2, 3, 64)):
+        assert scaler_block_size(shape) is None, shape
+    with pytest.raises(ValueError, match="cannot be NF4"):
+        quantize_nf4(torch.zeros(3, 50))
 
 
 @pytest.mark.parametrize("use_rslora", [False, True])

@@ -293,6 +293,38 @@ def test_tiny_config_trains_and_its_merged_model_reloads(tmp_path):
     assert trained_loss < base_loss - 0.3, (trained_loss, base_loss)
 
 
+@pytest.mark.parametrize("merged_dtype", [None, "fp32"])
+def test_merged_saves_record_eval_loss_merged_and_nf4(tmp_path, merged_dtype):
+    """A merged save with eval data also evaluates the merged weights (eval_loss_merged beside eval_loss,
+    in metrics.jsonl and the card); checkpoint.merged_dtype sets the merged files' dtype; the load prints
+    one NF4 line and the card and slimtune_format.json record the scaler blocks."""
+    out = tmp_path / "run"
+    extra = [f"checkpoint.merged_dtype={merged_dtype}"] if merged_dtype else []
+    r = run_cli(
+        "finetune", "--config", "tiny", f"output_dir={out}", "training.max_steps=4", "dataset.eval_fraction=0.25",
+        "checkpoint.save_every_n_steps=2", "logging.progress_bar=false", *extra,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "NF4: 14 of 14 targets (scaler blocks: 256 x 14)" in r.stdout
+    saves = [m for m in metrics(out) if "checkpoint" in m]
+    assert [m["step"] for m in saves] == [2, 4]
+    for m in saves:
+        assert abs(m["eval_loss_merged"] - m["eval_loss"]) < 0.05, m
+    if merged_dtype is None:  # bf16: the one rounding of W' + B A shows
+        assert any(m["eval_loss_merged"] != m["eval_loss"] for m in saves)
+    ckpt = out / "step-000004"
+    config = json.loads((ckpt / "config.json").read_text())
+    assert config["torch_dtype"] == ("float32" if merged_dtype else "bfloat16")
+    assert {t.dtype for t in load_file(str(next(ckpt.glob("model-*.safetensors")))).values()} == {
+        torch.float32 if merged_dtype else torch.bfloat16
+    }
+    card = (ckpt / "README.md").read_text()
+    assert f"| eval loss, merged model | {saves[-1]['eval_loss_merged']:.4f}" in card
+    assert "NF4 (blocks of 64): 14 of 14 targeted linears" in card
+    nf4 = json.loads((ckpt / "slimtune_format.json").read_text())["nf4"]
+    assert nf4["scaler_blocks"] == {"256": 14} and nf4["tensors"]["model.layers.0.self_attn.q_proj.weight"] == 256
+
+
 def test_metrics_past_the_resumed_checkpoint_are_dropped(tmp_path):
     from slimtune.checkpoint.manager import MetricsLog
 

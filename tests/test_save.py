@@ -97,6 +97,28 @@ def test_merged_files_equal_independent_reference_and_load_in_transformers(qlora
     assert gap < 0.2 * lora_effect, (gap, lora_effect)
 
 
+@pytest.mark.parametrize("dtype", [None, torch.float32])
+def test_merged_forward_is_the_merged_save(qlora_model, tmp_path, batch, dtype):
+    """merged_forward (what eval_loss_merged evaluates) makes each merged weight bit for bit as the save
+    writes it, in bounded memory (one layer at a time), and the QLoRA model run that way gives the logits
+    of the merged checkpoint reloaded in transformers."""
+    from slimtune.checkpoint.fidelity import merged_forward
+
+    save_checkpoint(qlora_model, tmp_path / "ckpt", dtype=dtype, progress=False)
+    saved = read_merged(tmp_path / "ckpt")
+    with merged_forward(qlora_model, dtype):
+        for name, m in qlora_linears(qlora_model).items():
+            w = m.merged_weight()
+            assert w.dtype == saved[f"{name}.weight"].dtype and torch.equal(w.view(torch.uint8), saved[f"{name}.weight"].view(torch.uint8))
+        merged_logits = logits(qlora_model, batch)
+    assert all(m.merged_weight is None for m in qlora_linears(qlora_model).values())
+    adapter_logits = logits(qlora_model, batch)
+    if dtype is None:  # bf16 everywhere: the same model transformers loads, the same kernels
+        reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ckpt"), dtype=torch.bfloat16).eval()
+        assert torch.equal(merged_logits, logits(reloaded, batch))
+    assert not torch.equal(merged_logits, adapter_logits)  # the rounding of W' + s B A is visible
+
+
 def test_peft_merge_and_unload_agrees_with_slimtune(qlora_model, tiny_base, tmp_path):
     peft = pytest.importorskip("peft")
     ckpt = tmp_path / "ckpt"

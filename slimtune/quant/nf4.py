@@ -4,6 +4,7 @@ dequantization that is bit-identical to ``NF4Tensor.get_original_weight`` but wo
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -29,24 +30,52 @@ __all__ = [
     "linear_nf4",
     "quantize_nf4",
     "can_quantize",
+    "scaler_block_size",
     "dequantize_nf4_rows",
     "nf4_from_parts",
 ]
 
 BLOCK_SIZE = 64
-SCALER_BLOCK_SIZE = 256
+SCALER_BLOCK_SIZE = 256  # torchao's default, and the largest slimtune uses
+
+
+def scaler_block_size(shape: torch.Size | tuple[int, ...]) -> int | None:
+    """The scaler block (64-element blocks per double-quantization group) of an NF4 weight of ``shape``:
+    the largest divisor of its number of 64-element blocks that is at most 256 (torchao's default when
+    it divides, as for widths that are multiples of 128; 216 for a 576 x 576 projection), or None when
+    the weight cannot be NF4 at all (not 2-D, empty, or not whole 64-element blocks).
+
+    Example: ``scaler_block_size((576, 576)) == 216``"""
+    if len(shape) != 2:
+        return None
+    numel = shape[0] * shape[1]
+    if numel == 0 or numel % BLOCK_SIZE:
+        return None
+    blocks = numel // BLOCK_SIZE
+    return next(d for d in range(min(SCALER_BLOCK_SIZE, blocks), 0, -1) if blocks % d == 0)
 
 
 def can_quantize(shape: torch.Size | tuple[int, ...]) -> bool:
-    """NF4 needs a 2-D weight whose element count divides into whole scaler blocks."""
-    numel = 1
-    for d in shape:
-        numel *= d
-    return len(shape) == 2 and numel % (BLOCK_SIZE * SCALER_BLOCK_SIZE) == 0
+    """NF4 needs a 2-D weight made of whole 64-element blocks (its scaler block is then chosen to fit)."""
+    return scaler_block_size(shape) is not None
+
+
+def not_quantizable_reason(shape: torch.Size | tuple[int, ...]) -> str:
+    """Why a weight of ``shape`` cannot be NF4 (for messages), or "" when it can."""
+    if len(shape) != 2:
+        return f"{len(shape)}-D, not 2-D"
+    numel = shape[0] * shape[1]
+    if numel == 0:
+        return "empty"
+    return "" if numel % BLOCK_SIZE == 0 else f"{numel} elements, not whole {BLOCK_SIZE}-element blocks"
 
 
 def quantize_nf4(weight: torch.Tensor) -> NF4Tensor:
-    return to_nf4(weight.contiguous(), BLOCK_SIZE, SCALER_BLOCK_SIZE)
+    """torchao's to_nf4 with 64-element blocks and the scaler block ``scaler_block_size`` picks for the shape."""
+    sbs = scaler_block_size(tuple(weight.shape))
+    if sbs is None:
+        raise ValueError(f"a {list(weight.shape)} weight cannot be NF4 ({not_quantizable_reason(tuple(weight.shape))})")
+    return to_nf4(weight.contiguous(), BLOCK_SIZE, sbs)
 
 
 def _byte_pair_table(w: NF4Tensor) -> torch.Tensor:
@@ -88,21 +117,27 @@ def nf4_from_parts(
     quantization_factor: torch.Tensor,
     scaler_mean: torch.Tensor,
 ) -> NF4Tensor:
-    """Build an NF4Tensor from its inner tensors (synthetic benchmarks, reloading saved NF4 state)."""
-    nf4 = quantize_nf4(torch.zeros(BLOCK_SIZE * SCALER_BLOCK_SIZE, dtype=dtype).view(1, -1)).nf4
+    """Build an NF4Tensor from its inner tensors (synthetic benchmarks, reloading saved NF4 state); the
+    scaler block is the one ``scaler_block_size`` picks for the shape, as ``quantize_nf4`` uses."""
+    nf4 = _nf4_codes(dtype)
     numel = shape[0] * shape[1]
     meta = SubclassTensorArgs(torch.Size(shape), (shape[1], 1), 0, dtype, quantized_data.device, False)
     return NF4Tensor(
         meta,
         BLOCK_SIZE,
         numel // BLOCK_SIZE,
-        SCALER_BLOCK_SIZE,
+        scaler_block_size(shape),
         quantized_scalers,
         quantization_factor,
         scaler_mean,
         quantized_data,
         nf4.to(quantized_data.device),
     )
+
+
+def _nf4_codes(dtype: torch.dtype) -> torch.Tensor:
+    """torchao's 16 NF4 code values in ``dtype`` (its lookup table, taken from a quantized zero block)."""
+    return to_nf4(torch.zeros(1, BLOCK_SIZE * SCALER_BLOCK_SIZE, dtype=dtype), BLOCK_SIZE, SCALER_BLOCK_SIZE).nf4
 
 
 class NF4RoundTrip:
@@ -113,35 +148,41 @@ class NF4RoundTrip:
 
     def __init__(self, read_rows, shape: tuple[int, int], dtype: torch.dtype, chunk_rows: int):
         self.read_rows, self.shape, self.dtype = read_rows, shape, dtype
-        cols = shape[1]
-        if cols % BLOCK_SIZE:
-            raise ValueError("NF4 round trip by rows needs rows made of whole 64-blocks")
-        absmax = [
-            read_rows(s, min(s + chunk_rows, shape[0])).reshape(-1, BLOCK_SIZE).abs().max(dim=1).values
-            for s in range(0, shape[0], chunk_rows)
-        ]
+        sbs = scaler_block_size(shape)
+        if sbs is None:
+            raise ValueError(f"a {list(shape)} weight cannot be NF4 ({not_quantizable_reason(shape)})")
+        rows, cols = shape
+        align = BLOCK_SIZE // math.gcd(cols, BLOCK_SIZE)  # rows per whole number of 64-blocks
+        step = -(-max(1, chunk_rows) // align) * align
+        absmax = [read_rows(s, min(s + step, rows)).reshape(-1, BLOCK_SIZE).abs().max(dim=1).values for s in range(0, rows, step)]
         block_absmax = torch.cat(absmax)
-        # torchao's double_quantize_scalers, on the block absmax vector
+        # torchao's double_quantize_scalers, on the block absmax vector, with the tensor's scaler block
         mean = block_absmax.mean()
         centred = block_absmax - mean
-        scaler_blocks = centred.view(-1, SCALER_BLOCK_SIZE)
+        scaler_blocks = centred.view(-1, sbs)
         factor = 256 / (2 * scaler_blocks.abs().max(dim=1).values)
         quantized = (scaler_blocks * factor.unsqueeze(-1)).round().clamp(-128, 127).flatten().to(torch.int8)
         # torchao's dequantize_scalers
-        self.scalers = (quantized.view(-1, SCALER_BLOCK_SIZE) / factor.unsqueeze(-1)).flatten().to(dtype) + mean
+        self.scalers = (quantized.view(-1, sbs) / factor.unsqueeze(-1)).flatten().to(dtype) + mean
         self.block_absmax = block_absmax
-        self.nf4 = quantize_nf4(torch.zeros(1, BLOCK_SIZE * SCALER_BLOCK_SIZE, dtype=dtype)).nf4
+        self.scaler_block_size = sbs
+        self.nf4 = _nf4_codes(dtype)
 
     def rows(self, start: int, end: int) -> torch.Tensor:
-        cols = self.shape[1]
-        b0, b1 = start * cols // BLOCK_SIZE, end * cols // BLOCK_SIZE
-        blocks = self.read_rows(start, end).reshape(-1, BLOCK_SIZE)
+        """Rows [start, end) of dequant(NF4(W)); rows that start or end inside a 64-block (widths that
+        are not multiples of 64) read the neighbouring rows that complete the block."""
+        rows, cols = self.shape
+        e0, e1 = start * cols, end * cols
+        b0, b1 = e0 // BLOCK_SIZE, -(-e1 // BLOCK_SIZE)
+        r0, r1 = b0 * BLOCK_SIZE // cols, min(rows, -(-b1 * BLOCK_SIZE // cols))
+        flat = self.read_rows(r0, r1).reshape(-1)[b0 * BLOCK_SIZE - r0 * cols : b1 * BLOCK_SIZE - r0 * cols]
+        blocks = flat.reshape(-1, BLOCK_SIZE)
         scaled = (blocks / self.block_absmax[b0:b1].unsqueeze(-1)).flatten()
         codes = torch.empty(scaled.numel(), dtype=torch.long)
         for i in range(0, scaled.numel(), 2**20):  # torchao's chunking: bounds the [n, 16] distance table
             codes[i : i + 2**20] = (scaled[i : i + 2**20].unsqueeze(-1) - self.nf4).abs().min(dim=-1).indices
         values = self.nf4[codes].view(-1, BLOCK_SIZE) * self.scalers[b0:b1].unsqueeze(-1)
-        return values.view(end - start, cols)
+        return values.view(-1)[e0 - b0 * BLOCK_SIZE : e1 - b0 * BLOCK_SIZE].view(end - start, cols)
 
 
 def linear_nf4(x: torch.Tensor, weight: NF4Tensor) -> torch.Tensor:

@@ -49,6 +49,7 @@ from tqdm.auto import tqdm
 
 from slimtune.card import CardFacts, model_card
 from slimtune.checkpoint.atomic import os_errors
+from slimtune.checkpoint.fidelity import merged_forward
 from slimtune.checkpoint.manager import STATE_FORMAT, CheckpointManager, CreatedByRun, MetricsLog, SaveOptions, rng_state, set_rng_state
 from slimtune.checkpoint.save import ADAPTER_DIR, DTYPES, SaveResult
 from slimtune.config import Config
@@ -72,7 +73,7 @@ from slimtune.formats.peft import lora_key
 from slimtune.generate import FORMAT_NAME, format_record, prompt_format_of
 from slimtune.lora import LoRAConfig, lora_modules, lora_parameters
 from slimtune.memory import peak_rss_mb, reset_peak_rss, rss_mb
-from slimtune.model import config_dtype, load_qlora_model
+from slimtune.model import config_dtype, load_qlora_model, nf4_report, nf4_summary_line
 from slimtune.tiny import byte_tokenizer, make_tiny_checkpoint, tiny_config
 from slimtune.tracking import Trackers
 
@@ -181,7 +182,11 @@ def _finetune(cfg: Config, on_step: Callable[[dict], None] | None, ranks: Ranks)
     progress = cfg.logging.progress_bar and ranks.is_coordinator
     model = load_qlora_model(model_dir, lora, seed=cfg.seed, progress=progress, ranks=ranks, dtype=dtype)
     say(f"lora targets ({', '.join(lora.target_modules)}): {', '.join(model.slimtune_targets)}")
+    nf4 = nf4_report(model)
+    say(nf4_summary_line(nf4))
     base_dtype = config_dtype(model.config)
+    # None: each tensor in its own dtype (the base's, for NF4 weights), what the merged save writes by default
+    merged_dtype = DTYPES[cfg.checkpoint.merged_dtype] if cfg.checkpoint.merged_dtype else (None if dtype == base_dtype else base_dtype)
     if not ranks.distributed:
         model.to(device)  # FSDP2 placed each rank's shards on its device already
     if cfg.training.activation_checkpointing:
@@ -242,7 +247,7 @@ def _finetune(cfg: Config, on_step: Callable[[dict], None] | None, ranks: Ranks)
         else:  # a rank the checkpoint did not have: a fresh stream of its own
             seed_everything(cfg.seed + ranks.rank + 1_000_003 * global_step)
         say(f"resumed from {resume_dir.name}: step {global_step}, epoch {epoch + 1}, step {step_in_epoch + 1} of the epoch next")
-    docs = CheckpointDocs(tokenizer, cfg, data, hf_config, base_dtype)  # tokenizer with the chat template used, model card
+    docs = CheckpointDocs(tokenizer, cfg, data, hf_config, merged_dtype or base_dtype, nf4)  # tokenizer with its chat template, card
     metrics = (
         MetricsLog(manager.metrics_path, keep_through_step=global_step, last_record=saved.get("metrics") if saved else None)
         if ranks.is_coordinator
@@ -307,8 +312,13 @@ def _finetune(cfg: Config, on_step: Callable[[dict], None] | None, ranks: Ranks)
             every = cfg.checkpoint.save_every_n_steps
             checkpoint_now = epoch_end or (every is not None and global_step % every == 0) or global_step == stop_at
             eval_every = cfg.training.eval_every_n_steps
+            adapter_only = cfg.checkpoint.merged == "never" or (cfg.checkpoint.merged == "final" and global_step < total_steps)
             if eval_examples and (checkpoint_now or (eval_every is not None and global_step % eval_every == 0)):
                 last_eval = evaluate(model, eval_examples, cfg.training.batch_size, pad_id, device, ranks)
+                if checkpoint_now and not adapter_only and not ranks.distributed:  # what the merge's rounding costs
+                    with merged_forward(model, merged_dtype):
+                        merged_eval = evaluate(model, eval_examples, cfg.training.batch_size, pad_id, device, ranks)
+                    last_eval["eval_loss_merged"] = merged_eval["eval_loss"]
                 record.update(last_eval)
             if checkpoint_now and cfg.training.sample_prompts:
                 record["samples"] = sample_generations(model, tokenizer, cfg.training.sample_prompts, prompt_format, cfg, device)
@@ -319,13 +329,12 @@ def _finetune(cfg: Config, on_step: Callable[[dict], None] | None, ranks: Ranks)
             if checkpoint_now:
                 state = recipe_state(cfg, global_step, dataset_sha, len(examples), total_steps, ranks)
                 state["metrics"] = {**record, "checkpoint": manager.step_path(global_step).name}  # rewritten on resume if a kill takes it
-                adapter_only = cfg.checkpoint.merged == "never" or (cfg.checkpoint.merged == "final" and global_step < total_steps)
                 facts = dict(step=global_step, total_steps=total_steps, epoch=epoch + 1, train_loss=step_loss, merged=not adapter_only)
                 extra = docs.files(eval=last_eval if "eval_loss" in record else None, **facts)
                 options = SaveOptions(
                     adapter_only,
                     cfg.checkpoint.max_shard_size,
-                    None if dtype == base_dtype else base_dtype,
+                    merged_dtype,
                     extra_files=extra,
                     tokenizer_dir=docs.tokenizer_dir,
                 )
@@ -548,14 +557,14 @@ class CheckpointDocs:
     model card (README.md, at the root and in adapter/) and slimtune_format.json (the prompt format).
     Staged in a temporary directory and copied in by the save, under its manifest."""
 
-    def __init__(self, tokenizer, cfg: Config, data, hf_config, base_dtype: torch.dtype):
+    def __init__(self, tokenizer, cfg: Config, data, hf_config, base_dtype: torch.dtype, nf4: dict):
         self._tmp = tempfile.TemporaryDirectory(prefix="slimtune-docs-")
         self.root = Path(self._tmp.name)
         self.tokenizer_dir = self.root / "tokenizer"
         if not getattr(tokenizer, "chat_template", None):
             tokenizer.chat_template = FALLBACK_CHAT_TEMPLATE  # what training used for chat rows; generation uses it too
         tokenizer.save_pretrained(str(self.tokenizer_dir))
-        self.record = format_record(data.shapes, tokenizer.chat_template)
+        self.record = {**format_record(data.shapes, tokenizer.chat_template), "nf4": nf4}
         self.common = dict(
             base=cfg.model.path,
             model_type=str(getattr(hf_config, "model_type", "unknown")),
@@ -570,6 +579,7 @@ class CheckpointDocs:
             shapes=dict(data.shapes),
             prompt_format=self.record["prompt_format"],
             merged_dtype=str(base_dtype).removeprefix("torch."),
+            nf4=nf4,
         )
 
     def files(self, **facts) -> dict[str, Path]:

@@ -167,7 +167,7 @@ def write_docstring_data(out_dir: Path) -> tuple[Path, Path]:
 # ---------------------------------------------------------------------------------------------------
 # What the tests and the bench train with, and PEFT's side of the comparison
 
-SETTINGS = dict(rank=8, alpha=16.0, lr=2e-3, batch_size=8, max_seq_len=128, warmup_steps=2, min_lr_ratio=0.1, max_grad_norm=1.0, seed=0)
+SETTINGS = dict(rank=8, alpha=16.0, lr=2e-3, batch_size=4, max_seq_len=128, warmup_steps=2, min_lr_ratio=0.1, max_grad_norm=1.0, seed=0)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -251,7 +251,8 @@ def reference_lr_factor(step: int, total: int) -> float:
 def peft_train(model, examples: list, pad_id: int, steps: int, total_steps: int) -> tuple[list[float], float]:
     """PEFT's side: ``steps`` optimizer steps on the recipe's batches (seeded order of epoch 0), loss =
     fp32 cross-entropy summed over the step's trained tokens / their count, AdamW on the trainable
-    parameters, the schedule above, gradient clipping. Returns (step losses, tokens/s of the steps)."""
+    parameters, the schedule above, gradient clipping. Returns (step losses, padded tokens per second of
+    the steps after the first, which warms up)."""
     import time
 
     import torch
@@ -277,14 +278,15 @@ def peft_train(model, examples: list, pad_id: int, steps: int, total_steps: int)
             loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
             (loss / count).backward()
             step_loss += loss.item() / count
-            tokens += int(b["attention_mask"].sum())
         torch.nn.utils.clip_grad_norm_(params, s["max_grad_norm"])
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
-        seconds += time.perf_counter() - started
+        if losses:  # the first step warms up
+            seconds += time.perf_counter() - started
+            tokens += sum(int(b["attention_mask"].sum()) for b in batches)
         losses.append(step_loss)
-    return losses, tokens / seconds
+    return losses, tokens / seconds if seconds else float("nan")
 
 
 def eval_loss(model, examples: list, pad_id: int, batch_size: int = 8) -> float:

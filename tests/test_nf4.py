@@ -2,7 +2,15 @@ import pytest
 import torch
 
 from slimtune.lora import lora_scaling, merge_lora_rows
-from slimtune.quant.nf4 import NF4RoundTrip, dequantize_nf4_rows, quantize_nf4, scaler_block_size, to_nf4
+from slimtune.quant.nf4 import (
+    NF4RoundTrip,
+    _torchao_linear_nf4,
+    dequantize_nf4_rows,
+    linear_nf4,
+    quantize_nf4,
+    scaler_block_size,
+    to_nf4,
+)
 
 
 @pytest.mark.parametrize(
@@ -28,6 +36,28 @@ def test_dequantize_rows_bit_identical_to_torchao(shape, dtype):
         assert got.shape == (end - start, shape[1])
         # compare bits, not values: -0.0 vs 0.0 or NaN payloads would hide in a value comparison
         assert torch.equal(got.view(torch.uint8), reference[start:end].contiguous().view(torch.uint8)), (start, end)
+
+
+@pytest.mark.parametrize(
+    "weight_dtype,input_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float16, torch.float32)]
+)
+def test_linear_nf4_bit_identical_to_torchao_forward_and_backward(weight_dtype, input_dtype):
+    """The training forward's NF4 linear (slimtune's dequantization on the CPU) against torchao's linear_nf4,
+    on a weight whose scaler block is not torchao's default (SmolLM2's k/v projection: 216)."""
+    torch.manual_seed(2)
+    nf4 = quantize_nf4(torch.randn(192, 576).mul(0.05).to(weight_dtype))
+    x = torch.randn(3, 5, 576).to(input_dtype)
+    grad = torch.randn(3, 5, 192).to(input_dtype)
+    results = []
+    for fn in (linear_nf4, _torchao_linear_nf4):
+        leaf = x.clone().requires_grad_()
+        y = fn(leaf, nf4)
+        y.backward(grad)
+        results.append((y.detach(), leaf.grad))
+    (y, dx), (y_ref, dx_ref) = results
+    assert y.dtype == input_dtype and torch.equal(y, y_ref)
+    assert torch.equal(dx, dx_ref)
+    assert not torch.equal(dx, torch.zeros_like(dx))
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -692,6 +693,16 @@ def bench_train_save(preset: str, out: Path, steps: int, save_every: int, layers
     return result
 
 
+def _default_gguf_tokenizer() -> Path:
+    """SmolLM2's tokenizer from the real model's cache (`make real-model`), else the byte-level tokenizer."""
+    real = Path(os.environ.get("SLIMTUNE_REAL_MODEL", ".cache/real-model/SmolLM2-135M-Instruct"))
+    if (real / "tokenizer.json").is_file():
+        return real
+    fallback = Path(tempfile.mkdtemp(prefix="slimtune-bench-tok-"))
+    byte_tokenizer().save_pretrained(str(fallback))
+    return fallback
+
+
 GGUF_CHILD = """
 import json, sys, time
 from pathlib import Path
@@ -726,7 +737,7 @@ def bench_gguf(preset: str, out: Path, qtype: str, layers: int | None = None, to
         write_synthetic_base(config, base)
     if not is_complete_checkpoint(adapter):
         write_synthetic_adapter(config, adapter)
-    tokenizer = tokenizer or Path(os.environ.get("SLIMTUNE_SMOLLM2", "/work/cache/smollm2-hf"))
+    tokenizer = tokenizer or _default_gguf_tokenizer()
     base_bytes = sum(p.stat().st_size for p in base.glob("*.safetensors"))
     disk = disk_write_mb_s(out, min(base_bytes, 2 * 1024**3))
     copied = [Path(shutil.copy(f, base / f.name)) for f in tokenizer.glob("*token*") if not (base / f.name).exists()]

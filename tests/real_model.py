@@ -92,6 +92,11 @@ def ensure_real_model(target: Path | None = None) -> Path:
     return target
 
 
+def real_model_gguf() -> Path:
+    """The published GGUF the checkpoint was converted from (kept in the same cache), fetched where missing."""
+    return _fetch_gguf(model_dir().parent)
+
+
 def _fetch_gguf(cache: Path) -> Path:
     gguf = cache / Path(GGUF).name
     if gguf.is_file():

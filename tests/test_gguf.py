@@ -16,7 +16,6 @@ model that slimtune merge writes. Bad input is one line, exit 2, nothing at --ou
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
@@ -34,7 +33,6 @@ from slimtune.tiny import byte_tokenizer
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is in the dev extras (pip install -e .[dev])")
 
-TOKENIZER = Path(os.environ.get("SLIMTUNE_SMOLLM2", "/work/cache/smollm2-hf"))  # a real byte-level BPE tokenizer
 LOGIT_BOUND = 0.03  # in units of std(transformers' logits); measured up to 0.005 (f16) on these models
 Q8_BOUND = 0.15  # q8_0 (llama.cpp also quantizes activations to 8 bits); measured 0.08 on the tiny Llama
 PROMPT = list(range(100, 140))  # ids every test model's vocabulary has
@@ -42,10 +40,10 @@ GREEDY_STEPS = 12
 
 
 def _tokenizer_dir(tmp_path_factory) -> Path:
-    src = TOKENIZER if (TOKENIZER / "tokenizer.json").is_file() else None
-    if src is None:
-        pytest.skip("the SmolLM2 tokenizer (real_model) is not available here")
-    return src
+    """SmolLM2's real byte-level BPE tokenizer (the real model's cache, fetched where missing)."""
+    from tests.real_model import ensure_real_model
+
+    return ensure_real_model()
 
 
 @pytest.fixture(scope="session")

@@ -412,7 +412,8 @@ def test_targets_that_cannot_be_nf4_keep_their_dtype_and_are_summarised(tmp_path
     from slimtune.model import load_qlora_model, nf4_report, nf4_summary_line
     from slimtune.tiny import make_tiny_checkpoint
 
-    base = make_tiny_checkpoint(tmp_path / "base", seed=2, hidden_size=36, intermediate_size=100, num_attention_heads=2, num_key_value_heads=2)
+    sizes = dict(hidden_size=36, intermediate_size=100, num_attention_heads=2, num_key_value_heads=2)
+    base = make_tiny_checkpoint(tmp_path / "base", seed=2, **sizes)
     report = nf4_report(load_qlora_model(base, LoRAConfig(rank=2, alpha=4), progress=False))
     assert (report["nf4"], report["targets"], report["scaler_blocks"]) == (0, 14, {})
     assert report["kept"]["model.layers.0.self_attn.q_proj.weight"] == "[36, 36] bfloat16: 1296 elements, not whole 64-element blocks"

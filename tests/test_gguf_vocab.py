@@ -6,6 +6,7 @@ template) must equal the Hugging Face tokenizer's."""
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import shutil
 from pathlib import Path
@@ -140,6 +141,19 @@ def test_bpe_pre_tokenizers_match_llama_cpp(tmp_path, smollm2_dir, monkeypatch, 
 
 
 @pytest.mark.real_model
+def test_smollm2_fields_equal_llama_cpp_converters(smollm2_dir, smollm2_gguf):
+    """The published SmolLM2 GGUF was written by llama.cpp's own converter: every tokenizer key it has is
+    the same here (add_space_prefix=False, which it writes, is llama.cpp's default for BPE; add_eos_token,
+    written here, is False as llama.cpp's default is)."""
+    reader = gguf.GGUFReader(smollm2_gguf)
+    theirs = {name: f.contents() for name, f in reader.fields.items() if name.startswith("tokenizer.")}
+    ours = {k: v for k, v, _ in vocab_fields(smollm2_dir, SimpleNamespace(vocab_size=49152), None)}
+    assert theirs.pop("tokenizer.ggml.add_space_prefix") is False and ours.pop("tokenizer.ggml.add_eos_token") is False
+    assert sorted(ours) == sorted(theirs) and len(theirs) == 11
+    assert {k: v for k, v in ours.items() if v != theirs[k]} == {}
+
+
+@pytest.mark.real_model
 def test_unknown_pre_tokenizer_is_one_line(tmp_path, smollm2_dir):
     model_dir = _smollm2_tokenizer(tmp_path, smollm2_dir)
     spec = json.loads((model_dir / "tokenizer.json").read_text())
@@ -196,6 +210,67 @@ def test_sentencepiece_bpe_matches_llama_cpp(tmp_path, prefix_space):
     assert types[-1] == gguf.TokenType.UNUSED and fields["tokenizer.ggml.tokens"][-1] == f"[PAD{n_vocab - 1}]"
 
 
+def test_sentencepiece_model_converted_by_transformers_matches_llama_cpp(tmp_path):
+    """A real SentencePiece BPE model (trained here with the sentencepiece library, with Llama 2's trainer
+    settings: identity normalization, byte fallback, whitespace-only pieces), converted to tokenizer.json
+    by transformers (whose merges come from the pieces' scores, several per piece): llama.cpp's ids equal
+    SentencePiece's own on every text, and transformers' except before a leading space."""
+    spm = pytest.importorskip("sentencepiece", reason="sentencepiece is in the dev extras")
+    import inspect
+    import json as json_module
+    import textwrap
+
+    corpus = [line for m in (json_module, textwrap, inspect) for line in inspect.getsource(m).splitlines() if line.strip()]
+    corpus += [t for t in CORPUS if t] * 5
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus), model_writer=model, vocab_size=2000, model_type="bpe", byte_fallback=True,
+        character_coverage=0.98, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, split_digits=True, allow_whitespace_only_pieces=True, hard_vocab_limit=False, minloglevel=2,
+    )  # fmt: skip
+    sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "tokenizer.model").write_bytes(model.getvalue())
+    config = {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "legacy": True}
+    (tmp_path / "src" / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "src"))
+    tok.save_pretrained(tmp_path / "saved")
+    fields = vocab_fields(tmp_path / "saved", SimpleNamespace(vocab_size=sp.vocab_size()), FALLBACK_CHAT_TEMPLATE)
+    assert fields[0][1] == "llama" and len(json.loads((tmp_path / "saved" / "tokenizer.json").read_text())["model"]["merges"]) > 2000
+    llm = llama_cpp.Llama(str(_vocab_gguf(tmp_path / "vocab.gguf", fields, sp.vocab_size())), vocab_only=True, verbose=False)
+    texts = [t for t in CORPUS if t] + corpus[::5]
+    assert [llm.tokenize(t.encode(), add_bos=False, special=False) for t in texts] == [sp.encode(t) for t in texts]
+    # transformers matches both except before a leading space (the pinned difference below)
+    plain = [t for t in texts if not t.startswith(" ")]
+    spaced = [t for t in texts if t.startswith(" ")]
+    assert len(plain) > 20 and len(spaced) > 20
+    assert [llm.tokenize(t.encode(), add_bos=True, special=True) for t in plain] == [tok.encode(t) for t in plain]
+    assert [llm.tokenize(t.encode(), add_bos=False) for t in spaced] == [tok.encode(" " + t, add_special_tokens=False) for t in spaced]
+
+
+def test_transformers_llama_tokenizer_differs_from_llama_cpp_only_in_prefix_spaces(tmp_path):
+    """transformers 5's LlamaTokenizer class (Llama 2, Mistral v0.1 checkpoints) rebuilds the pipeline as
+    Metaspace(prepend_scheme="first"): the space prefix goes before the input's start only, and not
+    before one that starts with a space. llama.cpp's SentencePiece tokenizer (like SentencePiece itself)
+    puts it before every text after a special token and before a leading space; no GGUF setting changes
+    that. Elsewhere the ids agree; these are the known, pinned differences."""
+    model_dir = _sentencepiece_bpe(tmp_path / "tok", True)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "LlamaTokenizer"}))
+    AutoTokenizer.from_pretrained(str(model_dir)).save_pretrained(tmp_path / "saved")
+    assert json.loads((tmp_path / "saved" / "tokenizer.json").read_text())["pre_tokenizer"]["prepend_scheme"] == "first"
+    fields = vocab_fields(tmp_path / "saved", SimpleNamespace(vocab_size=700), None)
+    llm = llama_cpp.Llama(str(_vocab_gguf(tmp_path / "vocab.gguf", fields, 700)), vocab_only=True, verbose=False)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "saved"))
+    for text in [t for t in CORPUS if t and not t.startswith(" ")]:
+        assert llm.tokenize(text.encode(), add_bos=True, special=True) == tok.encode(text)
+    for text in (" Hello world", "  two spaces"):
+        assert llm.tokenize(text.encode(), add_bos=False, special=True) == tok.encode(" " + text, add_special_tokens=False)
+        assert tok.encode(" " + text, add_special_tokens=False) != tok.encode(text, add_special_tokens=False)
+    after_special = llm.tokenize(b"</s>hi there", add_bos=False, special=True)
+    assert after_special == [2, *tok.encode(" hi there", add_special_tokens=False)] != tok.encode("</s>hi there", add_special_tokens=False)
+
+
 def test_token_ids_beyond_the_vocab_size_are_one_line(tmp_path):
     byte_tokenizer().save_pretrained(tmp_path / "tok")
     with pytest.raises(SlimtuneError, match=r"tokenizer.json: token id 258 is outside the model's vocab_size 200$"):
@@ -211,18 +286,29 @@ def test_unigram_tokenizer_is_one_line(tmp_path):
 
 # --- Modelfile ----------------------------------------------------------------------------------------
 
+
+def _go_branches(roles: dict[str, str], suffix: str) -> str:
+    body = "{{ .Content }}" + suffix
+    return "{{ if" + "{{ else if".join(f' eq .Role "{r}" }}}}{p}{body}' for r, p in roles.items()) + "{{ end }}"
+
+
 _CHATML_GO = (
-    '{{ range .Messages }}{{ if eq .Role "system" }}<|im_start|>system\n{{ else if eq .Role "user" }}<|im_start|>user\n'
-    '{{ else if eq .Role "assistant" }}<|im_start|>assistant\n{{ end }}{{ .Content }}<|im_end|>\n{{ end }}<|im_start|>assistant\n'
+    "{{ range .Messages }}"
+    + _go_branches({r: f"<|im_start|>{r}\n" for r in ("system", "user", "assistant")}, "<|im_end|>\n")
+    + "{{ end }}<|im_start|>assistant\n"
 )
 _LLAMA3_STYLE = (
     "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] }}<|eot_id|>"
     "{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
 )
-_GEMMA_STYLE = (  # the system message is folded into the first user turn: not one wrapper per message
-    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}{% set sys = m['content'] %}{% else %}"
-    "<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endif %}"
+_GEMMA_STYLE = (  # no system role
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n{{ m['content'] }}<end_of_turn>\n"
     "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+_LLAMA2_STYLE = (  # user and assistant turns end differently: not one wrapper for every message
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+    "{% elif m['role'] == 'assistant' %} {{ m['content'] }} {{ eos_token }}{% endif %}{% endfor %}"
 )
 
 
@@ -240,10 +326,8 @@ def test_modelfile_for_smollm2(tmp_path, smollm2_dir):
 def test_modelfile_for_the_fallback_template(tmp_path):
     byte_tokenizer().save_pretrained(tmp_path / "tok")
     path = write_modelfile(tmp_path / "out" / "model-f16.gguf", tmp_path / "tok", FALLBACK_CHAT_TEMPLATE, "Be terse.")
-    go = (
-        '<|bos|>{{ range .Messages }}{{ if eq .Role "system" }}<|system|>\n{{ else if eq .Role "user" }}<|user|>\n'
-        '{{ else if eq .Role "assistant" }}<|assistant|>\n{{ end }}{{ .Content }}<|eos|>\n{{ end }}<|assistant|>\n'
-    )
+    roles = {r: f"<|{r}|>\n" for r in ("system", "user", "assistant")}
+    go = "<|bos|>{{ range .Messages }}" + _go_branches(roles, "<|eos|>\n") + "{{ end }}<|assistant|>\n"
     want = f'FROM ./model-f16.gguf\nTEMPLATE """{go}"""\nPARAMETER stop "<|eos|>"\nSYSTEM """Be terse."""\n'
     assert path.read_text() == want  # the tokenizer does not add BOS: the template keeps it
 
@@ -251,14 +335,24 @@ def test_modelfile_for_the_fallback_template(tmp_path):
 def test_modelfile_leaves_bos_to_llama_cpp_and_stops_at_end_of_turn(tmp_path):
     model_dir = _sentencepiece_bpe(tmp_path / "tok", True)  # adds <s> itself, as llama.cpp will
     text = write_modelfile(tmp_path / "model.gguf", model_dir, _LLAMA3_STYLE).read_text()
-    assert text.startswith('FROM ./model.gguf\nTEMPLATE """{{ range .Messages }}{{ if eq .Role "system" }}<|start_header_id|>system')
-    assert '{{ .Content }}<|eot_id|>{{ end }}<|start_header_id|>assistant<|end_header_id|>\n\n"""\n' in text
-    assert text.endswith('PARAMETER stop "<|eot_id|>"\nPARAMETER stop "</s>"\n') and "SYSTEM" not in text
+    roles = {r: f"<|start_header_id|>{r}<|end_header_id|>\n\n" for r in ("system", "user", "assistant")}
+    go = "{{ range .Messages }}" + _go_branches(roles, "<|eot_id|>") + "{{ end }}<|start_header_id|>assistant<|end_header_id|>\n\n"
+    assert text == f'FROM ./model.gguf\nTEMPLATE """{go}"""\nPARAMETER stop "<|eot_id|>"\nPARAMETER stop "</s>"\n'
+
+
+def test_modelfile_for_a_template_without_system_role(tmp_path):
+    model_dir = _sentencepiece_bpe(tmp_path / "tok", False)
+    text = write_modelfile(tmp_path / "model.gguf", model_dir, _GEMMA_STYLE).read_text()
+    roles = {"assistant": "<start_of_turn>model\n", "user": "<start_of_turn>user\n"}
+    go = "{{ range .Messages }}" + _go_branches(roles, "<end_of_turn>\n") + "{{ end }}<start_of_turn>model\n"
+    assert text == f'FROM ./model.gguf\nTEMPLATE """{go}"""\nPARAMETER stop "<end_of_turn>"\nPARAMETER stop "</s>"\n'
+    with pytest.raises(SlimtuneError, match="^Modelfile SYSTEM: the chat template has no system role"):
+        write_modelfile(tmp_path / "model.gguf", model_dir, _GEMMA_STYLE, "Be terse.")
 
 
 def test_modelfile_without_a_translatable_template(tmp_path):
-    model_dir = _sentencepiece_bpe(tmp_path / "tok", False)
-    text = write_modelfile(tmp_path / "model.gguf", model_dir, _GEMMA_STYLE).read_text()
+    model_dir = _sentencepiece_bpe(tmp_path / "tok", True)
+    text = write_modelfile(tmp_path / "model.gguf", model_dir, _LLAMA2_STYLE).read_text()
     assert text.splitlines()[0] == "FROM ./model.gguf" and "TEMPLATE" not in text.replace("# no TEMPLATE", "")
     assert text.splitlines()[1].startswith("# no TEMPLATE: ") and text.endswith('PARAMETER stop "</s>"\n')
 
@@ -278,3 +372,10 @@ def test_chat_template_must_be_a_string(tmp_path):
     byte_tokenizer().save_pretrained(tmp_path / "tok")
     with pytest.raises(SlimtuneError, match=r"^chat_template: expected a string, found"):
         vocab_fields(tmp_path / "tok", SimpleNamespace(vocab_size=259), ["not", "a", "template"])
+
+
+def test_unreadable_special_tokens_are_one_line(tmp_path):
+    byte_tokenizer().save_pretrained(tmp_path / "tok")
+    (tmp_path / "tok" / "config.json").write_text(json.dumps({"bos_token_id": -3}))
+    with pytest.raises(SlimtuneError, match=r"special tokens or merges are not readable: invalid value for special token type bos: -3$"):
+        vocab_fields(tmp_path / "tok", SimpleNamespace(vocab_size=259), None)

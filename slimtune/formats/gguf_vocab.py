@@ -9,6 +9,9 @@ Two vocabulary kinds, as llama.cpp's converter writes them:
 - ``llama``: SentencePiece BPE with byte fallback (Llama 2, Mistral v0.1, Gemma) from its ``tokenizer.json``:
   tokens, scores (a token's score is minus the rank of the merge that makes it, so llama.cpp's
   highest-score-first merging takes the merges in Hugging Face's order), token types, ``add_space_prefix``.
+  Known difference, which no GGUF setting removes: transformers 5's LlamaTokenizer class (Llama 2, Mistral
+  v0.1) puts SentencePiece's space prefix only before the start of the input, and not before a leading
+  space; llama.cpp (like SentencePiece) also puts it after every special token and before a leading space.
 
 Special-token ids come from ``gguf.SpecialVocab``; the add-bos/eos flags from what the tokenizer does; the
 chat template from the checkpoint (what training rendered conversations with: ``generate.read_format_record``).
@@ -60,9 +63,9 @@ def vocab_fields(model_dir: str | Path, hf_config, chat_template: str | None) ->
     n_vocab = _vocab_size(hf_config, tokenizer, path)
     if model.get("byte_fallback") is True:
         fields = _sentencepiece_fields(tokenizer, model, n_vocab)
-        special = gguf.SpecialVocab(model_dir, n_vocab=n_vocab)
+        special = _special_vocab(model_dir, n_vocab, merges=False)
     else:
-        special = gguf.SpecialVocab(model_dir, load_merges=True, n_vocab=n_vocab)
+        special = _special_vocab(model_dir, n_vocab, merges=True)
         # Without merges every token is one byte however the text is split: any pre-tokenizer gives the
         # same ids. llama.cpp needs a merges array all the same; one that can never apply stands in.
         pre = _pre_tokenizer_name(tokenizer, spec, path) if special.merges else "gpt-2"
@@ -128,12 +131,16 @@ def _describe_pre_tokenizer(spec: dict) -> str:
     return f"{pre.get('type', '?')}{options}" + (f"[{', '.join(names)}]" if pre.get("type") == "Sequence" else "")
 
 
-def _added_token_text(tokenizer, token_id: int, token: str) -> str:
-    """An added token as llama.cpp matches it: pre-normalized (encoded and decoded back) when the
-    tokenizer does not normalize it itself, as the converter does."""
-    if tokenizer.added_tokens_decoder[token_id].normalized:
-        return token
-    return tokenizer.decode(tokenizer.encode(token, add_special_tokens=False))
+def _added_token(tokenizer, decoder: dict, token_id: int, token: str, byte_level: bool) -> tuple[str, TokenType]:
+    """An added token as llama.cpp matches it, and its type, as the converter writes them: CONTROL when
+    special (or looking special), else USER_DEFINED with SentencePiece's spaces as spaces; in a byte-level
+    vocabulary pre-normalized (encoded and decoded back) when the tokenizer does not normalize it."""
+    added = decoder[token_id]
+    if byte_level and not added.normalized:
+        token = tokenizer.decode(tokenizer.encode(token, add_special_tokens=False))
+    if added.special or _looks_special(token):
+        return token, TokenType.CONTROL
+    return token.replace(_SPACE, " "), TokenType.USER_DEFINED
 
 
 def _looks_special(token: str) -> bool:
@@ -148,19 +155,15 @@ def _looks_special(token: str) -> bool:
 
 def _byte_level_fields(tokenizer, n_vocab: int, pre: str) -> list[Field]:
     reverse = {i: t for t, i in tokenizer.get_vocab().items()}
-    added = tokenizer.get_added_vocab()
+    decoder = tokenizer.added_tokens_decoder  # built anew on each access: once here
     tokens, types = [], []
     for i in range(n_vocab):
         token = reverse.get(i)
         kind = TokenType.NORMAL
         if token is None:
             token, kind = f"[PAD{i}]", TokenType.UNUSED
-        elif token in added:
-            token = _added_token_text(tokenizer, i, token)
-            if tokenizer.added_tokens_decoder[i].special or _looks_special(token):
-                kind = TokenType.CONTROL
-            else:
-                token, kind = token.replace(_SPACE, " "), TokenType.USER_DEFINED
+        elif i in decoder:
+            token, kind = _added_token(tokenizer, decoder, i, token, byte_level=True)
         tokens.append(token)
         types.append(int(kind))
     return [
@@ -183,7 +186,7 @@ def _merge_scores(model: dict) -> dict[str, float]:
 
 def _sentencepiece_fields(tokenizer, model: dict, n_vocab: int) -> list[Field]:
     reverse = {i: t for t, i in tokenizer.get_vocab().items()}
-    added = tokenizer.get_added_vocab()
+    decoder = tokenizer.added_tokens_decoder  # built anew on each access: once here
     scores_by_token = _merge_scores(model)
     floor = -float(len(scores_by_token) + 1)  # below every merge: single characters are never merged into
     tokens, scores, types = [], [], []
@@ -194,11 +197,8 @@ def _sentencepiece_fields(tokenizer, model: dict, n_vocab: int) -> list[Field]:
             token, kind = f"[PAD{i}]", TokenType.UNUSED
         elif token == model.get("unk_token"):
             score, kind = 0.0, TokenType.UNKNOWN
-        elif token in added:
-            if tokenizer.added_tokens_decoder[i].special or _looks_special(token):
-                kind = TokenType.CONTROL
-            else:
-                token, kind = token.replace(_SPACE, " "), TokenType.USER_DEFINED
+        elif i in decoder:
+            token, kind = _added_token(tokenizer, decoder, i, token, byte_level=False)
         elif _BYTE_TOKEN.fullmatch(token):
             score, kind = 0.0, TokenType.BYTE
         else:
@@ -220,6 +220,15 @@ def _adds_space_prefix(tokenizer) -> bool:
     """Whether the tokenizer puts SentencePiece's space before the text (Llama 2 does, Gemma does not)."""
     pieces = tokenizer.convert_ids_to_tokens(tokenizer.encode("a", add_special_tokens=False))
     return bool(pieces) and pieces[0].startswith(_SPACE)
+
+
+def _special_vocab(model_dir: Path, n_vocab: int, merges: bool) -> gguf.SpecialVocab:
+    """gguf's reading of the special-token ids, add-token flags and merges; its errors as one line."""
+    try:
+        return gguf.SpecialVocab(model_dir, load_merges=merges, n_vocab=n_vocab)
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError, OSError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SlimtuneError(f"{model_dir}: the tokenizer's special tokens or merges are not readable: {first}") from None
 
 
 def _added_special_tokens(tokenizer) -> dict[str, bool]:
@@ -259,26 +268,26 @@ _MARK = "\x02{}\x03"  # message contents the chat template is rendered with, to 
 class _Turns:
     """A chat template that wraps each message alike: ``lead`` once, then per message ``prefix[role]``,
     the content and ``suffix``; then ``generation`` (the assistant's opening). ``default_system`` is the
-    system message the template inserts when a conversation has none."""
+    system message the template inserts when a conversation has none. A template without a system role
+    (Gemma's) has no ``prefix["system"]``."""
 
     lead: str
     prefix: dict[str, str]
     suffix: str
     generation: str
-    default_system: str | None
+    default_system: str | None = None
 
     def render(self, messages: list[dict[str, str]], system: str | None = None) -> str:
         if messages[0]["role"] != "system" and system is not None:
             messages = [{"role": "system", "content": system}, *messages]
-        body = "".join(self.prefix[m["role"]] + m["content"] + self.suffix for m in messages)
+        body = "".join(self.prefix[m["role"]] + m["content"] + self.suffix for m in messages if m["role"] in self.prefix)
         return self.lead + body + self.generation
 
     def go_template(self) -> str:
         """The same in Ollama's Go template language (``.Messages``: each with ``.Role`` and ``.Content``)."""
-        roles = "".join(
-            f'{{{{ {"if" if i == 0 else "else if"} eq .Role "{role}" }}}}{prefix}' for i, (role, prefix) in enumerate(self.prefix.items())
-        )
-        return f"{self.lead}{{{{ range .Messages }}}}{roles}{{{{ end }}}}{{{{ .Content }}}}{self.suffix}{{{{ end }}}}{self.generation}"
+        body = f"{{{{ .Content }}}}{self.suffix}"
+        branches = "{{ else if".join(f' eq .Role "{role}" }}}}{prefix}{body}' for role, prefix in self.prefix.items())
+        return f"{self.lead}{{{{ range .Messages }}}}{{{{ if{branches}{{{{ end }}}}{{{{ end }}}}{self.generation}"
 
 
 def write_modelfile(gguf_path: str | Path, model_dir: str | Path, chat_template: str | None, system_prompt: str | None = None) -> Path:
@@ -300,6 +309,8 @@ def write_modelfile(gguf_path: str | Path, model_dir: str | Path, chat_template:
     stops += [t for t in [getattr(tokenizer, "eos_token", None)] if t and t not in stops]
     lines += [f"PARAMETER stop {json.dumps(s, ensure_ascii=False)}" for s in stops]
     system = system_prompt if system_prompt is not None else (turns.default_system if turns else None)
+    if system and turns is not None and "system" not in turns.prefix:
+        raise SlimtuneError("Modelfile SYSTEM: the chat template has no system role, so Ollama would drop the system prompt")
     if system:
         lines.append(f'SYSTEM """{_triple_quoted(system, "SYSTEM")}"""')
     target = gguf_path.with_name("Modelfile")
@@ -315,37 +326,46 @@ def _triple_quoted(text: str, what: str) -> str:
 
 
 def _turns(tokenizer, template: str) -> _Turns | None:
-    """The per-message wrapping of ``template``, found by rendering conversations with marked contents
-    and kept only if it renders several conversations exactly as the Jinja template does."""
-    conversation = [_msg("system", "S"), _msg("user", "U1"), _msg("assistant", "A1"), _msg("user", "U2")]
+    """The per-message wrapping of ``template`` (with a system role, else without one), found by rendering
+    conversations with marked contents, and kept only if it renders several conversations exactly as the
+    Jinja template does. BOS is left to llama.cpp where the tokenizer adds it itself."""
+    for roles in (("system", "user", "assistant", "user"), ("user", "assistant", "user")):
+        turns = _wrapping(tokenizer, template, roles)
+        if turns is not None and "system" in turns.prefix:
+            turns = _with_default_system(tokenizer, template, turns)
+        if turns is not None and _renders_alike(tokenizer, template, turns):
+            return replace(turns, lead="") if turns.lead and _added_special_tokens(tokenizer).get("bos") else turns
+    return None
+
+
+def _wrapping(tokenizer, template: str, roles: tuple[str, ...]) -> _Turns | None:
+    """Prefixes, suffix and lead read off one rendered conversation of ``roles`` (the text after each
+    message is the suffix, then the next message's prefix; a system prefix is the user's, renamed)."""
+    conversation = [_msg(role, f"M{i}") for i, role in enumerate(roles)]
     rendered = _render(tokenizer, template, conversation, True)
     closed = _render(tokenizer, template, conversation, False)
     if rendered is None or closed is None or not rendered.startswith(closed):
         return None
-    pieces = re.split("\x02(?:S|U1|A1|U2)\x03", closed)
-    if len(pieces) != 5 or "{{" in "".join(pieces) + rendered[len(closed) :]:
+    head, *between, suffix = re.split("\x02M[0-9]\x03", closed)
+    if len(between) != len(roles) - 1 or "{{" in closed + rendered or any(not b.startswith(suffix) for b in between):
         return None
-    head, after_system, after_user, after_assistant, suffix = pieces
-    if not (after_system.startswith(suffix) and after_user.startswith(suffix) and after_assistant == after_system):
+    prefix: dict[str, str] = {}
+    for role, text in zip(roles[1:], between, strict=True):
+        if prefix.setdefault(role, text[len(suffix) :]) != text[len(suffix) :]:
+            return None
+    if roles[0] == "system":
+        if "user" not in prefix["user"]:
+            return None
+        prefix = {"system": prefix["user"].replace("user", "system"), **prefix}
+    if not head.endswith(prefix[roles[0]]) or head[: len(head) - len(prefix[roles[0]])] not in ("", tokenizer.bos_token):
         return None
-    user, assistant = after_system[len(suffix) :], after_user[len(suffix) :]
-    system = user.replace("user", "system")
-    if "user" not in user or not head.endswith(system):
-        return None
-    lead = head[: len(head) - len(system)]
-    if lead not in ("", getattr(tokenizer, "bos_token", None)):
-        return None
-    turns = _Turns(lead, {"system": system, "user": user, "assistant": assistant}, suffix, rendered[len(closed) :], None)
-    turns = _with_default_system(tokenizer, template, turns)
-    if turns is None or not _renders_alike(tokenizer, template, turns):
-        return None
-    return replace(turns, lead="") if lead and _added_special_tokens(tokenizer).get("bos") else turns  # llama.cpp adds BOS
+    return _Turns(head[: len(head) - len(prefix[roles[0]])], prefix, suffix, rendered[len(closed) :])
 
 
 def _with_default_system(tokenizer, template: str, turns: _Turns) -> _Turns | None:
     """The system message the template inserts into a conversation without one (SmolLM2's does)."""
-    alone = _render(tokenizer, template, [_msg("user", "U1")], False)
-    plain = turns.prefix["user"] + _MARK.format("U1") + turns.suffix
+    alone = _render(tokenizer, template, [_msg("user", "M0")], False)
+    plain = turns.prefix["user"] + _MARK.format("M0") + turns.suffix
     if alone is None or alone == turns.lead + plain:
         return turns
     start, end = turns.lead + turns.prefix["system"], turns.suffix + plain
@@ -357,9 +377,10 @@ def _with_default_system(tokenizer, template: str, turns: _Turns) -> _Turns | No
 def _renders_alike(tokenizer, template: str, turns: _Turns) -> bool:
     conversations = [
         [_msg("user", "Hi there")],
-        [_msg("system", "Be brief."), _msg("user", "Q1"), _msg("assistant", "R1"), _msg("user", "Q2 {{ x }}")],
-        [_msg("user", "Q1"), _msg("assistant", "R1"), _msg("user", "Q2")],
+        [_msg("user", "Q1"), _msg("assistant", "R1"), _msg("user", "Q2 {{ x }}")],
     ]
+    if "system" in turns.prefix:
+        conversations.append([_msg("system", "Be brief."), _msg("user", "Q1"), _msg("assistant", "R1"), _msg("user", "Q2")])
     for conversation in conversations:
         want = _render(tokenizer, template, conversation, True)
         if want is None or want != turns.render(conversation, turns.default_system):
@@ -368,7 +389,7 @@ def _renders_alike(tokenizer, template: str, turns: _Turns) -> bool:
 
 
 def _msg(role: str, content: str) -> dict[str, str]:
-    return {"role": role, "content": _MARK.format(content) if content in ("S", "U1", "A1", "U2") else content}
+    return {"role": role, "content": _MARK.format(content) if re.fullmatch("M[0-9]", content) else content}
 
 
 def _render(tokenizer, template: str, messages: list[dict[str, str]], generation: bool) -> str | None:

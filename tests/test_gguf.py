@@ -34,7 +34,8 @@ from slimtune.tiny import byte_tokenizer
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is in the dev extras (pip install -e .[dev])")
 
 LOGIT_BOUND = 0.03  # in units of std(transformers' logits); measured up to 0.005 (f16) on these models
-Q8_BOUND = 0.15  # q8_0 (llama.cpp also quantizes activations to 8 bits); measured 0.08 on the tiny Llama
+Q8_BOUND = 0.4  # q8_0 (llama.cpp also quantizes activations to 8 bits); measured 0.08-0.20 (tiny), 0.38 (SmolLM2)
+NEAR_TIE = 0.15  # std units: transformers' top two closer than this are a near-tie for the q8_0 top-1 check
 PROMPT = list(range(100, 140))  # ids every test model's vocabulary has
 GREEDY_STEPS = 12
 
@@ -193,7 +194,7 @@ def check_q8_0_top1(llm, model_dir: Path) -> None:
     err = float(np.abs(cpp - hf).max()) / scale
     assert err <= Q8_BOUND, f"q8_0: max |llama.cpp - transformers| = {err:.4f} std"
     top2 = np.sort(hf, axis=-1)[:, -2:]
-    clear = (top2[:, 1] - top2[:, 0]) > Q8_BOUND * scale
+    clear = (top2[:, 1] - top2[:, 0]) > NEAR_TIE * scale
     agree = float((cpp.argmax(-1) == hf.argmax(-1))[clear].mean())
     assert clear.sum() >= len(PROMPT) // 4 and agree >= 0.95, f"q8_0 top-1 agreement {agree:.2%} on {clear.sum()} clear positions"
 

@@ -68,10 +68,11 @@ print(json.dumps({"environment": info}))
 PYEOF
 if [ $SMOKE -eq 1 ]; then
   OUT=$(mktemp -d /tmp/slimtune-smoke.XXXXXX)
-  step "colab scenario (tiny, cpu)" 120 $PY bench/gpu_check.py colab --out "$OUT" --smoke
-  step "training speed (tiny, cpu)" 120 $PY bench/gpu_check.py train --out "$OUT" --smoke
-  step "save bench (tiny, cpu)" 60 $PY -m slimtune.bench save --preset tiny --out "$OUT/save" --device cpu
-  step "merge bench (tiny, cpu)" 60 $PY -m slimtune.bench merge --preset tiny --out "$OUT/merge" --device cpu
+  # ~60 s in all on a quiet 2-core machine; the limits leave room for a loaded one (the test's own timeout governs)
+  step "colab scenario (tiny, cpu)" 600 $PY bench/gpu_check.py colab --out "$OUT" --smoke
+  step "training speed (tiny, cpu)" 600 $PY bench/gpu_check.py train --out "$OUT" --smoke
+  step "save bench (tiny, cpu)" 300 $PY -m slimtune.bench save --preset tiny --out "$OUT/save" --device cpu
+  step "merge bench (tiny, cpu)" 300 $PY -m slimtune.bench merge --preset tiny --out "$OUT/merge" --device cpu
   rm -rf "$OUT"
   exit $FAILED
 fi

@@ -12,7 +12,7 @@ from tests.conftest import ROOT
 
 def test_gpu_check_cpu_smoke_runs_every_step():
     env = {**os.environ, "PYTHON": sys.executable}
-    r = subprocess.run(["bash", "bench/gpu_check.sh", "--cpu-smoke"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    r = subprocess.run(["bash", "bench/gpu_check.sh", "--cpu-smoke"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     steps = [row for row in rows if "step" in row]

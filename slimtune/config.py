@@ -219,8 +219,7 @@ SCHEMA: tuple[Key, ...] = (
         "int",
         None,
         "CPU threads torch uses; null: the cores this process may use (its CPU affinity), divided among the ranks on this "
-        "machine under torchrun, and no more than other processes leave idle at the start, so a shared machine's cores "
-        "are not oversubscribed.",
+        "machine under torchrun (never the momentary load: runs stay reproducible). Set it lower where other processes share the cores.",
         nullable=True,
         minimum=1,
     ),

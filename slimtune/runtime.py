@@ -4,10 +4,12 @@ Threads: torch sizes its intra-op pool from the machine's cores, not from the co
 run on, and under torchrun every rank does so. When processes share the cores their spinning pools
 oversubscribe them (a 20x collapse was seen: 7-14 tokens/s). ``choose_num_threads`` takes the cores
 this process may use (``os.sched_getaffinity``), divided among the ranks on this machine
-(``LOCAL_WORLD_SIZE``), and no more than the cores other runnable processes leave idle when training
-starts (/proc/loadavg), unless ``training.num_threads`` says otherwise. Measured on the shared 2-core
+(``LOCAL_WORLD_SIZE``), unless ``training.num_threads`` says otherwise. The count is a function of the
+affinity mask and the launch only, never of the machine's momentary load: the thread count can change
+the order of floating-point reductions, and a resumed run must compute what the uninterrupted one did.
+Where other processes share the cores, set ``training.num_threads`` (measured on the shared 2-core
 machine with ~12 runnable processes: a bf16 matmul + elementwise loop took 1.9-2.3 s with 2 threads and
-0.4-0.6 s with 1.
+0.4-0.6 s with 1).
 
 Compilation: ``compile_decoder_layers`` calls ``torch.compile`` on each decoder layer, in place
 (``nn.Module.compile``: names, parameters and state-dict keys unchanged), as torchtune's regional
@@ -17,7 +19,6 @@ start stays a few seconds to minutes instead of a whole-model compile. Inductor 
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 from torch import nn
@@ -31,31 +32,14 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def busy_elsewhere(samples: int = 5) -> int:
-    """Runnable threads on the machine besides this one right now (median of a few reads of
-    /proc/loadavg's running count; 0 where it cannot be read)."""
-    counts = []
-    for _ in range(samples):
-        try:
-            with open("/proc/loadavg") as f:
-                counts.append(int(f.read().split()[3].split("/")[0]) - 1)
-        except (OSError, ValueError, IndexError):
-            return 0
-        time.sleep(0.01)
-    return max(0, sorted(counts)[len(counts) // 2])
-
-
 def choose_num_threads(override: int | None = None) -> int:
     """Set torch's intra-op thread count and return it: ``override``, else the usable cores divided among
-    the ranks on this machine (``LOCAL_WORLD_SIZE``), and no more than the cores other processes leave
-    idle (``busy_elsewhere``; at least 1): a pool larger than the free cores spins at every barrier
-    while its threads wait to be scheduled.
+    the ranks on this machine (``LOCAL_WORLD_SIZE``; at least 1).
 
     Example: ``choose_num_threads(None)`` -> 2 on an idle 2-core machine, 1 per rank under torchrun with 2"""
     if override is None:
         local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-        share = usable_cores() // local_ranks
-        override = max(1, min(share, usable_cores() - busy_elsewhere()))
+        override = max(1, usable_cores() // local_ranks)
     torch.set_num_threads(override)
     return override
 

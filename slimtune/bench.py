@@ -1,10 +1,13 @@
 """Benchmarks (not tests): `python -m slimtune.bench save --preset NAME --out DIR` prints one JSON line;
-so do `merge`, `nf4` and `dist-save` (`--nproc 2`: the cooperative export by 2 gloo ranks of an
-FSDP2-sharded model next to the single-process save of the same model; `--peer`: torchtune's way);
-`train-step --peer peft [--model DIR]`: the recipe's training step against a PEFT loop (train_bench.py).
+so do `merge`, `nf4`, `load-moe` and `dist-save` (`--nproc 2`: the cooperative export by 2 gloo ranks of
+an FSDP2-sharded model next to the single-process save of the same model; torchtune's way beside it:
+bench/peers/fsdp_gather_merge.py). This module is the measuring harness and its command line; new
+measurements are subcommands here: `train-step --peer peft [--model DIR]` (the recipe's training step
+against a PEFT loop, train_bench.py), `train-save` (training with no / synchronous / background saves),
+`gguf` (the streamed GGUF export).
 
-The model is synthetic but of the real shape: random NF4 codes and scalers for every projection, random
-bf16 for embeddings and norms, LoRA r=8 on q_proj and v_proj. Figures are measured in this process:
+The models are synthetic but of the real shape (``slimtune.synthetic``): random NF4 codes and scalers for
+every projection, random bf16 for embeddings and norms, LoRA r=8 on q_proj and v_proj. Figures are measured in this process:
 peak RSS from VmHWM (reset before the save), bytes written from /proc/self/io wchar, and the disk's own
 sequential write speed (with fsync) measured in the same run."""
 
@@ -22,135 +25,29 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from transformers import LlamaConfig, MixtralConfig
+from transformers import MixtralConfig
 
-import slimtune  # noqa: F401  (quiets torchao's import-time warnings)
-from slimtune.checkpoint.atomic import atomic_directory, is_complete_checkpoint
+from slimtune.checkpoint.atomic import is_complete_checkpoint
 from slimtune.checkpoint.save import save_checkpoint
 from slimtune.checkpoint.stages import timing_stages
-from slimtune.checkpoint.stream import StreamTensor, adapter_tensor_stream
-from slimtune.checkpoint.writer import WriteOptions, write_json, write_safetensors, write_sharded
+from slimtune.checkpoint.writer import WriteOptions
+from slimtune.cli import quiet_library_logs
 from slimtune.data import write_jsonl
 from slimtune.distributed import current_ranks, shard_model
-from slimtune.formats.hf import export_config_dict
 from slimtune.formats.manifest import read_manifest
-from slimtune.formats.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config_dict
-from slimtune.lora import DEFAULT_TARGETS, LoRAConfig, lora_modules, qlora_linears
 from slimtune.memory import DEFAULT_SHARD_SIZE, bytes_read_by_process, bytes_written_by_process, peak_rss_mb, reset_peak_rss, rss_mb
-from slimtune.model import build_qlora_skeleton, expected_checkpoint_keys, init_lora, set_tensor
-from slimtune.quant import is_nf4
-from slimtune.quant.nf4 import BLOCK_SIZE, dequantize_nf4_rows, nf4_from_parts, quantize_nf4, scaler_block_size
-from slimtune.tiny import byte_tokenizer, tiny_config
+from slimtune.quant.nf4 import dequantize_nf4_rows, quantize_nf4
+from slimtune.synthetic import MIXTRAL_WIDTHS, PRESETS, preset_config, synthetic_qlora_model, write_synthetic_adapter, write_synthetic_base
+from slimtune.tiny import byte_tokenizer
 from slimtune.train_bench import bench_train_step, print_row
 
-PRESETS = {
-    "tiny": dict(),
-    "llama3.2-1b": dict(
-        vocab_size=128256,
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        tie_word_embeddings=True,
-        max_position_embeddings=4096,
-    ),
-    "llama3-8b": dict(
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        tie_word_embeddings=False,
-        max_position_embeddings=4096,
-    ),
-}
-BENCH_LORA = LoRAConfig(rank=8, alpha=16, target_modules=["q_proj", "v_proj"], quantize_modules=list(DEFAULT_TARGETS))
-
-
-def preset_config(name: str, **overrides) -> LlamaConfig:
-    if name not in PRESETS:
-        raise SystemExit(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
-    if name == "tiny":
-        return tiny_config(**overrides)
-    return LlamaConfig(
-        **{**PRESETS[name], "dtype": "bfloat16", "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}, **overrides}
-    )
-
-
-def synthetic_nf4(shape: tuple[int, int], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    """Random codes and scalers with torchao's layout: no slow quantization of a random bf16 weight."""
-    numel = shape[0] * shape[1]
-    n_blocks = numel // BLOCK_SIZE
-    data = torch.randint(0, 256, (numel // 2,), dtype=torch.uint8, generator=gen)
-    scalers = torch.randint(-128, 128, (n_blocks,), dtype=torch.int8, generator=gen)
-    factor = (torch.rand(n_blocks // scaler_block_size(shape), generator=gen) * 1000 + 1000).to(dtype)
-    mean = torch.tensor(0.02, dtype=dtype)
-    return nf4_from_parts(shape, dtype, data, scalers, factor, mean)
-
-
-def synthetic_qlora_model(config: LlamaConfig, lora: LoRAConfig = BENCH_LORA, seed: int = 0) -> torch.nn.Module:
-    model = build_qlora_skeleton(config, lora)
-    gen = torch.Generator().manual_seed(seed)
-    nf4_keys = {f"{n}.weight" for n in qlora_linears(model)}
-    for key, (shape, dtype) in expected_checkpoint_keys(model).items():
-        if key in nf4_keys:
-            value = synthetic_nf4(tuple(shape), dtype, gen)
-        elif len(shape) == 1:
-            value = torch.ones(shape, dtype=dtype)
-        else:
-            value = (
-                (torch.randn(shape, generator=gen, dtype=torch.float32) * 0.02).to(dtype)
-                if shape.numel() < 2**26
-                else _random_bf16_rows(shape, dtype, gen)
-            )
-        set_tensor(model, key, value)
-    if getattr(config, "tie_word_embeddings", False):
-        model.get_output_embeddings().weight = model.get_input_embeddings().weight
-    init_lora(model, seed)
-    for m in lora_modules(model).values():  # a trained adapter: B non-zero so the merge does real work
-        torch.nn.init.normal_(m.lora_b.weight, std=0.01, generator=gen)
-    return model
-
-
-def _random_bf16_rows(shape: torch.Size, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    """Fill a large tensor in row blocks so no fp32 copy of it is ever held."""
-    out = torch.empty(shape, dtype=dtype)
-    step = max(1, 2**24 // shape[1])
-    for i in range(0, shape[0], step):
-        out[i : i + step] = torch.randn((min(step, shape[0] - i), shape[1]), generator=gen) * 0.02
-    return out
-
-
-def write_synthetic_base(config: LlamaConfig, out_dir: Path, max_shard_size: str = DEFAULT_SHARD_SIZE, seed: int = 0) -> Path:
-    """A random bf16 Hugging Face checkpoint of the config's shape, streamed to disk chunk by chunk."""
-
-    skeleton = build_qlora_skeleton(config, LoRAConfig(target_modules=[], quantize_modules=[]))
-
-    def random_rows(index: int, shape: torch.Size, dtype: torch.dtype):
-        def rows(start: int, end: int) -> torch.Tensor:
-            if len(shape) == 1:
-                return torch.ones(end - start, dtype=dtype)
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + index * 65_537 + start)
-            return (torch.randn((end - start, *shape[1:]), generator=gen) * 0.02).to(dtype)
-
-        return rows
-
-    stream = [
-        StreamTensor(name, tuple(shape), dtype, random_rows(i, shape, dtype))
-        for i, (name, (shape, dtype)) in enumerate(expected_checkpoint_keys(skeleton).items())
-    ]
-    with atomic_directory(out_dir, overwrite=True) as tmp:
-        write_sharded(tmp, stream, WriteOptions(max_shard_size=max_shard_size))
-        write_json(tmp / "config.json", export_config_dict(config, stream))
-    return out_dir
+Peer = Callable[[torch.nn.Module, object], dict]  # measured on every rank after the export: bench/peers/fsdp_gather_merge.py
 
 
 def disk_write_mb_s(directory: Path, nbytes: int, block: int = 16 * 1024 * 1024) -> float:
@@ -170,6 +67,17 @@ def disk_write_mb_s(directory: Path, nbytes: int, block: int = 16 * 1024 * 1024)
     return written / seconds / 1e6
 
 
+def _measured_save(model: torch.nn.Module, target: Path, options: WriteOptions) -> tuple:
+    """``save_checkpoint`` measured in this process: (result, RSS before MB, peak RSS MB with VmHWM reset
+    first, bytes written by write())."""
+    before = rss_mb()
+    reset_peak_rss()
+    w0 = bytes_written_by_process()
+    result = save_checkpoint(model, target, options)
+    written = bytes_written_by_process() - w0
+    return result, before, peak_rss_mb(), written
+
+
 def bench_save(preset: str, out: Path, layers: int | None = None, device: str = "cpu") -> dict:
     overrides = {"num_hidden_layers": layers} if layers else {}
     config = preset_config(preset, **overrides)
@@ -185,12 +93,7 @@ def bench_save(preset: str, out: Path, layers: int | None = None, device: str = 
         torch.cuda.synchronize()
         vram_before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-    before = rss_mb()
-    reset_peak_rss()
-    wchar0 = bytes_written_by_process()
-    result = save_checkpoint(model, target, WriteOptions(progress=True))
-    written = bytes_written_by_process() - wchar0
-    peak = peak_rss_mb()
+    result, before, peak, written = _measured_save(model, target, WriteOptions(progress=True))
     vram = {"vram_overhead_mb": round((torch.cuda.max_memory_allocated() - vram_before) / 2**20, 1)} if cuda else {}
     output_bytes = result.total_bytes + (target / "slimtune_manifest.json").stat().st_size
     write_mb_s = output_bytes / result.seconds / 1e6
@@ -221,21 +124,6 @@ def _save_stages(model: torch.nn.Module, target: Path, cuda: bool) -> dict:
     with timing_stages(cuda_sync=cuda) as clock:
         timed = save_checkpoint(model, target, WriteOptions(progress=False))
     return {**{k: round(v, 3) for k, v in sorted(clock.seconds.items())}, "timed_save_s": round(timed.seconds, 3)}
-
-
-def write_synthetic_adapter(config: LlamaConfig, out_dir: Path, rank: int = 8, seed: int = 0) -> Path:
-    """A PEFT-format LoRA adapter (r=8 on q_proj and v_proj, random A and B) for a base of this shape."""
-
-    lora = LoRAConfig(rank=rank, alpha=2 * rank, target_modules=["q_proj", "v_proj"])
-    model = build_qlora_skeleton(config, lora)
-    init_lora(model, seed)
-    gen = torch.Generator().manual_seed(seed)
-    for m in lora_modules(model).values():
-        torch.nn.init.normal_(m.lora_b.weight, std=0.01, generator=gen)
-    with atomic_directory(out_dir, overwrite=True) as tmp:
-        write_json(tmp / ADAPTER_CONFIG, adapter_config_dict(model, "synthetic"))
-        write_safetensors(tmp / ADAPTER_WEIGHTS, adapter_tensor_stream(model))
-    return out_dir
 
 
 MERGE_CHILD = """
@@ -302,7 +190,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _dist_rank(rank: int, nproc: int, port: int, model: torch.nn.Module, target: Path, peer: bool, max_shard_size: str, results) -> None:
+def _dist_rank(
+    rank: int, nproc: int, port: int, model: torch.nn.Module, target: Path, peer: Peer | None, max_shard_size: str, results
+) -> None:
     """One forked rank: join, shard, export (and optionally the peer's gather + merge); report figures."""
 
     try:
@@ -323,52 +213,23 @@ def _dist_rank(rank: int, nproc: int, port: int, model: torch.nn.Module, target:
             "bytes_read": bytes_read_by_process() - r0,
             "export_s": round(result.seconds, 3),
         }
-        if peer:
-            row["peer"] = _peer_gather_and_merge(model, ranks)
+        if peer is not None:
+            row["peer"] = peer(model, ranks)
         results.put(row)
         dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which fails the bench
         results.put({"rank": rank, "error": f"{type(e).__name__}: {e}"})
 
 
-def _peer_gather_and_merge(model: torch.nn.Module, ranks) -> dict:
-    """What torchtune's distributed LoRA recipe does at save time, on the same sharded model: the full
-    state dict gathered to rank 0's CPU (torch's ``get_model_state_dict(full_state_dict=True,
-    cpu_offload=True)``), NF4 weights upcast to bf16, then ``get_merged_lora_ckpt``'s merge
-    (W += alpha / r * B @ A, LoRA keys dropped). Rank 0's peak RSS over it (nothing written)."""
-
-    before = rss_mb()
-    reset_peak_rss()
-    t0 = time.perf_counter()
-    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if ranks.is_coordinator:
-        for key in list(sd):
-            if is_nf4(sd[key]):
-                sd[key] = sd[key].to(torch.bfloat16)
-        for name, module in lora_modules(model).items():
-            a, b = sd.pop(f"{name}.lora_a.weight"), sd.pop(f"{name}.lora_b.weight")
-            sd[f"{name}.weight"] += module.scaling * b @ a
-    merged_bytes = sum(v.numel() * v.element_size() for v in sd.values())
-    seconds = time.perf_counter() - t0
-    del sd
-    peak = peak_rss_mb()
-    return {
-        "rss_before_mb": round(before, 1),
-        "peak_rss_mb": round(peak, 1),
-        "overhead_mb": round(peak - before, 1),
-        "state_dict_bytes": merged_bytes,
-        "seconds": round(seconds, 3),
-    }
-
-
 def dist_export(
-    model: torch.nn.Module, target: Path, nproc: int = 2, max_shard_size: str = DEFAULT_SHARD_SIZE, peer: bool = False
+    model: torch.nn.Module, target: Path, nproc: int = 2, max_shard_size: str = DEFAULT_SHARD_SIZE, peer: Peer | None = None
 ) -> list[dict]:
     """The cooperative export of ``model`` to ``target`` by ``nproc`` forked ranks (the model shared
     copy-on-write): each joins a gloo group, FSDP2-shards the model (``shard_model``: it copies its rows
     of every weight) and calls ``save_checkpoint`` with its ``Ranks``. Returns one row per rank, in rank
     order, measured in that rank: RSS before the save, peak RSS (VmHWM, reset before the save) and its
-    difference, bytes written and read back, seconds (and the peer's figures with ``peer``).
+    difference, bytes written and read back, seconds (and, with ``peer``, what ``peer(model, ranks)``
+    measured on every rank after the export: bench/peers/fsdp_gather_merge.py).
     Example: ``rows = dist_export(synthetic_qlora_model(preset_config("tiny")), Path("out/x"))``"""
 
     ctx = multiprocessing.get_context("fork")
@@ -396,7 +257,7 @@ def dist_export(
     return rows
 
 
-def bench_dist_save(preset: str, out: Path, nproc: int = 2, layers: int | None = None, peer: bool = False) -> dict:
+def bench_dist_save(preset: str, out: Path, nproc: int = 2, layers: int | None = None, peer: Peer | None = None) -> dict:
     """The cooperative export by ``nproc`` ranks next to the single-process save of the same model, in
     one run, with the disk's fsync'd write speed measured in the same run. The synthetic model is built
     once here and saved by this process; then ``nproc`` ranks are forked (the model shared copy-on-
@@ -414,12 +275,7 @@ def bench_dist_save(preset: str, out: Path, nproc: int = 2, layers: int | None =
     merged_bytes = sum(p.numel() for n, p in model.named_parameters() if ".lora_" not in n) * 2
     disk = disk_write_mb_s(out, min(merged_bytes, 2 * 1024**3))
 
-    before = rss_mb()
-    reset_peak_rss()
-    w0 = bytes_written_by_process()
-    single = save_checkpoint(model, single_dir, WriteOptions(progress=False))
-    single_written = bytes_written_by_process() - w0
-    single_peak = peak_rss_mb()
+    single, before, single_peak, single_written = _measured_save(model, single_dir, WriteOptions(progress=False))
     single_manifest = read_manifest(single_dir)["files"]
     single_bytes = single.total_bytes + (single_dir / "slimtune_manifest.json").stat().st_size
     shutil.rmtree(single_dir)
@@ -454,21 +310,10 @@ def bench_dist_save(preset: str, out: Path, nproc: int = 2, layers: int | None =
             "overhead_mb": round(single_peak - before, 1),
         },
     }
-    if peer:
+    if peer is not None:
         result["peer_rank0"] = rows[0]["peer"]
     return result
 
-
-MIXTRAL_WIDTHS = dict(
-    vocab_size=32000,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    num_local_experts=8,
-    num_experts_per_tok=2,
-    max_position_embeddings=4096,
-)
 
 LOAD_CHILD = """
 import json, sys, time
@@ -794,7 +639,6 @@ def main(argv: list[str] | None = None) -> None:
     dsave.add_argument("--out", type=Path, default=Path("bench-out"))
     dsave.add_argument("--nproc", type=int, default=2)
     dsave.add_argument("--layers", type=int, default=None, help="override the number of layers")
-    dsave.add_argument("--peer", action="store_true", help="also FSDP2 get_model_state_dict(full) + merge on rank 0 (torchtune's way)")
     load = sub.add_parser("load-moe", help="QLoRA load of a synthetic 2-layer Mixtral of real widths: peak RSS vs resident")
     load.add_argument("--out", type=Path, required=True)
     load.add_argument("--layers", type=int, default=2)
@@ -828,6 +672,7 @@ def main(argv: list[str] | None = None) -> None:
     gg.add_argument("--layers", type=int, default=None, help="override the number of layers")
     gg.add_argument("--tokenizer", type=Path, default=None, help="tokenizer files for the base (default: SmolLM2's)")
     args = parser.parse_args(argv)
+    quiet_library_logs()
     if args.command == "train-step":
         _train_step(args)
     if args.command == "train-save":
@@ -840,7 +685,7 @@ def main(argv: list[str] | None = None) -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         print(json.dumps(bench_gguf(args.preset, args.out, args.type, args.layers, args.tokenizer)))
     if args.command == "dist-save":
-        print(json.dumps(bench_dist_save(args.preset, args.out, args.nproc, args.layers, args.peer)))
+        print(json.dumps(bench_dist_save(args.preset, args.out, args.nproc, args.layers)))
     if args.command == "load-moe":
         args.out.mkdir(parents=True, exist_ok=True)
         print(json.dumps(bench_load_moe(args.out, args.layers)))

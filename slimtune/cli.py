@@ -8,6 +8,7 @@ without loading torch or transformers (several seconds); the imports marked ``# 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -19,11 +20,16 @@ from slimtune.formats.strict_json import safe_text
 from slimtune.memory import DEFAULT_SHARD_SIZE, parse_size
 
 
-def _quiet_transformers() -> None:
+def quiet_library_logs() -> None:
+    """The application's logging choice for the libraries slimtune uses (the library itself sets none):
+    transformers' warnings and progress bars off; torchao's warning for each optional CUDA kernel it
+    cannot load (none matter for NF4) and torch's pytree notes off."""
     import transformers  # lazy
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
@@ -302,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         command = f"slimtune {args.command}"
-        _quiet_transformers()
+        quiet_library_logs()
         return args.func(args) or EXIT_OK
     except SlimtuneError as e:
         _default_sigterm()  # the job is over for this rank: a late SIGTERM from torchrun just ends it

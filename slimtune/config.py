@@ -1,5 +1,5 @@
 """Recipe configuration: one schema (key, type, default, description, whether it may change on resume)
-from which validation, `slimtune finetune --help` and the README table are all derived.
+from which validation, `slimtune finetune --help` and the key table of docs/configuration.md are all derived.
 
 A config is a YAML file of nested sections (``optimizer: {lr: 2e-4}``), or the name of a shipped one
 (``tiny``), plus dotted ``key=value`` overrides whose values are read as YAML scalars. Every key is
@@ -297,7 +297,7 @@ class Config(SimpleNamespace):
                 node = node.setdefault(section, SimpleNamespace()).__dict__
             node[leaf] = value
         super().__init__(**nested)
-        self.__dict__["values"] = dict(values)
+        self.values = dict(values)
 
 
 def shipped_configs() -> list[str]:
@@ -575,7 +575,7 @@ def schema_help() -> str:
 
 
 def schema_markdown() -> str:
-    """The same descriptions as a Markdown table, for the README (tests keep the two in step)."""
+    """The same descriptions as a Markdown table, for docs/configuration.md (tests keep the two in step)."""
     rows = ["| key | type | default | resume | description |", "| --- | --- | --- | --- | --- |"]
     for key in SCHEMA:
         kind = " \\| ".join(key.choices) if key.choices else key.kind

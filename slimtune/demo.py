@@ -16,16 +16,25 @@ from transformers import AutoModelForCausalLM
 
 from slimtune.checkpoint.save import ADAPTER_DIR
 from slimtune.config import load_config
+from slimtune.fileio import write_atomic
 from slimtune.generate import SamplingOptions, generate, load_for_generation, prompt_ids
 from slimtune.recipes.finetune import run_finetune
 from slimtune.tiny import DEMO_TEXTS
 
 
 def demo_batch(tokenizer, texts: list[str]) -> dict[str, torch.Tensor]:
-    batch = tokenizer(texts, padding=True, return_tensors="pt")
+    """``texts`` tokenized and padded on the tokenizer's side with its pad token (its eos when it has
+    none: the tokenizer itself is left as it is), labels -100 on the padding."""
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    rows = [tokenizer(t)["input_ids"] for t in texts]
+    width = max(len(r) for r in rows)
+    left = tokenizer.padding_side == "left"
+    ids = [[pad_id] * (width - len(r)) + r if left else r + [pad_id] * (width - len(r)) for r in rows]
+    mask = [[int(i >= width - len(r)) if left else int(i < len(r)) for i in range(width)] for r in rows]
+    batch = {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask)}
     labels = batch["input_ids"].clone()
     labels[batch["attention_mask"] == 0] = -100
-    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "labels": labels}
+    return {**batch, "labels": labels}
 
 
 def run_demo(
@@ -69,8 +78,6 @@ def run_demo(
     base_dir = Path(cfg.model.path)
     ckpt = out_dir / "checkpoint"
     _link(ckpt, run.checkpoint)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
     batch = demo_batch(tokenizer, DEMO_TEXTS)
 
     device = next(p.device for p in model.parameters() if p.requires_grad)
@@ -114,10 +121,12 @@ def _link(link: Path, target: Path) -> None:
     real ``checkpoint`` directory is removed first."""
     if link.is_dir() and not link.is_symlink():
         shutil.rmtree(link)
-    tmp = link.with_name(f".{link.name}.link-{os.getpid()}")
-    tmp.unlink(missing_ok=True)
-    tmp.symlink_to(target.name, target_is_directory=True)
-    os.replace(tmp, link)
+
+    def make(tmp: Path) -> None:
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(target.name, target_is_directory=True)
+
+    write_atomic(link, make, suffix=f".link-{os.getpid()}")
 
 
 def _show_generate(out_dir: Path, ckpt: Path) -> str:

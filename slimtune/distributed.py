@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from slimtune.errors import SlimtuneError
+from slimtune.lora import qlora_linears
 from slimtune.quant import is_nf4
 from slimtune.runtime import decoder_layers
 
@@ -244,7 +245,7 @@ def shard_model(model: torch.nn.Module, ranks: Ranks, keep_whole: set[torch.nn.P
     Gradients are summed over the ranks, not averaged: the recipe's loss is already the token mean
     over the whole global step. ``keep_whole``: frozen parameters FSDP2 leaves alone (held whole on every
     rank, moved to the device by the caller); NF4 weights already quantized that do not cut into equal
-    parts of whole scaler blocks (``nf4_splits``) are always among them. Under a process group of one rank it shards too (one
+    parts of whole scaler blocks (``unsplittable_nf4``) are always among them. Under a process group of one rank it shards too (one
     shard: the same code path); alone it does nothing."""
     if not (dist.is_available() and dist.is_initialized()):
         return model
@@ -258,7 +259,7 @@ def shard_model(model: torch.nn.Module, ranks: Ranks, keep_whole: set[torch.nn.P
     layers = decoder_layers(model)
     if not layers:
         raise SlimtuneError(f"{type(model).__name__}: no decoder layers found to shard")
-    ignored = set(keep_whole) | _unsplittable_nf4(model, ranks.world_size)
+    ignored = set(keep_whole) | unsplittable_nf4(model, ranks.world_size)
     for layer in layers:
         fully_shard(layer, mesh=mesh, ignored_params=ignored or None)
     fully_shard(model, mesh=mesh, ignored_params=ignored or None)
@@ -294,5 +295,22 @@ def nf4_splits(shape: tuple[int, ...], world_size: int) -> bool:
     return shape[0] % world_size == 0 and scaler_blocks % world_size == 0
 
 
-def _unsplittable_nf4(model: torch.nn.Module, world_size: int) -> set[torch.nn.Parameter]:
-    return {p for p in model.parameters() if is_nf4(p) and not nf4_splits(tuple(p.shape), world_size)}
+def unsplittable_nf4(model: torch.nn.Module, world_size: int) -> set[torch.nn.Parameter]:
+    """The NF4 weights FSDP2 cannot cut into ``world_size`` equal parts of whole scaler blocks
+    (``nf4_splits``): torchao NF4 tensors, and QLoRA targets still on the meta device that loading will
+    quantize. They are held whole on every rank (frozen, they have no gradient to reduce; only toy
+    models have them).
+
+    Example: ``whole = unsplittable_nf4(model, ranks.world_size)``"""
+    from slimtune.quant.nf4 import can_quantize  # torchao (~80 MB): only where a model is sharded
+
+    nf4 = [p for p in model.parameters() if is_nf4(p)]
+    nf4 += [m.weight for m in qlora_linears(model).values() if m.weight.is_meta and can_quantize(m.weight.shape)]
+    return {p for p in nf4 if not nf4_splits(tuple(p.shape), world_size)}
+
+
+def is_dtensor(t: object) -> bool:
+    """True for a DTensor (a parameter FSDP2 sharded)."""
+    from torch.distributed.tensor import DTensor  # only where FSDP2 may have sharded: a one-process run never loads it
+
+    return isinstance(t, DTensor)

@@ -19,11 +19,11 @@ import torch
 from torch import nn
 
 from slimtune.errors import SlimtuneError
+from slimtune.lora import ALL_LINEAR
 from slimtune.quant import base_rows, is_nf4
 
 log = logging.getLogger(__name__)
 
-ALL_LINEAR = "all-linear"
 
 _DENSE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4)
 _MOE = dict(_DENSE, intermediate_size=128)

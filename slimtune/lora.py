@@ -12,7 +12,8 @@ from torch import nn
 from slimtune.checkpoint.stages import stage
 from slimtune.quant import is_nf4
 
-DEFAULT_TARGETS = ("all-linear",)  # PEFT's convention: every linear layer except the output head, resolved per family
+ALL_LINEAR = "all-linear"  # PEFT's convention: every linear layer except the output head, resolved per family
+DEFAULT_TARGETS = (ALL_LINEAR,)
 
 
 @dataclass
@@ -24,10 +25,6 @@ class LoRAConfig:
     target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
     # Linears whose frozen weight is held in NF4 without an adapter (beyond the targets, which always are).
     quantize_modules: list[str] = field(default_factory=list)
-
-    @property
-    def scaling(self) -> float:
-        return lora_scaling(self.rank, self.alpha, self.use_rslora)
 
 
 def lora_scaling(rank: int, alpha: float, use_rslora: bool) -> float:
@@ -65,8 +62,6 @@ class LoRALinear(nn.Module):
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.lora_a = nn.Linear(in_features, rank, bias=False, dtype=torch.float32, device=device) if rank else None
         self.lora_b = nn.Linear(rank, out_features, bias=False, dtype=torch.float32, device=device) if rank else None
-        # DoRA's magnitude vector would be registered here (None = plain LoRA).
-        self.magnitude: nn.Parameter | None = None
         # Set only inside slimtune.checkpoint.fidelity.merged_forward: makes the merged weight round(W' + s B A).
         self.merged_weight = None
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import re
 
 _MB = 1024 * 1024
@@ -86,7 +85,3 @@ def parse_size(size: str | int) -> int:
 
 
 _SIZE_NUMBER = re.compile(r"[0-9]{1,30}(\.[0-9]{0,30})?([eE][+-]?[0-9]{1,3})?")
-
-
-def cpu_count() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -25,10 +25,10 @@ from transformers import AutoTokenizer, PretrainedConfig
 from transformers.pytorch_utils import Conv1D
 
 from slimtune.checkpoint.writer import DTYPES
-from slimtune.distributed import SINGLE, Ranks, nf4_splits, shard_model
+from slimtune.distributed import SINGLE, Ranks, is_dtensor, shard_model, unsplittable_nf4
 from slimtune.errors import SlimtuneError
+from slimtune.facts import ModelFacts, facts_of, remember
 from slimtune.families import (
-    ALL_LINEAR,
     NF4Experts,
     Placement,
     check_supported,
@@ -45,7 +45,7 @@ from slimtune.families import (
 from slimtune.formats.hf import checkpoint_files, load_config
 from slimtune.formats.peft import lora_key
 from slimtune.formats.safetensors import SafetensorsReader
-from slimtune.lora import LoRAConfig, LoRALinear, lora_modules, qlora_linears
+from slimtune.lora import ALL_LINEAR, LoRAConfig, LoRALinear, lora_modules, qlora_linears
 from slimtune.quant import is_nf4
 from slimtune.quant.nf4 import BLOCK_SIZE, can_quantize, not_quantizable_reason, quantize_nf4
 
@@ -61,8 +61,7 @@ def build_qlora_skeleton(config: PretrainedConfig, lora: LoRAConfig) -> nn.Modul
     """The transformers model with every target linear (nn.Linear, or Conv1D with fan_in_fan_out)
     replaced by a LoRALinear and fused MoE experts by frozen NF4Experts, all parameters on the meta
     device (no memory), buffers (rotary tables, embed_scale) computed as transformers does. The
-    published checkpoint layout is kept as ``model.slimtune_layout``; the resolved targets as
-    ``model.slimtune_targets``."""
+    published checkpoint layout and the resolved targets are kept beside the model (``facts_of(model)``)."""
     dtype = config_dtype(config)
     model = meta_model(config, dtype)
     check_supported(model)
@@ -104,9 +103,7 @@ def build_qlora_skeleton(config: PretrainedConfig, lora: LoRAConfig) -> nn.Modul
     for name in fused_experts(model):
         model.set_submodule(name, NF4Experts(model.get_submodule(name)))
     _check_adapter_size(model, lora)
-    model.slimtune_layout = layout
-    model.slimtune_targets = targets
-    model.slimtune_rename = rename
+    remember(model, ModelFacts(layout=layout, targets=targets, rename=rename))
     return model
 
 
@@ -132,7 +129,7 @@ def set_tensor(model: nn.Module, name: str, value: torch.Tensor, trainable: bool
     module = model.get_submodule(module_name)
     if attr in module._parameters:
         current = module._parameters[attr]
-        if _is_dtensor(current):
+        if is_dtensor(current):
             value = _local_shard(value, current)
         module._parameters[attr] = nn.Parameter(value, requires_grad=trainable)
     elif attr in module._buffers:
@@ -157,7 +154,7 @@ def expected_checkpoint_keys(model: nn.Module) -> dict[str, tuple[torch.Size, to
     copies and adapters excluded)."""
     dtypes = {name: p.dtype for name, p in model.named_parameters()}
     dtype = config_dtype(model.config)
-    return {p.key: (torch.Size(p.shape), dtypes.get(p.param, dtype)) for p in model.slimtune_layout}
+    return {p.key: (torch.Size(p.shape), dtypes.get(p.param, dtype)) for p in facts_of(model).layout}
 
 
 def load_qlora_model(
@@ -190,9 +187,10 @@ def load_qlora_model(
         init_lora(model, seed)
         shard_model(model, ranks, keep_whole=whole)
     headers = checkpoint_files(model_dir)
-    layout = {p.key: p for p in model.slimtune_layout}
-    by_param = {p.param: p for p in model.slimtune_layout if p.whole}
-    rename = model.slimtune_rename
+    facts = facts_of(model)
+    layout = {p.key: p for p in facts.layout}
+    by_param = {p.param: p for p in facts.layout if p.whole}
+    rename = facts.rename
     targets = {f"{name}.weight" for name in qlora_linears(model)}
     loaded: set[str] = set()
     total = sum(e.nbytes for h in headers for e in h.tensors.values())
@@ -215,18 +213,18 @@ def load_qlora_model(
                     loaded.add(place.key)
                     bar.update(entry.nbytes)
     tied = _tie_embeddings(model, config)  # sharded: ties the loaded shard again (loading replaced the parameter)
-    missing = [p.key for p in model.slimtune_layout if p.key not in loaded and p.param not in tied]
+    missing = [p.key for p in facts.layout if p.key not in loaded and p.param not in tied]
     if missing:
         raise SlimtuneError(f"{model_dir}: checkpoint lacks tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     if not sharded:
         init_lora(model, seed)
     elif ranks.device_type == "cuda":  # weights FSDP2 left whole: to this rank's GPU, as FSDP2 put its shards
         for name, p in list(model.named_parameters()):
-            if not _is_dtensor(p) and not p.is_cuda:
+            if not is_dtensor(p) and not p.is_cuda:
                 set_tensor(model, name, p.data.to(torch.device("cuda", torch.cuda.current_device())))
     for name, p in model.named_parameters():
         p.requires_grad_(".lora_a." in name or ".lora_b." in name)
-    model.slimtune_source_dir = model_dir
+    facts.source_dir = model_dir
     log.info("%s", nf4_summary_line(nf4_report(model)))
     return model
 
@@ -241,7 +239,7 @@ def nf4_report(model: nn.Module) -> dict:
     kept: dict[str, str] = {}
     for name, module in qlora_linears(model).items():
         weight = module.weight.data
-        local = weight.to_local() if _is_dtensor(weight) else weight
+        local = weight.to_local() if is_dtensor(weight) else weight
         if is_nf4(local):
             tensors[f"{name}.weight"] = int(local.scaler_block_size)
         else:
@@ -296,8 +294,8 @@ def _place(model: nn.Module, place: Placement, value: torch.Tensor, nf4_target: 
         return
     if isinstance(module, LoRALinear):
         raise SlimtuneError(f"{path}: {place.key} is part of linear {module_name}, which slimtune holds whole; not supported")
-    if _is_dtensor(target):  # sharded: assemble the whole parameter, then keep this rank's rows of it
-        staging = model.__dict__.setdefault("_slimtune_staging", {})
+    if is_dtensor(target):  # sharded: assemble the whole parameter, then keep this rank's rows of it
+        staging = facts_of(model).staging
         whole, filled = staging.get(place.param) or (torch.empty(place.param_shape, dtype=target.dtype), 0)
         whole.view(-1, place.cols)[place.row0 : place.row0 + place.num_rows] = value.reshape(-1, place.cols)
         filled += value.numel()
@@ -324,12 +322,6 @@ def _hold_frozen_in(model: nn.Module, dtype: torch.dtype) -> None:
         p.data = p.data.to(dtype)
 
 
-def _is_dtensor(t: object) -> bool:
-    from torch.distributed.tensor import DTensor  # only where FSDP2 may have sharded: not loaded by a one-process run
-
-    return isinstance(t, DTensor)
-
-
 def _local_shard(value: torch.Tensor, like) -> torch.Tensor:
     """This rank's rows of the whole tensor ``value``, as a DTensor laid out like the sharded ``like``
     (``torch.chunk`` on dim 0; a rank past the last chunk gets no rows)."""
@@ -346,15 +338,16 @@ def _local_shard(value: torch.Tensor, like) -> torch.Tensor:
 
 def _unshardable_nf4(model: nn.Module, ranks: Ranks, model_dir: Path) -> set[nn.Parameter]:
     """The (still meta) weights that will be NF4 but that FSDP2 cannot cut among the ranks
-    (``nf4_splits``): held whole on every rank instead (frozen, they have no gradient to reduce; only
-    toy models have them)."""
+    (``unsplittable_nf4``): held whole on every rank instead. Experts are refused here."""
     if any(isinstance(m, NF4Experts) for m in model.modules()):
         raise SlimtuneError(f"{model_dir}: sharding mixture-of-experts models over several ranks is not supported yet; run one process")
-    world = ranks.world_size
-    linears = qlora_linears(model).values()
-    whole = {m.weight for m in linears if can_quantize(m.weight.shape) and not nf4_splits(tuple(m.weight.shape), world)}
+    whole = unsplittable_nf4(model, ranks.world_size)
     if whole:
-        log.info("%d NF4 weight(s) do not split into %d equal parts of whole scaler blocks: held whole on every rank", len(whole), world)
+        log.info(
+            "%d NF4 weight(s) do not split into %d equal parts of whole scaler blocks: held whole on every rank",
+            len(whole),
+            ranks.world_size,
+        )
     return whole
 
 
@@ -392,10 +385,14 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_tokenizer(model_dir: Path):
-    """The tokenizer of a local model directory; unusable files are one ``SlimtuneError`` line."""
+def load_tokenizer(model_dir: Path, chat_template: str | None = None):
+    """The tokenizer of a local model directory (``chat_template``: this one instead of the files');
+    unusable files are one ``SlimtuneError`` line.
+
+    Example: ``tokenizer = load_tokenizer(Path("models/SmolLM2-135M-Instruct"))``"""
+    extra = {"chat_template": chat_template} if chat_template is not None else {}
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True, **extra)
     except Exception as e:  # noqa: BLE001 - transformers and tokenizers raise many types (KeyError...) for bad files
         raise SlimtuneError(f"{model_dir}: no usable tokenizer files ({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
     if type(tokenizer.model_max_length) is not int:  # compared with sequence lengths when tokenizing

@@ -13,6 +13,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from slimtune.checkpoint.atomic import atomic_directory, os_errors
+from slimtune.families import family_of
+from slimtune.families import tiny_config as family_tiny_config
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>"]
 
@@ -29,24 +31,12 @@ DEMO_TEXTS = [
 
 
 def tiny_config(**overrides) -> LlamaConfig:
-    """Dimensions chosen so every projection (128x128, 512x128, 128x512) divides into NF4 blocks."""
-    values = dict(
-        vocab_size=256 + len(SPECIAL_TOKENS),
-        hidden_size=128,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        bos_token_id=257,
-        eos_token_id=258,
-        pad_token_id=256,
-        dtype="bfloat16",
-    )
+    """The embedded tiny Llama: the Llama family's test config (``families.tiny_config``: 128 wide,
+    2 layers, 4 heads, byte vocabulary + pad/bos/eos) with a 512-wide MLP, untied; every projection
+    (128x128, 512x128, 128x512) divides into NF4 blocks."""
+    values = dict(intermediate_size=512, rms_norm_eps=1e-5, tie_word_embeddings=False)
     values.update(overrides)
-    return LlamaConfig(**values)
+    return family_tiny_config(family_of("llama"), vocab_size=256 + len(SPECIAL_TOKENS), **values)
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:

@@ -1,4 +1,5 @@
-"""Optional metric sinks beside metrics.jsonl: TensorBoard (``logging.tensorboard=true``) and Weights &
+"""Where a run's metrics go: ``MetricsLog`` (metrics.jsonl in the run directory, one line per step) and the
+optional sinks beside it: TensorBoard (``logging.tensorboard=true``) and Weights &
 Biases (``logging.wandb.project=NAME``, offline by default: no network, ``wandb sync`` later). Neither
 package is required unless its sink is switched on; a missing one is a clear error before training.
 
@@ -12,11 +13,14 @@ Example::
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
 from pathlib import Path
 
+from slimtune.checkpoint.atomic import os_errors
 from slimtune.errors import SlimtuneError
+from slimtune.fileio import write_atomic
 
 TENSORBOARD_DIR = "tensorboard"
 
@@ -81,3 +85,31 @@ class Trackers:
             self.tensorboard.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()
+
+
+class MetricsLog:
+    """metrics.jsonl, one line per optimizer step. On resume, lines past the checkpoint's step (written
+    before the previous process stopped) are dropped, so the file describes one continuous run; the
+    checkpoint step's own line, if a kill took it, is written back from ``last_record`` (the record the
+    recipe state carries)."""
+
+    def __init__(self, path: Path, keep_through_step: int, last_record: dict | None = None):
+        self.path = path
+        kept, steps = [], set()
+        if keep_through_step and path.is_file():
+            for line in path.read_text(errors="replace").splitlines():
+                try:
+                    step = json.loads(line)["step"]
+                    if step <= keep_through_step:
+                        kept.append(line)
+                        steps.add(step)
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    continue  # a line cut short by a kill
+        if keep_through_step and keep_through_step not in steps and last_record is not None:
+            kept.append(json.dumps(last_record))
+        with os_errors("write", path.with_name(path.name + ".partial")):
+            write_atomic(path, "".join(line + "\n" for line in kept))
+
+    def write(self, record: dict) -> None:
+        with os_errors("write", self.path), open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")

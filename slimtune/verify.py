@@ -13,9 +13,9 @@ from tqdm.auto import tqdm
 from slimtune.checkpoint.stream import row_chunks
 from slimtune.checkpoint.writer import DEFAULT_CHUNK_BYTES
 from slimtune.errors import SlimtuneError
-from slimtune.formats.hf import INDEX_NAME, read_index
+from slimtune.formats.hf import INDEX_NAME, index_problems, read_index
 from slimtune.formats.manifest import manifest_problems, read_manifest
-from slimtune.formats.peft import read_adapter
+from slimtune.formats.peft import ADAPTER_WEIGHTS, read_adapter
 from slimtune.formats.safetensors import COMPUTE_DTYPES, SafetensorsReader, read_header
 from slimtune.merge import BaseCheckpoint, MergeBase, merged_file_stream
 
@@ -40,8 +40,10 @@ def check_manifest(ckpt: Path, report: VerifyReport, progress: bool) -> None:
 
 
 def check_safetensors_and_index(ckpt: Path, report: VerifyReport) -> dict[str, Path]:
-    """Every header against the format rules, and the index against the shards. Returns key -> file."""
+    """Every header against the format rules, and the index against the shards (``index_problems``, all
+    of them). Returns key -> file."""
     location: dict[str, Path] = {}
+    shards = {}  # the readable safetensors files beside the index (an adapter's weights are not shards)
     for path in sorted(ckpt.rglob("*.safetensors")):
         try:
             header = read_header(path)
@@ -50,6 +52,8 @@ def check_safetensors_and_index(ckpt: Path, report: VerifyReport) -> dict[str, P
             continue
         if path.parent == ckpt:
             location.update({k: path for k in header.tensors})
+            if path.name != ADAPTER_WEIGHTS:
+                shards[path.name] = header
     index_path = ckpt / INDEX_NAME
     if index_path.is_file():
         try:
@@ -57,17 +61,7 @@ def check_safetensors_and_index(ckpt: Path, report: VerifyReport) -> dict[str, P
         except SlimtuneError as e:
             report.problems.append(str(e))
             return location
-        for key, shard in weight_map.items():
-            if not (ckpt / shard).is_file():
-                report.problems.append(f"{index_path}: tensor {key} is mapped to {shard}, which is missing")
-            elif location.get(key) != ckpt / shard:
-                report.problems.append(f"{index_path}: tensor {key} is mapped to {shard} but is not in it")
-        for key, path in location.items():
-            if key not in weight_map and path.name != "adapter_model.safetensors":
-                report.problems.append(f"{path}: tensor {key} is not in {INDEX_NAME}")
-        data = sum(read_header(p).tensors[k].nbytes for k, p in location.items() if k in weight_map and p.is_file())
-        if total is not None and data != total and not any("missing" in p for p in report.problems):
-            report.problems.append(f"{index_path}: total_size {total} but the shards hold {data} bytes of tensors")
+        report.problems += index_problems(index_path, weight_map, shards, total)
     return location
 
 

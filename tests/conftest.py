@@ -13,12 +13,14 @@ import pytest
 import torch
 import transformers
 
-import slimtune  # noqa: F401
-from slimtune.lora import LoRAConfig, lora_modules
-from slimtune.model import load_qlora_model
-from slimtune.tiny import make_tiny_checkpoint
+from slimtune.cli import quiet_library_logs
 
-transformers.logging.set_verbosity_error()
+quiet_library_logs()  # the test session is the application: it decides what libraries log (before they load)
+
+from slimtune.lora import LoRAConfig, lora_modules  # noqa: E402
+from slimtune.model import load_qlora_model  # noqa: E402
+from slimtune.tiny import make_tiny_checkpoint  # noqa: E402
+
 transformers.utils.logging.disable_progress_bar()
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -220,7 +220,8 @@ def test_fsdp2_sharded_export_is_bit_identical_to_single_process_save_and_to_mer
 DIST_RSS_SCRIPT = """
 import json, shutil, sys
 from pathlib import Path
-from slimtune.bench import dist_export, preset_config, synthetic_qlora_model
+from slimtune.bench import dist_export
+from slimtune.synthetic import preset_config, synthetic_qlora_model
 from slimtune.checkpoint.atomic import read_manifest
 out = Path(sys.argv[1])
 # Llama-3-8B widths, 3 layers, a small vocabulary: ~330 MB of NF4 in memory, 1.33 GB merged in bf16

@@ -25,6 +25,7 @@ from slimtune.checkpoint.save import save_checkpoint
 from slimtune.checkpoint.writer import WriteOptions
 from slimtune.cli import main as slimtune_main
 from slimtune.errors import SlimtuneError
+from slimtune.facts import facts_of
 from slimtune.families import FAMILIES, default_targets, family_of, tiny_config
 from slimtune.lora import LoRAConfig, lora_modules, lora_parameters
 from slimtune.model import load_qlora_model
@@ -106,7 +107,7 @@ def test_family_end_to_end(family, tmp_path):
     assert ids.shape[1] > 20
 
     model = load_qlora_model(base, LoRAConfig(rank=8, alpha=16), seed=0, progress=False)
-    assert model.slimtune_targets == default_targets(family.model_type)
+    assert facts_of(model).targets == default_targets(family.model_type)
     opt = torch.optim.AdamW(lora_parameters(model), lr=1e-2)
     model.train()
     for _ in range(2):
@@ -139,7 +140,7 @@ def test_family_end_to_end(family, tmp_path):
     if all_config.get("target_parameters"):
         # MoE: PEFT's all-linear also wraps the fused expert and router *parameters* (target_parameters); slimtune
         # keeps them frozen (README: Model families) and adapts attention and dense layers.
-        assert set(all_config["target_modules"]) <= set(model.slimtune_targets)
+        assert set(all_config["target_modules"]) <= set(facts_of(model).targets)
         assert {k for k in all_linear if any(f".{t}.lora_" in k for t in all_config["target_modules"])} <= set(our_adapter)
     else:
         assert our_adapter == all_linear
@@ -198,7 +199,7 @@ def test_moe_experts_are_nf4_and_stream_per_expert(tmp_path):
 def test_explicit_targets_and_clear_errors(tmp_path):
     write_base(family_of("gpt2"), tmp_path / "gpt2")
     model = load_qlora_model(tmp_path / "gpt2", LoRAConfig(target_modules=["c_attn"]), progress=False)
-    assert model.slimtune_targets == ["c_attn"] and model.transformer.h[0].attn.c_attn.fan_in_fan_out
+    assert facts_of(model).targets == ["c_attn"] and model.transformer.h[0].attn.c_attn.fan_in_fan_out
     with pytest.raises(SlimtuneError, match=r"\['q_proj'\] not found in GPT-2 .*c_attn.*all-linear"):
         load_qlora_model(tmp_path / "gpt2", LoRAConfig(target_modules=["q_proj"]), progress=False)
     write_base(family_of("mixtral"), tmp_path / "mixtral")
@@ -255,3 +256,21 @@ def test_finetune_recipe_with_default_targets(model_type, tmp_path, capsys):
     assert tensor_keys(ckpt) == tensor_keys(tmp_path / "base")
     reloaded = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16)
     assert type(reloaded).__name__ == type(AutoModelForCausalLM.from_config(tiny_config(family))).__name__
+
+
+def test_resolve_targets_and_checkpoint_layout_by_name():
+    """all-linear resolved on a meta model, and the published layout read from transformers' reversed
+    conversions: plain weights map one to one; Mixtral's per-expert tensors are row blocks of the fused
+    experts parameter."""
+    from slimtune.families import checkpoint_layout, meta_model, resolve_targets
+
+    llama = meta_model(tiny_config(family_of("llama")))
+    assert resolve_targets(llama, "all-linear") == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    assert resolve_targets(llama, ["q_proj", "v_proj"]) == ["q_proj", "v_proj"]
+    layout = {p.key: p for p in checkpoint_layout(llama)}
+    q = layout["model.layers.0.self_attn.q_proj.weight"]
+    assert (q.param, q.row0, q.shape) == ("model.layers.0.self_attn.q_proj.weight", 0, (128, 128))
+    assert "lm_head.weight" in layout and len(layout) == 21  # embeddings, 2 x (7 projections + 2 norms), norm, head
+    mixtral = {p.key: p for p in checkpoint_layout(meta_model(tiny_config(family_of("mixtral"))))}
+    w2 = mixtral["model.layers.0.block_sparse_moe.experts.1.w2.weight"]
+    assert (w2.param, w2.row0, w2.shape, w2.param_shape) == ("model.layers.0.mlp.experts.down_proj", 128, (128, 128), (4, 128, 128))

@@ -49,6 +49,7 @@ def test_ulp_distance_counts_units():
     assert bf16_ulp_distance(one, nxt).tolist() == [1, 1, 0]
 
 
+@pytest.mark.gpu
 @needs_cuda
 def test_cuda_save_matches_cpu_save_with_bounded_vram(qlora_model, tmp_path):
     save_checkpoint(qlora_model, tmp_path / "cpu", WriteOptions(progress=False))
@@ -66,6 +67,7 @@ def test_cuda_save_matches_cpu_save_with_bounded_vram(qlora_model, tmp_path):
     assert_within_one_ulp(cpu, gpu)
 
 
+@pytest.mark.gpu
 @needs_cuda
 def test_cuda_merge_matches_cpu_merge(tiny_base, tmp_path):
     from tests.test_merge import make_peft_adapter

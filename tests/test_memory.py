@@ -20,7 +20,7 @@ LOAD_SCRIPT = """
 import json, sys
 from pathlib import Path
 import torch
-from slimtune.bench import preset_config, write_synthetic_base
+from slimtune.synthetic import preset_config, write_synthetic_base
 from slimtune.lora import LoRAConfig
 from slimtune.memory import peak_rss_mb, reset_peak_rss, rss_mb
 from slimtune.model import load_qlora_model

@@ -330,7 +330,7 @@ def test_merged_saves_record_eval_loss_merged_and_nf4(tmp_path, merged_dtype):
 
 
 def test_metrics_past_the_resumed_checkpoint_are_dropped(tmp_path):
-    from slimtune.checkpoint.manager import MetricsLog
+    from slimtune.tracking import MetricsLog
 
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 6)) + '{"step": 6, "lo')  # cut by a kill

@@ -13,6 +13,7 @@ from slimtune import save_checkpoint
 from slimtune.checkpoint.atomic import MANIFEST_NAME, read_manifest
 from slimtune.checkpoint.writer import WriteOptions, _RowSink
 from slimtune.errors import SlimtuneError
+from slimtune.facts import facts_of
 from slimtune.lora import lora_modules, qlora_linears
 from slimtune.tiny import DEMO_TEXTS, byte_tokenizer
 
@@ -259,7 +260,7 @@ def test_config_comes_from_the_base_or_from_the_model_when_the_base_is_gone(qlor
     base = json.loads((tiny_base / "config.json").read_text())
     written = json.loads((tmp_path / "a" / "config.json").read_text())
     assert written == {**base, "dtype": "bfloat16", "torch_dtype": "bfloat16"}  # the base's config.json, use_cache as there
-    qlora_model.slimtune_source_dir = tmp_path / "moved"
+    facts_of(qlora_model).source_dir = tmp_path / "moved"
     save_checkpoint(qlora_model, tmp_path / "b", WriteOptions(progress=False))
     assert "config.json written from the model's config instead" in caplog.text
     config = AutoConfig.from_pretrained(tmp_path / "b")

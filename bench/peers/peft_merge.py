@@ -42,6 +42,8 @@ def child(base: str, adapter: str, out: str) -> None:
         t0 = time.perf_counter()
         model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
         t1 = time.perf_counter()
+        if (Path(adapter) / "adapter" / "adapter_config.json").is_file():  # slimtune.synthetic writes a checkpoint holding adapter/
+            adapter = str(Path(adapter) / "adapter")
         model = PeftModel.from_pretrained(model, adapter)
         model = model.merge_and_unload()
         t2 = time.perf_counter()

@@ -1,7 +1,7 @@
 """The run directory of a fine-tuning run, as torchtitan's CheckpointManager owns it: ``step-NNNNNN``
 checkpoints (each written atomically by ``save_checkpoint``, with the recipe state inside), the resume
 point, what may change on resume, pruning (``keep_last_n``), leftovers of killed processes, damaged
-checkpoints, and ``metrics.jsonl``.
+checkpoints, and where ``metrics.jsonl`` and ``loss.png`` live (``tracking.MetricsLog`` writes the former).
 
 Faults: every failed write is one ``SlimtuneError`` line (exit status 2) and never costs an earlier
 checkpoint. A damaged or incomplete ``step-N`` that the run must write again is moved aside to
@@ -12,10 +12,8 @@ output_dir are compared relative to it, so a moved run directory resumes.
 Inside a checkpoint the state is in two parts: ``recipe_state.pt`` holds the run's facts that resume
 checks before anything is loaded (format, step, config, data hash), written by the coordinator; the
 training state (adapters, optimizer, scheduler, loss scaler, data position, each rank's RNG) is
-written by every rank together through ``torch.distributed.checkpoint`` into ``train_state/`` (each
-rank its shards), so a run resumes on another number of ranks through DCP's resharding. Values that are
-not tensors are stored as tensors of ``torch.save`` bytes, read back with ``weights_only=True``; DCP's
-own ``.metadata`` is a pickle, so a run directory must come from a trusted source.
+written by every rank together into ``train_state/`` (``checkpoint/train_state.py``, through
+``torch.distributed.checkpoint``).
 
 Example::
 
@@ -23,33 +21,27 @@ Example::
     resume = manager.find_resume_point(resume=True, overwrite=False)   # None: start at step 0
     manager.prepare(fresh_start=resume is None, overwrite=False)        # mkdir, leftovers, overwrite
     result = manager.save(model, step, state, SaveOptions(WriteOptions(adapter_only=True)), train_state)
-    manager.load_train_state(resume.path, template)                     # fills template in place
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
-import json
 import os
-import random
 import re
 import shutil
 import time
 import uuid
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
-import numpy as np
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from slimtune.checkpoint.atomic import MANIFEST_NAME, is_complete_checkpoint, os_errors, reclaim_leftovers
 from slimtune.checkpoint.save import ADAPTER_DIR, ExtraFile, SaveOptions, SaveResult, save_checkpoint
+from slimtune.checkpoint.train_state import TRAIN_STATE_DIR, save_train_state
 from slimtune.config import KEYS, PLACEHOLDER, Config
 from slimtune.distributed import SINGLE, Ranks
 from slimtune.errors import SlimtuneError
@@ -58,7 +50,6 @@ from slimtune.formats.peft import ADAPTER_WEIGHTS
 
 STATE_NAME = "recipe_state.pt"
 STATE_FORMAT = "slimtune-recipe-state/2"
-TRAIN_STATE_DIR = "train_state"  # torch.distributed.checkpoint: every rank writes its shards
 METRICS_NAME = "metrics.jsonl"
 PLOT_NAME = "loss.png"
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -184,27 +175,7 @@ class CheckpointManager:
             write=replace(options.write, progress=False),
             extra_files={STATE_NAME: ExtraFile(_state_size(state), partial(_write_state, state)), **(options.extra_files or {})},
         )
-        return save_checkpoint(model, ckpt, options, ranks, None if train_state is None else partial(_save_train_state, train_state))
-
-    def load_train_state(self, path: Path, template: dict) -> dict:
-        """Read ``path``'s training state into ``template`` (the same nested layout as saved, holding
-        this process's tensors or DTensors, which DCP fills in place, resharding as needed) and return
-        it with the plain values unpacked. Entries of ``template`` the checkpoint lacks (the RNG of a
-        rank that did not exist then) are left out of the result. Every rank calls this."""
-        where = path / TRAIN_STATE_DIR
-        try:
-            metadata = dcp.FileSystemReader(str(where)).read_metadata().state_dict_metadata
-        except Exception as e:  # noqa: BLE001 - a damaged file: one line
-            raise SlimtuneError(f"{where}: cannot read the training state ({type(e).__name__}: {e})") from None
-        packed = _pack(template, metadata)
-        try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.load(packed, checkpoint_id=str(where))
-        except Exception as e:  # noqa: BLE001
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise SlimtuneError(f"{where}: cannot load the training state ({first})") from None
-        return _unpack(packed)
+        return save_checkpoint(model, ckpt, options, ranks, None if train_state is None else partial(save_train_state, train_state))
 
     def set_aside(self, path: Path) -> Path:
         """Rename a damaged checkpoint to ``NAME.damaged-<UTC time>``, where the user will see it."""
@@ -327,60 +298,6 @@ def _write_state(state: dict, path: Path) -> None:
             raise
 
 
-def _save_train_state(state: dict, tmp: Path) -> list[str]:
-    """Every rank: write ``state`` with DCP into ``tmp/train_state`` (each rank its shards, the
-    coordinator the metadata; files fsynced). Returns the files' paths relative to ``tmp``."""
-    where = tmp / TRAIN_STATE_DIR
-    writer = dcp.FileSystemWriter(str(where), single_file_per_rank=True, sync_files=True, thread_count=1)
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process: nothing to say
-            dcp.save(_pack(state), storage_writer=writer)
-    except dcp.api.CheckpointException as e:  # a full disk on some rank: its OSError, so the caller reports one line
-        failures = [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
-        raise next((f for f in failures if isinstance(f, OSError)), failures[0] if failures else e) from None
-    return sorted(str(p.relative_to(tmp)) for p in where.rglob("*") if p.is_file())
-
-
-_PACKED = "packed_value"  # {"packed_value": uint8 tensor} stands for a value that is not a tensor
-
-
-def _pack(tree: dict, metadata: dict | None = None, prefix: str = "") -> dict:
-    """Nested dicts with tensors kept and every other value as ``{"packed_value": uint8 tensor}`` of its
-    ``torch.save`` bytes (so loading never unpickles: ``weights_only=True``). With DCP ``metadata`` (for
-    loading): packed values become empty tensors of the saved size, and entries the checkpoint lacks are
-    left out."""
-    out = {}
-    for key, value in tree.items():
-        flat = f"{prefix}{key}"
-        if isinstance(value, dict) and value and all(isinstance(k, str) for k in value) and _PACKED not in value:
-            inner = _pack(value, metadata, flat + ".")
-            if inner or metadata is None:
-                out[key] = inner
-        elif isinstance(value, torch.Tensor):
-            if metadata is None or flat in metadata:
-                out[key] = value
-        elif metadata is None:
-            buffer = io.BytesIO()
-            torch.save(value, buffer)
-            out[key] = {_PACKED: torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)}
-        elif f"{flat}.{_PACKED}" in metadata:
-            out[key] = {_PACKED: torch.empty(tuple(metadata[f"{flat}.{_PACKED}"].size), dtype=torch.uint8)}
-    return out
-
-
-def _unpack(tree: dict) -> dict:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and set(value) == {_PACKED}:
-            out[key] = torch.load(io.BytesIO(value[_PACKED].numpy().tobytes()), map_location="cpu", weights_only=True)
-        elif isinstance(value, dict):
-            out[key] = _unpack(value)
-        else:
-            out[key] = value
-    return out
-
-
 def checkpoint_problem(path: Path) -> str | None:
     """Why a checkpoint cannot be resumed from (None if it can): it needs its manifest, and the recipe
     state, training state metadata and adapter must match the sizes and hashes the manifest recorded."""
@@ -402,59 +319,3 @@ def delete_checkpoint(path: Path) -> None:
     doomed = path.with_name(f".{path.name}.deleting-{uuid.uuid4().hex[:8]}")
     os.rename(path, doomed)
     shutil.rmtree(doomed)
-
-
-class MetricsLog:
-    """metrics.jsonl, one line per optimizer step. On resume, lines past the checkpoint's step (written
-    before the previous process stopped) are dropped, so the file describes one continuous run; the
-    checkpoint step's own line, if a kill took it, is written back from ``last_record`` (the record the
-    recipe state carries)."""
-
-    def __init__(self, path: Path, keep_through_step: int, last_record: dict | None = None):
-        self.path = path
-        kept, steps = [], set()
-        if keep_through_step and path.is_file():
-            for line in path.read_text(errors="replace").splitlines():
-                try:
-                    step = json.loads(line)["step"]
-                    if step <= keep_through_step:
-                        kept.append(line)
-                        steps.add(step)
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    continue  # a line cut short by a kill
-        if keep_through_step and keep_through_step not in steps and last_record is not None:
-            kept.append(json.dumps(last_record))
-        tmp = path.with_name(path.name + ".partial")
-        with os_errors("write", tmp):
-            try:
-                tmp.write_text("".join(line + "\n" for line in kept))
-                tmp.replace(path)
-            except OSError:
-                with contextlib.suppress(OSError):
-                    tmp.unlink(missing_ok=True)
-                raise
-
-    def write(self, record: dict) -> None:
-        with os_errors("write", self.path), open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-
-
-def rng_state() -> dict:
-    """Python, NumPy, torch and CUDA generator states, as plain containers and tensors."""
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    return {
-        "python": random.getstate(),
-        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
-
-
-def set_rng_state(state: dict) -> None:
-    """Restore what ``rng_state`` captured."""
-    random.setstate(state["python"])
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])

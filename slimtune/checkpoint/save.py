@@ -23,6 +23,7 @@ from slimtune.checkpoint.stream import StreamTensor, adapter_tensor_stream, merg
 from slimtune.checkpoint.writer import DTYPES, WriteOptions, create_files, write_json, write_planned
 from slimtune.distributed import SINGLE, Ranks
 from slimtune.errors import SlimtuneError
+from slimtune.facts import facts_of
 from slimtune.formats.hf import INDEX_NAME, export_config_dict, index_dict, read_config_dict, tokenizer_files
 from slimtune.formats.manifest import FileRecord, sha256_file, write_manifest
 from slimtune.formats.peft import ADAPTER_CONFIG, ADAPTER_DIR_NAME, adapter_config_dict
@@ -189,7 +190,7 @@ def save_checkpoint(
     if isinstance(options, WriteOptions):
         options = SaveOptions(options)
     write = options.write
-    source_dir = getattr(model, "slimtune_source_dir", None)
+    source_dir = _source_dir(model)
     on_gpu = any(p.is_cuda for p in model.parameters())
     to_host = pool_for(write.chunk_bytes, write.inflight_bytes, pin_memory=on_gpu).to_host
     merged = [] if write.adapter_only else merged_tensor_stream(model, write.torch_dtype, to_host)
@@ -212,13 +213,18 @@ def _base_config(model: nn.Module) -> dict | PretrainedConfig | None:
     """The config the merged model is written with: the base's config.json, as the offline merge writes
     it (not ``model.config``: training changes ``use_cache``); the model's config if the base directory
     is gone or was never there (a model built in memory)."""
-    source_dir = getattr(model, "slimtune_source_dir", None)
+    source_dir = _source_dir(model)
     if source_dir is not None:
         try:
             return read_config_dict(source_dir)
         except SlimtuneError as e:
             log.warning("%s; config.json written from the model's config instead", e)
     return getattr(model, "config", None)
+
+
+def _source_dir(model: nn.Module) -> Path | None:
+    facts = facts_of(model)
+    return facts.source_dir if facts is not None else None
 
 
 def _prefixed(record: FileRecord) -> FileRecord:

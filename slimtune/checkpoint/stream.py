@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from slimtune.checkpoint.staging import to_host as plain_to_host
-from slimtune.distributed import split_rows
+from slimtune.distributed import is_dtensor, split_rows
 from slimtune.errors import SlimtuneError
+from slimtune.facts import facts_of
 from slimtune.families import NF4Experts
 from slimtune.formats.peft import lora_key
 from slimtune.formats.safetensors import dtype_size
@@ -72,7 +73,7 @@ class LocalRows:
     def __init__(self, name: str, tensor: torch.Tensor):
         self.name, self.shape, self.start = name, tuple(tensor.shape), 0
         data = tensor.detach()
-        if _is_dtensor(data):
+        if is_dtensor(data):
             from torch.distributed.tensor import Replicate, Shard  # a DTensor exists: torch.distributed.tensor is loaded
 
             mesh, placements = data.device_mesh, data.placements
@@ -96,16 +97,10 @@ class LocalRows:
         return base_rows(self.data, s, e)
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor  # the offline merge of files never loads torch.distributed.tensor
-
-    return isinstance(t, DTensor)
-
-
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor: a DTensor all-gathered (a collective: every rank calls it, in the same order)."""
     t = t.detach()
-    return t.full_tensor() if _is_dtensor(t) else t
+    return t.full_tensor() if is_dtensor(t) else t
 
 
 def tensor_source(name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None, to_host: ToHost = plain_to_host) -> StreamTensor:
@@ -137,12 +132,9 @@ def merged_lora_source(name: str, module: LoRALinear, dtype: torch.dtype, to_hos
 
         return StreamTensor(name, shape, dtype, rows_t)
     b = LocalRows(name + " lora_B", module.lora_b.weight)
-    magnitude = None if module.magnitude is None else LocalRows(name + " magnitude", module.magnitude)
 
     def rows(start: int, end: int) -> torch.Tensor:
-        m = None if magnitude is None else magnitude(start, end)
-        merged = merge_lora_rows(weight(start, end), a, b(start, end), module.scaling, m)
-        return to_host(merged, dtype)
+        return to_host(merge_lora_rows(weight(start, end), a, b(start, end), module.scaling), dtype)
 
     return StreamTensor(name, shape, dtype, rows)
 
@@ -151,9 +143,10 @@ def merged_tensor_stream(model: nn.Module, dtype: torch.dtype | None = None, to_
     """The merged model in the family's published layout (transformers' conversions reversed, as
     save_pretrained writes it: per-expert MoE tensors, GPT-NeoX's embed_out); tied weights appear once.
     Chunks are computed where the model lives (CPU or GPU) and handed to the writer by ``to_host``."""
-    layout = getattr(model, "slimtune_layout", None)
-    if layout is None:
+    facts = facts_of(model)
+    if facts is None:
         raise ValueError("model was not built by slimtune.model (no checkpoint layout)")
+    layout = facts.layout
     loras = qlora_linears(model)
     stream: list[StreamTensor] = []
     for place in layout:
@@ -194,6 +187,4 @@ def adapter_tensor_stream(model: nn.Module) -> list[StreamTensor]:
     for name, module in lora_modules(model).items():
         stream.append(tensor_source(lora_key(name, "lora_A"), module.lora_a.weight))
         stream.append(tensor_source(lora_key(name, "lora_B"), module.lora_b.weight))
-        if module.magnitude is not None:
-            stream.append(tensor_source(lora_key(name, "magnitude"), module.magnitude))
     return stream

@@ -20,12 +20,11 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from slimtune.checkpoint.plan import SavePlan, TensorSlot, plan_files, plan_save
+from slimtune.checkpoint.plan import SavePlan, TensorSlot, plan_files
 from slimtune.checkpoint.stages import stage
 from slimtune.checkpoint.stream import StreamTensor, row_chunks
 from slimtune.distributed import SINGLE, Ranks
 from slimtune.errors import SlimtuneError
-from slimtune.formats.hf import INDEX_NAME, index_dict
 from slimtune.formats.manifest import FileRecord, sha256_bytes, sha256_file
 from slimtune.formats.safetensors import tensor_bytes
 from slimtune.memory import DEFAULT_SHARD_SIZE, parse_size
@@ -350,11 +349,3 @@ def write_json(path: Path, data: object) -> FileRecord:
         f.flush()
         os.fsync(f.fileno())
     return FileRecord(path.name, len(raw), sha256_bytes(raw))
-
-
-def write_sharded(out_dir: Path, stream: list[StreamTensor], options: WriteOptions = WriteOptions()) -> list[FileRecord]:
-    """Hugging Face sharded layout, one process: model-0000i-of-0000N.safetensors plus the index."""
-    plan = plan_save(stream, None, options.shard_bytes)
-    create_files(out_dir, plan)
-    records = write_planned(out_dir, plan, SINGLE, options)
-    return records + [write_json(out_dir / INDEX_NAME, index_dict(plan.weight_map, plan.merged_bytes))]

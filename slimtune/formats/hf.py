@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -283,6 +283,33 @@ def _is_file(path: Path) -> bool:
         raise SlimtuneError(f"{path}: cannot access: {e.strerror or e}") from None
 
 
+def index_problems(
+    index: Path, weight_map: dict[str, str], headers: dict[str, SafetensorsHeader], total: int | None = None
+) -> Iterator[str]:
+    """The one check of an index against its shards, every disagreement in turn: a shard the index lists
+    that is missing; a tensor of a shard in ``headers`` (file name -> readable header) that the index maps
+    elsewhere or nowhere; a mapped tensor its shard does not hold; with ``total``, ``metadata.total_size``
+    against the bytes of the mapped tensors. Loaders raise the first (``checkpoint_files``); ``verify``
+    reports them all.
+
+    Example: ``problems = list(index_problems(d / INDEX_NAME, weight_map, {h.path.name: h for h in headers}))``"""
+    directory = index.parent
+    for name in dict.fromkeys(weight_map.values()):
+        if name not in headers and not _is_file(directory / name):
+            yield f"{index}: lists {safe_name(name)}, which is missing from {directory}"
+    for name, header in headers.items():
+        for key in header.tensors:
+            if weight_map.get(key) != name:
+                yield f"{index}: tensor {safe_name(key)} is in {name} but the index says {safe_name(weight_map.get(key) or 'nothing')}"
+    for key, name in weight_map.items():
+        if name in headers and key not in headers[name].tensors:
+            yield f"{index}: maps tensor {safe_name(key)} to {safe_name(name)}, which does not hold it"
+    held = sum(headers[name].tensors[key].nbytes for key, name in weight_map.items() if name in headers and key in headers[name].tensors)
+    complete = all(name in headers for name in weight_map.values())
+    if total is not None and complete and held != total:
+        yield f"{index}: total_size {total} but the shards hold {held} bytes of tensors"
+
+
 def checkpoint_files(model_dir: str | Path) -> list[SafetensorsHeader]:
     """Headers of the checkpoint's safetensors files, checked, in index order (or name order). With an
     index, every shard it names must exist and hold exactly the tensors it maps there; without one, no
@@ -292,20 +319,13 @@ def checkpoint_files(model_dir: str | Path) -> list[SafetensorsHeader]:
     if index.exists():
         weight_map, _ = read_index(index)
         names = list(dict.fromkeys(weight_map.values()))
-        for name in names:
+        for name in names:  # missing shards first: before any header is read
             if not _is_file(model_dir / name):
                 raise SlimtuneError(f"{index}: lists {safe_name(name)}, which is missing from {model_dir}")
         headers = [read_header(model_dir / name) for name in names]
-        for h in headers:
-            for key in h.tensors:
-                if weight_map.get(key) != h.path.name:
-                    where = weight_map.get(key)
-                    raise SlimtuneError(
-                        f"{index}: tensor {safe_name(key)} is in {h.path.name} but the index says {safe_name(where or 'nothing')}"
-                    )
-        for key, name in weight_map.items():
-            if key not in next(h for h in headers if h.path.name == name).tensors:
-                raise SlimtuneError(f"{index}: maps tensor {safe_name(key)} to {safe_name(name)}, which does not hold it")
+        problem = next(index_problems(index, weight_map, {h.path.name: h for h in headers}), None)
+        if problem is not None:
+            raise SlimtuneError(problem)
         return headers
     files = sorted(p for p in model_dir.glob("*.safetensors") if p.is_file())
     if not files:

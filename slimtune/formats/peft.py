@@ -19,7 +19,7 @@ from torch import nn
 from slimtune.errors import SlimtuneError
 from slimtune.formats.safetensors import COMPUTE_DTYPES, SafetensorsReader
 from slimtune.formats.strict_json import json_kind, load_json, safe_name
-from slimtune.lora import lora_modules, lora_scaling
+from slimtune.lora import ALL_LINEAR, lora_modules, lora_scaling
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,6 @@ LORA_PARTS = {
     "magnitude_weight": ".lora_magnitude_vector.weight",  # older PEFT versions
 }
 LORA_SUFFIXES = tuple(LORA_PARTS.values())
-ALL_LINEAR = "all-linear"
 # init_lora_weights values that change the base weights when PEFT loads the adapter (PiSSA, OLoRA, ...):
 # the merge would have to redo that SVD/QR; slimtune refuses them.
 _BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
@@ -106,7 +105,7 @@ def adapter_config_dict(model: nn.Module, base_model_name_or_path: str = "") -> 
         "lora_alpha": first.alpha,
         "lora_dropout": getattr(first.dropout, "p", 0.0),
         "use_rslora": first.use_rslora,
-        "use_dora": first.magnitude is not None,
+        "use_dora": False,  # slimtune trains plain LoRA (DoRA adapters are merged from files: merge.py)
         "target_modules": targets,
         "bias": "none",
         "fan_in_fan_out": fan_in_fan_out.pop(),
@@ -256,16 +255,7 @@ def parse_lora_config(config: object, where: str) -> LoraSettings:
         raise SlimtuneError(f"{where}: layers_pattern cannot be used when target_modules is a string (as PEFT refuses)")
     if pattern and layers is None:
         raise SlimtuneError(f"{where}: layers_pattern needs layers_to_transform (as PEFT requires)")
-    rank_pattern, alpha_pattern = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
-    for name, patterns in (("rank_pattern", rank_pattern), ("alpha_pattern", alpha_pattern)):
-        if not isinstance(patterns, dict):
-            raise SlimtuneError(f"{where}: {name} must be an object of module pattern -> value, found {json_kind(patterns)}")
-        for key, value in patterns.items():
-            _check_regex(key, where, f"{name} key", "(.*\\.)?({})$")
-            if name == "rank_pattern" and not _is_pos_int(value):
-                raise SlimtuneError(f"{where}: rank_pattern[{safe_name(key)!r}] must be a positive integer, found {value!r}")
-            if name == "alpha_pattern" and (not _is_number(value) or not math.isfinite(value)):
-                raise SlimtuneError(f"{where}: alpha_pattern[{safe_name(key)!r}] must be a finite number, found {safe_name(repr(value))}")
+    rank_pattern, alpha_pattern = _patterns(config, where)
     modules_to_save = config.get("modules_to_save")
     if modules_to_save is not None and not (isinstance(modules_to_save, list) and all(isinstance(m, str) and m for m in modules_to_save)):
         raise SlimtuneError(f"{where}: modules_to_save must be a list of module names, found {json_kind(modules_to_save)}")
@@ -294,6 +284,22 @@ def parse_lora_config(config: object, where: str) -> LoraSettings:
         modules_to_save=modules_to_save,
         init_lora_weights=init,
     )
+
+
+def _patterns(config: dict, where: str) -> tuple[dict, dict]:
+    """rank_pattern and alpha_pattern: objects of module pattern (a regex PEFT matches as it does) ->
+    a positive integer rank / a finite alpha."""
+    rank_pattern, alpha_pattern = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
+    for name, patterns in (("rank_pattern", rank_pattern), ("alpha_pattern", alpha_pattern)):
+        if not isinstance(patterns, dict):
+            raise SlimtuneError(f"{where}: {name} must be an object of module pattern -> value, found {json_kind(patterns)}")
+        for key, value in patterns.items():
+            _check_regex(key, where, f"{name} key", "(.*\\.)?({})$")
+            if name == "rank_pattern" and not _is_pos_int(value):
+                raise SlimtuneError(f"{where}: rank_pattern[{safe_name(key)!r}] must be a positive integer, found {value!r}")
+            if name == "alpha_pattern" and (not _is_number(value) or not math.isfinite(value)):
+                raise SlimtuneError(f"{where}: alpha_pattern[{safe_name(key)!r}] must be a finite number, found {safe_name(repr(value))}")
+    return rank_pattern, alpha_pattern
 
 
 @dataclass(frozen=True)

@@ -3,15 +3,13 @@ dequantization that is bit-identical to ``NF4Tensor.get_original_weight`` but wo
 
 from __future__ import annotations
 
-import logging
 import math
+import weakref
 
 import torch
 
-# torchao logs a warning for each optional CUDA extension it cannot load; none matter for NF4.
-logging.getLogger("torchao").setLevel(logging.ERROR)
-logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
-
+# torchao logs a warning for each optional CUDA extension it cannot load (none matter for NF4): the
+# applications (slimtune's CLI, the benchmarks, the test session) quiet it: ``cli.quiet_library_logs``.
 try:  # torchao >= 0.15
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import (
         NF4Tensor,
@@ -82,13 +80,18 @@ def quantize_nf4(weight: torch.Tensor) -> NF4Tensor:
 def _byte_pair_table(w: NF4Tensor) -> torch.Tensor:
     """int32[256]: entry b packs the two code values (nf4[b >> 4], nf4[b & 15]) of byte b, so one
     1-D gather per byte replaces two int64 gathers per element (only bits move: nothing is rounded)."""
-    table = getattr(w, "_slimtune_pair_table", None)
+    table = _PAIR_TABLES.get(id(w))
     if table is None or table.device != w.quantized_data.device:
         codes = torch.arange(256, device=w.nf4.device)
         pairs = torch.stack([w.nf4[codes >> 4], w.nf4[codes & 15]], dim=1).contiguous()
         table = pairs.view(torch.int32).view(256) if pairs.element_size() == 2 else pairs
-        w._slimtune_pair_table = table
+        if id(w) not in _PAIR_TABLES:
+            weakref.finalize(w, _PAIR_TABLES.pop, id(w), None)  # the entry goes with the weight
+        _PAIR_TABLES[id(w)] = table
     return table
+
+
+_PAIR_TABLES: dict[int, torch.Tensor] = {}  # id(weight) -> its table: kept beside torchao's tensor, not on it
 
 
 def dequantize_nf4_rows(w: NF4Tensor, start: int, end: int) -> torch.Tensor:

@@ -29,7 +29,6 @@ directories, resume point, pruning, leftovers, metrics.jsonl) belongs to ``Check
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import random
@@ -52,16 +51,9 @@ from slimtune.card import CardFacts, model_card
 from slimtune.checkpoint.atomic import os_errors
 from slimtune.checkpoint.background import BackgroundSaver, WriterSpec
 from slimtune.checkpoint.fidelity import merged_forward
-from slimtune.checkpoint.manager import (
-    STATE_FORMAT,
-    CheckpointManager,
-    CreatedByRun,
-    MetricsLog,
-    ResumePoint,
-    rng_state,
-    set_rng_state,
-)
+from slimtune.checkpoint.manager import STATE_FORMAT, CheckpointManager, CreatedByRun, ResumePoint
 from slimtune.checkpoint.save import ADAPTER_DIR, DTYPES, SaveOptions, SaveResult
+from slimtune.checkpoint.train_state import load_train_state, rng_state, set_rng_state
 from slimtune.checkpoint.writer import WriteOptions
 from slimtune.config import Config
 from slimtune.data import (
@@ -79,6 +71,8 @@ from slimtune.data import (
 )
 from slimtune.distributed import SINGLE, Ranks, init_distributed, reshard, split_rows
 from slimtune.errors import SlimtuneError
+from slimtune.facts import facts_of
+from slimtune.fileio import write_atomic
 from slimtune.formats.hf import load_config as load_hf_config
 from slimtune.formats.hf import tokenizer_files
 from slimtune.generate import FORMAT_NAME, Loaded, SamplingOptions, format_record, generate, prompt_format_of, prompt_ids
@@ -89,7 +83,7 @@ from slimtune.model import config_dtype, load_qlora_model, load_tokenizer, nf4_r
 from slimtune.runtime import choose_num_threads, compile_decoder_layers
 from slimtune.step import StepParts, optimizer_step, step_token_counts, token_loss_sum
 from slimtune.tiny import byte_tokenizer, make_tiny_checkpoint, tiny_config
-from slimtune.tracking import Trackers
+from slimtune.tracking import MetricsLog, Trackers
 
 
 @dataclass
@@ -494,7 +488,7 @@ def _load_model(cfg: Config, ranks: Ranks, device: torch.device, dtype: torch.dt
     lora = _lora_config(cfg)
     progress = cfg.logging.progress_bar and ranks.is_coordinator
     model = load_qlora_model(Path(cfg.model.path), lora, seed=cfg.seed, progress=progress, ranks=ranks, dtype=dtype)
-    say(f"lora targets ({', '.join(lora.target_modules)}): {', '.join(model.slimtune_targets)}")
+    say(f"lora targets ({', '.join(lora.target_modules)}): {', '.join(facts_of(model).targets)}")
     say(nf4_summary_line(nf4_report(model)))
     if not ranks.distributed:
         model.to(device)  # FSDP2 placed each rank's shards on its device already
@@ -516,7 +510,7 @@ def _load_train_state(run: Run) -> None:
     they come from the config (the scheduler's base rates replaced before its state is loaded)."""
     cfg, ranks, optimizer, scheduler = run.cfg, run.ranks, run.optimizer, run.scheduler
     template = train_state(run.model, optimizer, scheduler, run.scaler, (0, 0), ranks)
-    restored = run.manager.load_train_state(run.resume.path, template)  # the adapters and optimizer state in place, resharded
+    restored = load_train_state(run.resume.path, template)  # the adapters and optimizer state in place, resharded
     set_optimizer_state_dict(run.model, optimizer, restored["optimizer"])
     scheduler.load_state_dict({**restored["scheduler"], "base_lrs": [cfg.optimizer.lr] * len(optimizer.param_groups)})
     for group in optimizer.param_groups:  # the rate of the next step, from the config's lr (the scheduler's next step agrees)
@@ -646,10 +640,10 @@ class CheckpointDocs:
         self._tmp = tempfile.TemporaryDirectory(prefix="slimtune-docs-")
         self.root = Path(self._tmp.name)
         self.tokenizer_dir = self.root / "tokenizer"
-        if not getattr(tokenizer, "chat_template", None):
-            tokenizer.chat_template = FALLBACK_CHAT_TEMPLATE  # what training used for chat rows; generation uses it too
         tokenizer.save_pretrained(str(self.tokenizer_dir))
-        self.record = {**format_record(data.shapes, tokenizer.chat_template), "nf4": nf4}
+        if not getattr(tokenizer, "chat_template", None):  # the saved copy gets the template training rendered chat rows with
+            load_tokenizer(self.tokenizer_dir, chat_template=FALLBACK_CHAT_TEMPLATE).save_pretrained(str(self.tokenizer_dir))
+        self.record = {**format_record(data.shapes, getattr(tokenizer, "chat_template", None) or FALLBACK_CHAT_TEMPLATE), "nf4": nf4}
         self.common = dict(
             base=cfg.model.path,
             model_type=str(getattr(hf_config, "model_type", "unknown")),
@@ -770,13 +764,6 @@ def plot_losses(metrics_path: Path, png_path: Path) -> Path | None:
     lr_ax.set_ylabel("learning rate", color="tab:orange")
     ax.set_title(f"{metrics_path.parent.name}: loss per step (dotted: checkpoints, dashed: resumed)")
     fig.tight_layout()
-    tmp = png_path.with_name(png_path.name + ".partial.png")
     with os_errors("write the loss curve", png_path):
-        try:
-            fig.savefig(tmp)
-            tmp.replace(png_path)
-        except OSError:
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
-            raise
+        write_atomic(png_path, fig.savefig, suffix=".partial.png")  # the suffix tells matplotlib the format
     return png_path

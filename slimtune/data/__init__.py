@@ -1,0 +1,232 @@
+"""Local datasets for the recipe, in three steps: ``readers`` (files read row by row), ``shapes`` (each
+row tokenized as it arrives: only token ids are kept, prompt tokens masked out of the loss) and
+``packing`` (optional packing, deterministic seeded order, padded micro-batches). ``load_data`` joins
+them as the config says: several files mixed by weight, an optional seeded held-out split.
+
+Example: ``data = load_data(DataSpec.from_config(cfg), tokenizer)``
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from slimtune.data.packing import collate, epoch_order, epoch_steps, model_inputs, pack
+from slimtune.data.readers import (
+    FILE_TYPES,
+    MAX_LINE_BYTES,
+    Record,
+    builtin_tiny_records,
+    jsonl_text,
+    parse_json,
+    parse_json_object,
+    read_jsonl,
+    read_rows,
+    write_jsonl,
+)
+from slimtune.data.shapes import (
+    ALPACA_PROMPT,
+    ALPACA_PROMPT_WITH_INPUT,
+    FALLBACK_CHAT_TEMPLATE,
+    FORMATS,
+    IGNORE_INDEX,
+    SHAREGPT_ROLES,
+    Example,
+    alpaca_prompt,
+    detect_format,
+    encode_prefix,
+    segments,
+    tokenize,
+)
+from slimtune.errors import SlimtuneError
+from slimtune.formats.manifest import sha256_bytes, sha256_file
+
+__all__ = [
+    "ALPACA_PROMPT",
+    "ALPACA_PROMPT_WITH_INPUT",
+    "Data",
+    "DataSpec",
+    "Example",
+    "FALLBACK_CHAT_TEMPLATE",
+    "FILE_TYPES",
+    "FORMATS",
+    "IGNORE_INDEX",
+    "MAX_LINE_BYTES",
+    "Record",
+    "SHAREGPT_ROLES",
+    "alpaca_prompt",
+    "builtin_tiny_records",
+    "collate",
+    "detect_format",
+    "encode_prefix",
+    "epoch_order",
+    "epoch_steps",
+    "jsonl_text",
+    "load_data",
+    "load_dataset",
+    "model_inputs",
+    "pack",
+    "parse_json",
+    "parse_json_object",
+    "read_jsonl",
+    "read_rows",
+    "segments",
+    "tokenize",
+    "write_jsonl",
+]
+
+
+@dataclass
+class DataSpec:
+    """What to read and how; built from the config's dataset section by ``DataSpec.from_config``."""
+
+    paths: list[str]
+    weights: list[float] | None = None
+    eval_path: str | None = None
+    eval_fraction: float = 0.0
+    fmt: str = "auto"
+    columns: dict[str, str] = field(default_factory=dict)
+    max_seq_len: int = 512
+    train_on_inputs: bool = False
+    packed: bool = False
+    seed: int = 0
+
+    @classmethod
+    def from_config(cls, cfg) -> DataSpec:
+        d = cfg.dataset
+        return cls(
+            paths=[d.path, *(d.mix or [])],
+            weights=d.weights,
+            eval_path=d.eval_path,
+            eval_fraction=d.eval_fraction,
+            fmt=d.format,
+            columns=dict(d.columns or {}),
+            max_seq_len=d.max_seq_len,
+            train_on_inputs=d.train_on_inputs,
+            packed=d.packed,
+            seed=cfg.seed,
+        )
+
+
+@dataclass
+class Data:
+    """Tokenized train (and eval) examples, and what the run records about them."""
+
+    train: list[Example]
+    eval: list[Example]
+    dropped: int
+    files: list[tuple[str, str]]  # (path, sha256) of every file read, eval file included
+    sha256: str  # identifies the training data (files, weights, split, packing) for resume checks
+    shapes: Counter  # rows per shape
+    documents: int = 0  # training documents before packing
+
+
+def load_data(spec: DataSpec, tokenizer, rows: dict[str, list[dict]] | None = None, vocab_size: int | None = None) -> Data:
+    """Read, tokenize, split, weight and (optionally) pack every file of ``spec``. ``rows`` supplies the
+    content of paths that are not files (the built-in dataset before it is written). Token ids at or
+    above ``vocab_size`` (a tokenizer that does not belong to the model) are an error naming the row.
+
+    >>> data = load_data(DataSpec(["train.jsonl"], eval_fraction=0.1), tokenizer)  # doctest: +SKIP
+    """
+    rows = rows or {}
+    weights = spec.weights or [1.0] * len(spec.paths)
+    if len(weights) != len(spec.paths):
+        raise SlimtuneError(f"dataset.weights has {len(weights)} value(s) for {len(spec.paths)} file(s) (dataset.path and dataset.mix)")
+    train: list[Example] = []
+    held_out: list[Example] = []
+    dropped, shapes, files, identity = 0, Counter(), [], []
+    for index, (path, weight) in enumerate(zip(spec.paths, weights, strict=True)):
+        records, sha = _source(path, rows)
+        examples, n_dropped = _tokenize_all(records, tokenizer, spec, shapes, vocab_size)
+        dropped += n_dropped
+        files.append((path, sha))
+        identity.append(f"{sha}:{weight!r}")
+        if spec.eval_fraction and spec.eval_path is None:
+            examples, split = _split(examples, spec.eval_fraction, spec.seed + index)
+            held_out += split
+        train += _weighted(examples, weight, spec.seed + index)
+    if spec.eval_path is not None:
+        records, sha = _source(spec.eval_path, rows)
+        held_out, n_dropped = _tokenize_all(records, tokenizer, spec, Counter(), vocab_size)
+        files.append((spec.eval_path, sha))
+    if not train:
+        raise SlimtuneError(f"no training example has a trained token within dataset.max_seq_len={spec.max_seq_len} ({dropped} dropped)")
+    documents = len(train)
+    if spec.packed:
+        train, held_out = pack(train, spec.max_seq_len, spec.seed), pack(held_out, spec.max_seq_len, spec.seed)
+    extra = f"|fraction={spec.eval_fraction!r}|packed={spec.packed}|inputs={spec.train_on_inputs}|columns={sorted(spec.columns.items())}"
+    sha = sha256_bytes(";".join(identity) + extra)
+    return Data(train, held_out, dropped, files, sha, shapes, documents)
+
+
+def _source(path: str, rows: dict[str, list[dict]]) -> tuple[Iterable[Record], str]:
+    if path in rows and not Path(path).is_file():
+        return (Record(r, f"built-in dataset:{i + 1}") for i, r in enumerate(rows[path])), sha256_bytes(jsonl_text(rows[path]))
+    return read_rows(path), sha256_file(path)
+
+
+def _tokenize_all(
+    records: Iterable[Record], tokenizer, spec: DataSpec, shapes: Counter, vocab_size: int | None
+) -> tuple[list[Example], int]:
+    examples, dropped = [], 0
+    for record in records:
+        record = _renamed(record, spec.columns)
+        shape = detect_format(record, spec.fmt)
+        example = tokenize(record, shape, tokenizer, spec.max_seq_len, spec.train_on_inputs)
+        if vocab_size is not None and len(example.input_ids) and int(example.input_ids.max()) >= vocab_size:
+            raise SlimtuneError(
+                f"{record.where}: the tokenizer produced token id {int(example.input_ids.max())}, but the model's vocab_size is "
+                f"{vocab_size} (the tokenizer does not belong to this model)"
+            )
+        shapes[shape] += 1
+        if int((example.labels[1:] != IGNORE_INDEX).sum()) == 0:
+            dropped += 1
+            continue
+        examples.append(example)
+    return examples, dropped
+
+
+def _renamed(record: Record, columns: dict[str, str]) -> Record:
+    """Apply ``dataset.columns`` ({shape key: file column}); missing values (None, NaN from CSV) are dropped."""
+    data = {k: v for k, v in record.data.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
+    for key, column in columns.items():
+        if column in data:
+            data[key] = data.pop(column)
+    return Record(data, record.where)
+
+
+def _split(examples: list[Example], fraction: float, seed: int) -> tuple[list[Example], list[Example]]:
+    """A seeded held-out split: round(fraction * n) examples (at least 1, and at least 1 left to train)."""
+    n = len(examples)
+    k = min(n - 1, max(1, round(fraction * n))) if n > 1 else 0
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7919 + 17)).tolist()
+    held = set(order[:k])
+    return [e for i, e in enumerate(examples) if i not in held], [e for i, e in enumerate(examples) if i in held]
+
+
+def _weighted(examples: list[Example], weight: float, seed: int) -> list[Example]:
+    """``weight`` times the file's examples per epoch: whole repeats, then a seeded subset for the fraction."""
+    if weight == 1.0:
+        return examples
+    whole, fraction = int(weight), weight - int(weight)
+    out = examples * whole
+    k = round(fraction * len(examples))
+    if k:
+        chosen = sorted(torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed * 104729 + 3))[:k].tolist())
+        out += [examples[i] for i in chosen]
+    return out
+
+
+def load_dataset(records: list[Record], tokenizer, fmt: str = "auto", max_seq_len: int = 512) -> tuple[list[Example], int]:
+    """Tokenize records already read. Examples with no trained token left after truncation are dropped
+    (their count is returned) since they add nothing to the loss."""
+    spec = DataSpec(paths=[], fmt=fmt, max_seq_len=max_seq_len)
+    examples, dropped = _tokenize_all(records, tokenizer, spec, Counter(), None)
+    if not examples:
+        raise SlimtuneError(f"no example has a trained token within max_seq_len={max_seq_len} ({dropped} dropped)")
+    return examples, dropped

@@ -1,0 +1,159 @@
+"""Synthetic models of real shapes, for the benchmarks and the tests: presets (tiny, Llama 3.2 1B, Llama 3
+8B, Mixtral widths), a QLoRA model built in memory (random NF4 codes and scalers, no slow quantization),
+and a random bf16 base and PEFT adapter written through ``write_checkpoint`` (with manifests).
+
+Example::
+
+    config = preset_config("llama3.2-1b", num_hidden_layers=2)
+    write_synthetic_base(config, Path("out/base"))
+    write_synthetic_adapter(config, Path("out/adapter"))
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig
+
+from slimtune.checkpoint.save import CheckpointParts, write_checkpoint
+from slimtune.checkpoint.stream import StreamTensor, adapter_tensor_stream
+from slimtune.checkpoint.writer import WriteOptions
+from slimtune.formats.hf import export_config_dict
+from slimtune.formats.peft import adapter_config_dict
+from slimtune.lora import DEFAULT_TARGETS, LoRAConfig, lora_modules, qlora_linears
+from slimtune.memory import DEFAULT_SHARD_SIZE
+from slimtune.model import build_qlora_skeleton, expected_checkpoint_keys, init_lora, set_tensor
+from slimtune.quant.nf4 import BLOCK_SIZE, SCALER_BLOCK_SIZE, nf4_from_parts
+from slimtune.tiny import tiny_config
+
+_LLAMA3 = dict(vocab_size=128256, num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096)
+PRESETS = {
+    "tiny": dict(),
+    "llama3.2-1b": dict(_LLAMA3, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, tie_word_embeddings=True),
+    "llama3-8b": dict(_LLAMA3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, tie_word_embeddings=False),
+}
+
+
+BENCH_LORA = LoRAConfig(rank=8, alpha=16, target_modules=["q_proj", "v_proj"], quantize_modules=list(DEFAULT_TARGETS))
+
+
+def preset_config(name: str, **overrides) -> LlamaConfig:
+    """The Llama config of a preset (``tiny``, ``llama3.2-1b``, ``llama3-8b``), fields overridden.
+
+    Example: ``preset_config("llama3-8b", num_hidden_layers=4)``"""
+    if name not in PRESETS:
+        raise SystemExit(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
+    if name == "tiny":
+        return tiny_config(**overrides)
+    return LlamaConfig(
+        **{**PRESETS[name], "dtype": "bfloat16", "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}, **overrides}
+    )
+
+
+def synthetic_nf4(shape: tuple[int, int], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Random codes and scalers with torchao's layout: no slow quantization of a random bf16 weight."""
+    numel = shape[0] * shape[1]
+    n_blocks = numel // BLOCK_SIZE
+    data = torch.randint(0, 256, (numel // 2,), dtype=torch.uint8, generator=gen)
+    scalers = torch.randint(-128, 128, (n_blocks,), dtype=torch.int8, generator=gen)
+    factor = (torch.rand(n_blocks // SCALER_BLOCK_SIZE, generator=gen) * 1000 + 1000).to(dtype)
+    mean = torch.tensor(0.02, dtype=dtype)
+    return nf4_from_parts(shape, dtype, data, scalers, factor, mean)
+
+
+def synthetic_qlora_model(config: LlamaConfig, lora: LoRAConfig = BENCH_LORA, seed: int = 0) -> torch.nn.Module:
+    """A QLoRA model of the config's shape without a checkpoint: random NF4 codes and scalers for every
+    projection, random bf16 embeddings, norms of ones, a trained-looking adapter (B non-zero).
+
+    Example: ``model = synthetic_qlora_model(preset_config("tiny"))``"""
+    model = build_qlora_skeleton(config, lora)
+    gen = torch.Generator().manual_seed(seed)
+    nf4_keys = {f"{n}.weight" for n in qlora_linears(model)}
+    for key, (shape, dtype) in expected_checkpoint_keys(model).items():
+        if key in nf4_keys:
+            value = synthetic_nf4(tuple(shape), dtype, gen)
+        elif len(shape) == 1:
+            value = torch.ones(shape, dtype=dtype)
+        else:
+            value = (
+                (torch.randn(shape, generator=gen, dtype=torch.float32) * 0.02).to(dtype)
+                if shape.numel() < 2**26
+                else _random_bf16_rows(shape, dtype, gen)
+            )
+        set_tensor(model, key, value)
+    if getattr(config, "tie_word_embeddings", False):
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    init_lora(model, seed)
+    for m in lora_modules(model).values():  # a trained adapter: B non-zero so the merge does real work
+        torch.nn.init.normal_(m.lora_b.weight, std=0.01, generator=gen)
+    return model
+
+
+def _random_bf16_rows(shape: torch.Size, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Fill a large tensor in row blocks so no fp32 copy of it is ever held."""
+    out = torch.empty(shape, dtype=dtype)
+    step = max(1, 2**24 // shape[1])
+    for i in range(0, shape[0], step):
+        out[i : i + step] = torch.randn((min(step, shape[0] - i), shape[1]), generator=gen) * 0.02
+    return out
+
+
+def write_synthetic_base(config: LlamaConfig, out_dir: Path, max_shard_size: str = DEFAULT_SHARD_SIZE, seed: int = 0) -> Path:
+    """A random bf16 Hugging Face checkpoint of the config's shape, streamed to disk chunk by chunk by
+    ``write_checkpoint`` (so it has a manifest: a complete one is reused by the merge bench).
+
+    Example: ``write_synthetic_base(preset_config("llama3.2-1b", num_hidden_layers=2), Path("out/base"))``"""
+
+    skeleton = build_qlora_skeleton(config, LoRAConfig(target_modules=[], quantize_modules=[]))
+
+    def random_rows(index: int, shape: torch.Size, dtype: torch.dtype):
+        def rows(start: int, end: int) -> torch.Tensor:
+            if len(shape) == 1:
+                return torch.ones(end - start, dtype=dtype)
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + index * 65_537 + start)
+            return (torch.randn((end - start, *shape[1:]), generator=gen) * 0.02).to(dtype)
+
+        return rows
+
+    stream = [
+        StreamTensor(name, tuple(shape), dtype, random_rows(i, shape, dtype))
+        for i, (name, (shape, dtype)) in enumerate(expected_checkpoint_keys(skeleton).items())
+    ]
+    parts = CheckpointParts(merged=stream, config=export_config_dict(config, stream), manifest_extra={"kind": "synthetic-base"})
+    write_checkpoint(out_dir, parts, WriteOptions(max_shard_size=max_shard_size, overwrite=True))
+    return out_dir
+
+
+def write_synthetic_adapter(config: LlamaConfig, out_dir: Path, rank: int = 8, seed: int = 0) -> Path:
+    """A PEFT-format LoRA adapter (r=8 on q_proj and v_proj, random A and B) for a base of this shape, in
+    ``out_dir/adapter/`` of a checkpoint with a manifest (``slimtune merge --adapter out_dir`` reads it).
+
+    Example: ``write_synthetic_adapter(preset_config("tiny"), Path("out/adapter"))``"""
+
+    lora = LoRAConfig(rank=rank, alpha=2 * rank, target_modules=["q_proj", "v_proj"])
+    model = build_qlora_skeleton(config, lora)
+    init_lora(model, seed)
+    gen = torch.Generator().manual_seed(seed)
+    for m in lora_modules(model).values():
+        torch.nn.init.normal_(m.lora_b.weight, std=0.01, generator=gen)
+    parts = CheckpointParts(
+        merged=[],
+        adapter=adapter_tensor_stream(model),
+        adapter_config=adapter_config_dict(model, "synthetic"),
+        manifest_extra={"kind": "synthetic-adapter"},
+    )
+    write_checkpoint(out_dir, parts, WriteOptions(overwrite=True, progress=False))
+    return out_dir
+
+
+MIXTRAL_WIDTHS = dict(
+    vocab_size=32000,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    max_position_embeddings=4096,
+)

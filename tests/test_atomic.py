@@ -1,0 +1,114 @@
+"""checkpoint/atomic.py, fileio.py and the manifest writer, on small directories (no model)."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import shutil
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+
+from slimtune.checkpoint.atomic import (
+    atomic_directory,
+    check_free_space,
+    describe_os_error,
+    is_complete_checkpoint,
+    os_errors,
+    reclaim_leftovers,
+)
+from slimtune.errors import SlimtuneError
+from slimtune.fileio import write_atomic
+from slimtune.formats.manifest import MANIFEST_NAME, FileRecord, manifest_problems, read_manifest, sha256_bytes, write_manifest
+
+_usage = namedtuple("usage", "total used free")
+
+
+def test_a_completed_directory_appears_whole_and_replaces_the_old_one(tmp_path):
+    target = tmp_path / "a" / "ckpt"
+    with atomic_directory(target) as tmp:
+        assert tmp.parent == target.parent and tmp.name.startswith(".ckpt.tmp-") and not target.exists()
+        (tmp / "x.txt").write_text("one")
+    assert (target / "x.txt").read_text() == "one"
+    with pytest.raises(SlimtuneError, match="already exists"):
+        with atomic_directory(target):
+            pass
+    with atomic_directory(target, overwrite=True) as tmp:
+        (tmp / "x.txt").write_text("two")
+    assert (target / "x.txt").read_text() == "two"
+    assert sorted(p.name for p in target.parent.iterdir()) == ["ckpt"]  # no temporary, old copy or lock left
+
+
+def test_a_failure_leaves_the_earlier_directory_and_no_new_parents(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "x.txt").write_text("old")
+    with pytest.raises(RuntimeError), atomic_directory(tmp_path / "ckpt", overwrite=True) as tmp:
+        (tmp / "x.txt").write_text("new")
+        raise RuntimeError("boom")
+    assert (tmp_path / "ckpt" / "x.txt").read_text() == "old"
+    with pytest.raises(RuntimeError), atomic_directory(tmp_path / "p" / "q" / "new"):
+        raise RuntimeError("boom")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # p/ and p/q/ made for it are gone too
+
+
+def test_leftovers_of_a_dead_writer_go_and_a_live_lock_keeps_its_own(tmp_path):
+    dead, live = tmp_path / ".a.tmp-0000dead", tmp_path / ".b.tmp-00001ive"
+    for d in (dead, live):
+        d.mkdir()
+        (d.with_name(d.name + ".lock")).touch()
+    fd = os.open(live.with_name(live.name + ".lock"), os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        said: list[str] = []
+        assert reclaim_leftovers(tmp_path, said.append) == [dead.name]
+        assert live.is_dir() and not dead.exists() and said == [f"removing {dead.name}, left by an interrupted save"]
+        lockless = tmp_path / ".c.tmp-00000000"
+        lockless.mkdir()
+        assert reclaim_leftovers(tmp_path, said.append) == []  # no lock file: maybe not ours
+        assert reclaim_leftovers(tmp_path, said.append, lockless=True) == [lockless.name]
+    finally:
+        os.close(fd)
+
+
+def test_free_space_is_checked_with_a_margin(tmp_path, monkeypatch):
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: _usage(10**9, 10**9 - 20 * 2**20, 20 * 2**20))
+    check_free_space(tmp_path / "not" / "yet", 2**20)  # 1 MiB + the 16 MiB margin fit in 20 MiB
+    with pytest.raises(SlimtuneError, match=rf"not enough disk space in {tmp_path}: the checkpoint needs 8,388,608 bytes"):
+        check_free_space(tmp_path / "not" / "yet", 8 * 2**20)
+
+
+def test_os_errors_become_one_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: _usage(100, 90, 10))
+    line = describe_os_error(OSError(errno.ENOSPC, "No space left on device"), "write", tmp_path / "x", needed=1000)
+    assert line == f"cannot write {tmp_path / 'x'}: no space left on device (needs 1,000 bytes, 10 are free)"
+    with pytest.raises(SlimtuneError, match=f"cannot write {tmp_path}: read-only file system"), os_errors("write", tmp_path):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+
+def test_write_atomic_replaces_whole_or_not_at_all(tmp_path):
+    path = tmp_path / "m.jsonl"
+    write_atomic(path, "one\n")
+    write_atomic(path, b"two\n", sync=True)
+    assert path.read_text() == "two\n"
+
+    def half_then_fail(tmp: Path) -> None:
+        tmp.write_text("half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError):
+        write_atomic(path, half_then_fail)
+    assert path.read_text() == "two\n" and sorted(p.name for p in tmp_path.iterdir()) == ["m.jsonl"]
+
+
+def test_the_manifest_is_written_last_and_read_back_checked(tmp_path):
+    (tmp_path / "a.bin").write_bytes(b"hello")
+    assert not is_complete_checkpoint(tmp_path)
+    write_manifest(tmp_path, [FileRecord("a.bin", 5, sha256_bytes(b"hello"))], {"kind": "test"})
+    manifest = read_manifest(tmp_path)
+    assert manifest["kind"] == "test" and manifest["files"] == [{"path": "a.bin", "size": 5, "sha256": sha256_bytes(b"hello")}]
+    assert is_complete_checkpoint(tmp_path) and manifest_problems(tmp_path) == []
+    assert not (tmp_path / (MANIFEST_NAME + ".partial")).exists()
+    (tmp_path / "a.bin").write_bytes(b"hellO")
+    assert manifest_problems(tmp_path) == [f"{tmp_path / 'a.bin'}: sha256 differs from the manifest (changed or corrupted bytes)"]

@@ -1,0 +1,108 @@
+"""checkpoint/manager.py on run directories made by hand (no model, no training): the resume point,
+pruning, leftovers of interrupted saves, damaged checkpoints set aside, what may change on resume."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from slimtune.checkpoint.manager import STATE_FORMAT, STATE_NAME, CheckpointManager, ResumePoint, checkpoint_problem, portable_config
+from slimtune.config import load_config
+from slimtune.errors import SlimtuneError
+from slimtune.formats.manifest import FileRecord, sha256_file, write_manifest
+
+NEEDED = (STATE_NAME, "train_state/.metadata", "adapter/adapter_model.safetensors")
+
+
+def _step(out: Path, step: int, complete: bool = True, fmt: str = STATE_FORMAT) -> Path:
+    """A step-N directory with the three files resume checks, and (``complete``) its manifest."""
+    path = out / f"step-{step:06d}"
+    (path / "train_state").mkdir(parents=True)
+    (path / "adapter").mkdir()
+    torch.save({"format": fmt, "global_step": step}, path / STATE_NAME)
+    (path / "train_state" / ".metadata").write_bytes(b"dcp metadata %d" % step)
+    (path / "adapter" / "adapter_model.safetensors").write_bytes(b"adapter %d" % step)
+    if complete:
+        write_manifest(path, [FileRecord(n, (path / n).stat().st_size, sha256_file(path / n)) for n in NEEDED])
+    return path
+
+
+def test_the_resume_point_is_the_newest_complete_checkpoint(tmp_path):
+    said: list[str] = []
+    manager = CheckpointManager(tmp_path, log=said.append)
+    assert manager.find_resume_point(resume=True, overwrite=False) is None  # nothing yet: a fresh start
+    assert said == [f"resume: no complete checkpoint under {tmp_path}; starting from step 0"]
+    _step(tmp_path, 2)
+    _step(tmp_path, 4)
+    _step(tmp_path, 6, complete=False)
+    bad = _step(tmp_path, 5)
+    (bad / "adapter" / "adapter_model.safetensors").write_bytes(b"changed")
+    _step(tmp_path, 3, fmt="something-else/1")
+    point = manager.find_resume_point(resume=True, overwrite=False)
+    assert isinstance(point, ResumePoint) and point.path.name == "step-000004" and point.state["global_step"] == 4
+    assert said[1:] == [
+        "resume: skipping step-000006: incomplete (no slimtune_manifest.json)",
+        "resume: skipping step-000005: adapter/adapter_model.safetensors does not match its manifest entry",
+    ]
+    assert [p.name for _, p in manager.step_dirs()] == [f"step-00000{i}" for i in (6, 5, 4, 3, 2)]
+    assert checkpoint_problem(tmp_path / "step-000002") is None
+
+
+def test_without_resume_existing_checkpoints_need_overwrite(tmp_path):
+    _step(tmp_path, 1)
+    manager = CheckpointManager(tmp_path, log=lambda m: None)
+    with pytest.raises(SlimtuneError, match="already holds checkpoints \\(step-000001\\); pass resume=true"):
+        manager.find_resume_point(resume=False, overwrite=False)
+    assert manager.find_resume_point(resume=False, overwrite=True) is None
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    manager.prepare(fresh_start=True, overwrite=True)  # the previous run's checkpoints and metrics go
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_pruning_keeps_the_newest_n_complete_and_never_the_last_one(tmp_path):
+    for step in (1, 2, 3):
+        _step(tmp_path, step)
+    _step(tmp_path, 4, complete=False)
+    assert CheckpointManager(tmp_path, keep_last_n=None).prune() == []
+    assert CheckpointManager(tmp_path, keep_last_n=2).prune() == ["step-000001"]
+    assert CheckpointManager(tmp_path, keep_last_n=0).prune() == ["step-000002"]  # the newest complete one stays
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000003", "step-000004"]  # incomplete ones are not counted
+
+
+def test_leftovers_of_interrupted_saves_and_deletions_go(tmp_path):
+    _step(tmp_path, 1)
+    for name in (".step-000002.deleting-0123abcd", ".step-000009.tmp-0123abcd", ".recipe_state-x"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "notes.txt").write_text("mine")
+    said: list[str] = []
+    CheckpointManager(tmp_path, log=said.append).prepare(fresh_start=False, overwrite=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "step-000001"]
+    assert len(said) == 3 and all(s.endswith("left by an interrupted save") for s in said)
+
+
+def test_a_damaged_checkpoint_is_moved_aside_never_deleted(tmp_path):
+    damaged = _step(tmp_path, 7, complete=False)
+    said: list[str] = []
+    aside = CheckpointManager(tmp_path, log=said.append).set_aside(damaged)
+    assert re.fullmatch(r"step-000007\.damaged-\d{8}T\d{6}Z", aside.name) and not damaged.exists()
+    assert (aside / STATE_NAME).is_file()  # kept as it was
+    assert said == [f"step-000007 was damaged (incomplete (no slimtune_manifest.json)); moved aside to {aside.name} "
+                    "(kept: delete it yourself once unneeded)"]  # fmt: skip
+    again = CheckpointManager(tmp_path, log=said.append).set_aside(_step(tmp_path, 7, complete=False))
+    assert again != aside and again.name.startswith(aside.name)  # a second one in the same second gets a suffix
+
+
+def test_what_may_change_on_resume(tmp_path):
+    out = str(tmp_path / "run")
+    then = load_config("tiny", [f"output_dir={out}", "optimizer.lr=1e-3"])
+    state = {"config": portable_config(then.values)}
+    assert state["config"]["model.path"] == "{output_dir}/base"  # paths under output_dir are stored relative to it
+    said: list[str] = []
+    manager = CheckpointManager(out, log=said.append)
+    manager.check_resumable(load_config("tiny", [f"output_dir={out}", "optimizer.lr=2e-3"]), ResumePoint(Path(out), state))
+    assert said == ["resume: optimizer.lr changed from 0.001 to 0.002 (allowed)"]
+    with pytest.raises(SlimtuneError, match="lora.rank is 4, the checkpoint has 8 \\(these must not change on resume\\)"):
+        manager.check_resumable(load_config("tiny", [f"output_dir={out}", "lora.rank=4"]), ResumePoint(Path(out), state))

@@ -37,7 +37,7 @@ from slimtune.formats.gguf_arch import GGUFArch, gguf_arch
 from slimtune.formats.gguf_vocab import vocab_fields, write_modelfile
 from slimtune.formats.hf import load_config
 from slimtune.generate import read_format_record
-from slimtune.merge import BaseCheckpoint, merged_file_stream
+from slimtune.merge import BaseCheckpoint, MergeBase, merged_file_stream
 
 Q = gguf.GGMLQuantizationType
 TYPES = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q5_0": Q.Q5_0, "q5_1": Q.Q5_1}
@@ -246,8 +246,7 @@ def _record(*dirs: Path) -> dict:
 def open_source(src: Path | None, base: Path | None, adapter: Path | None, merge_base: str) -> Iterator[_Source]:
     """The merged model as an fp32 tensor stream: SRC's merged model, or an adapter (``--adapter``, or
     SRC's ``adapter/``) merged on the fly into ``base`` exactly as ``slimtune merge`` merges it."""
-    if merge_base not in ("original", "quantized"):
-        raise SlimtuneError(f"merge base {merge_base!r}: expected 'original' or 'quantized'")
+    resolved = MergeBase.named(merge_base)  # the one check of the name, and the row reader it means
     if src is not None and not Path(src).is_dir():
         raise SlimtuneError(f"{src}: no such checkpoint directory")
     if src is not None and adapter is None and base is None and _has_merged(Path(src)):
@@ -267,7 +266,7 @@ def open_source(src: Path | None, base: Path | None, adapter: Path | None, merge
 
     reader = BaseCheckpoint(base)
     try:
-        stream = merged_file_stream(reader, read_adapter(adapter), torch.float32, merge_base)
+        stream = merged_file_stream(reader, read_adapter(adapter), torch.float32, resolved)
         dirs = [d for d in (Path(adapter), Path(src) if src else None) if d is not None]
         tok_dir = next((d for d in dirs if (d / "tokenizer_config.json").is_file()), Path(base))
         yield _Source(reader.config, stream, tok_dir, Path(base), _record(*dirs))

@@ -24,7 +24,7 @@ from slimtune.formats.peft import adapter_config_dict
 from slimtune.lora import DEFAULT_TARGETS, LoRAConfig, lora_modules, qlora_linears
 from slimtune.memory import DEFAULT_SHARD_SIZE
 from slimtune.model import build_qlora_skeleton, expected_checkpoint_keys, init_lora, set_tensor
-from slimtune.quant.nf4 import BLOCK_SIZE, SCALER_BLOCK_SIZE, nf4_from_parts
+from slimtune.quant.nf4 import BLOCK_SIZE, nf4_from_parts, scaler_block_size
 from slimtune.tiny import tiny_config
 
 _LLAMA3 = dict(vocab_size=128256, num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096)
@@ -57,7 +57,7 @@ def synthetic_nf4(shape: tuple[int, int], dtype: torch.dtype, gen: torch.Generat
     n_blocks = numel // BLOCK_SIZE
     data = torch.randint(0, 256, (numel // 2,), dtype=torch.uint8, generator=gen)
     scalers = torch.randint(-128, 128, (n_blocks,), dtype=torch.int8, generator=gen)
-    factor = (torch.rand(n_blocks // SCALER_BLOCK_SIZE, generator=gen) * 1000 + 1000).to(dtype)
+    factor = (torch.rand(n_blocks // scaler_block_size(shape), generator=gen) * 1000 + 1000).to(dtype)
     mean = torch.tensor(0.02, dtype=dtype)
     return nf4_from_parts(shape, dtype, data, scalers, factor, mean)
 

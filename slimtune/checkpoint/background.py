@@ -54,8 +54,9 @@ from slimtune.checkpoint.save import SaveOptions
 from slimtune.distributed import raise_on_sigterm
 from slimtune.errors import SlimtuneError
 from slimtune.lora import LoRAConfig
-from slimtune.memory import cpu_count, peak_rss_mb, reset_peak_rss
+from slimtune.memory import peak_rss_mb, reset_peak_rss
 from slimtune.model import load_qlora_model
+from slimtune.runtime import usable_cores
 
 MECHANISM_ENV = "SLIMTUNE_ASYNC_WRITER"  # "process" (the default) or "thread": for the measurement only
 _PR_SET_PDEATHSIG = 1
@@ -321,7 +322,7 @@ def writer_main(fd: int, parent: int) -> None:
         return  # the trainer died before the line above
     raise_on_sigterm("the checkpoint writer was stopped by SIGTERM (its trainer ended)")
     logging.disable(logging.WARNING)  # the trainer has said everything loading says
-    torch.set_num_threads(max(1, cpu_count() // 2))
+    torch.set_num_threads(max(1, usable_cores() // 2))
     try:
         _serve(Connection(fd))
     except (SlimtuneError, KeyboardInterrupt):

@@ -1,7 +1,7 @@
 """slimtune vs PEFT on the real SmolLM2-135M-Instruct, on the CPU, in one run (issue 16).
 
 Trains the `real_model` tests' settings (tests/real_model.SETTINGS: LoRA r=8 on all 210 attention and MLP
-projections, batch 8, lr 2e-3 with 2 warmup steps and cosine to 0.1, clipping 1.0, bf16) for --steps steps
+projections, batch 4, lr 2e-3 with 2 warmup steps and cosine to 0.1, clipping 1.0, bf16) for --steps steps
 with `slimtune finetune` (NF4 base, one merged save at the end), then PEFT LoRA on the NF4-round-tripped
 base (dequant(NF4(W)) as plain bf16 weights) from the same adapter initialisation on the same batches for
 --peft-steps steps. Prints the training tokens/s of both (padded tokens per second of optimizer steps,

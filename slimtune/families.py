@@ -366,9 +366,9 @@ class NF4Experts(nn.Module):
                 continue
             w = self.pieces[key]
             if is_nf4(w) and (a, b) == (row0, row0 + n):
-                from slimtune.quant.nf4 import linear_nf4  # an NF4 weight exists: torchao is loaded already
+                from slimtune.quant.nf4 import nf4_linear  # an NF4 weight exists: torchao is loaded already
 
-                outs.append(linear_nf4(x, w))
+                outs.append(nf4_linear(x, w))
             else:
                 outs.append(nn.functional.linear(x, base_rows(w, a - row0, b - row0).to(x.dtype)))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)

@@ -6,7 +6,7 @@ from slimtune.quant.nf4 import (
     NF4RoundTrip,
     _torchao_linear_nf4,
     dequantize_nf4_rows,
-    linear_nf4,
+    nf4_linear,
     quantize_nf4,
     scaler_block_size,
     to_nf4,
@@ -41,7 +41,7 @@ def test_dequantize_rows_bit_identical_to_torchao(shape, dtype):
 @pytest.mark.parametrize(
     "weight_dtype,input_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float16, torch.float32)]
 )
-def test_linear_nf4_bit_identical_to_torchao_forward_and_backward(weight_dtype, input_dtype):
+def test_nf4_linear_bit_identical_to_torchao_forward_and_backward(weight_dtype, input_dtype):
     """The training forward's NF4 linear (slimtune's dequantization on the CPU) against torchao's linear_nf4,
     on a weight whose scaler block is not torchao's default (SmolLM2's k/v projection: 216)."""
     torch.manual_seed(2)
@@ -49,7 +49,7 @@ def test_linear_nf4_bit_identical_to_torchao_forward_and_backward(weight_dtype, 
     x = torch.randn(3, 5, 576).to(input_dtype)
     grad = torch.randn(3, 5, 192).to(input_dtype)
     results = []
-    for fn in (linear_nf4, _torchao_linear_nf4):
+    for fn in (nf4_linear, _torchao_linear_nf4):
         leaf = x.clone().requires_grad_()
         y = fn(leaf, nf4)
         y.backward(grad)

@@ -1,4 +1,4 @@
-"""Seconds per stage of a save (dequantize, merge, device_to_host, hash, write), for the benches.
+"""Seconds per stage of a save (dequantize, merge, device_to_host, write, hash, fsync), for the benches.
 
 Off unless ``timing_stages()`` is active (then ``stage(name)`` adds up wall time per name; the producer
 stages and the writer thread's stages overlap, so their sum exceeds the save's seconds). With

@@ -25,7 +25,6 @@ __all__ = [
     "BLOCK_SIZE",
     "SCALER_BLOCK_SIZE",
     "NF4Tensor",
-    "linear_nf4",
     "quantize_nf4",
     "can_quantize",
     "scaler_block_size",
@@ -118,12 +117,13 @@ def nf4_linear(x: torch.Tensor, weight: NF4Tensor) -> torch.Tensor:
     """x @ W^T for an NF4 weight, differentiable in x, saving the NF4 weight (not a dequantized copy) for
     the backward pass: torchao's ``linear_nf4`` with the same math (dequantize, cast to x's dtype, one
     matmul each way) and ``dequantize_nf4_rows``'s lookup (one int32 gather per byte instead of two int64
-    gathers per element, a stack and a concatenation), bit-identical. Under torch.compile torchao's own
-    (which inductor fuses) is used.
+    gathers per element, a stack and a concatenation), bit-identical: several times faster on the CPU
+    (``python -m slimtune.bench nf4``). Under torch.compile (which fuses torchao's) and off the CPU
+    (slimtune's lookup is not yet measured against torchao's on a GPU) torchao's own is used.
 
     Example: ``y = nf4_linear(x, quantize_nf4(w))``"""
-    if torch.compiler.is_compiling():
-        return linear_nf4(x, weight)
+    if torch.compiler.is_compiling() or x.device.type != "cpu":
+        return _torchao_linear_nf4(x, weight)
     return _NF4Linear.apply(x, weight)
 
 
@@ -213,29 +213,3 @@ class NF4RoundTrip:
             codes[i : i + 2**20] = (scaled[i : i + 2**20].unsqueeze(-1) - self.nf4).abs().min(dim=-1).indices
         values = self.nf4[codes].view(-1, BLOCK_SIZE) * self.scalers[b0:b1].unsqueeze(-1)
         return values.view(-1)[e0 - b0 * BLOCK_SIZE : e1 - b0 * BLOCK_SIZE].view(end - start, cols)
-
-
-def linear_nf4(x: torch.Tensor, weight: NF4Tensor) -> torch.Tensor:
-    """``F.linear(x, W)`` for an NF4 weight W, saving the NF4 weight (not a dequantized copy) for the
-    backward pass, as torchao's ``linear_nf4``. On the CPU, W is dequantized by ``dequantize_nf4_rows``:
-    the same bits as torchao's ``get_original_weight``, several times faster there (a one-byte table
-    gather instead of two int64 gathers per element; ``python -m slimtune.bench nf4``). Elsewhere torchao's.
-
-    Example: ``y = linear_nf4(x, quantize_nf4(w))``"""
-    if x.device.type != "cpu":
-        return _torchao_linear_nf4(x, weight)
-    return _LinearNF4.apply(x, weight)
-
-
-class _LinearNF4(torch.autograd.Function):
-    """torchao's LinearNF4 with slimtune's dequantization: y = x W^T, dx = dy W; W is frozen."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: NF4Tensor) -> torch.Tensor:
-        ctx.nf4_weight = weight
-        return torch.nn.functional.linear(x, dequantize_nf4_rows(weight, 0, weight.shape[0]).to(x.dtype))
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        weight = ctx.nf4_weight
-        return grad @ dequantize_nf4_rows(weight, 0, weight.shape[0]).to(grad.dtype), None

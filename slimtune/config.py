@@ -275,7 +275,12 @@ SCHEMA: tuple[Key, ...] = (
         nullable=True,
         choices=("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"),
     ),
-    Key("logging.progress_bar", "bool", True, "Show a tqdm bar (loss, eval loss, lr, tokens/s; ckpt=saving while a background save runs) on stderr."),
+    Key(
+        "logging.progress_bar",
+        "bool",
+        True,
+        "Show a tqdm bar (loss, eval loss, lr, tokens/s; ckpt=saving while a background save runs) on stderr.",
+    ),
     Key("logging.tensorboard", "bool", False, "Also write TensorBoard event files under output_dir/tensorboard (extra: tensorboard)."),
     Key("logging.wandb.project", "str", None, "Also log to this Weights & Biases project (extra: wandb).", nullable=True),
     Key("logging.wandb.mode", "str", "offline", "W&B mode: offline (no network; sync later) or online.", choices=("offline", "online")),

@@ -16,7 +16,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from slimtune import LoRAConfig, load_qlora_model, save_checkpoint
+from slimtune import LoRAConfig, WriteOptions, load_qlora_model, save_checkpoint
 from slimtune.lora import lora_parameters
 from slimtune.merge import merge_from_files
 from slimtune.tiny import DEMO_TEXTS, byte_tokenizer, make_tiny_checkpoint
@@ -41,14 +41,14 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad()
     model.eval()
-    save_checkpoint(model, out / "qlora", adapter_only=True, overwrite=True, progress=False)
+    save_checkpoint(model, out / "qlora", WriteOptions(adapter_only=True, overwrite=True, progress=False))
     mask = batch["attention_mask"].bool()
     with torch.no_grad():
         reference = model(**batch).logits.float()
         results = {"qlora_loss": model(**batch, labels=labels).loss.item()}
         for merge_base in ("original", "quantized"):
             merged_dir = out / f"merged-{merge_base}"
-            merge_from_files(base, out / "qlora", merged_dir, merge_base=merge_base, overwrite=True, progress=False)
+            merge_from_files(base, out / "qlora", merged_dir, WriteOptions(overwrite=True, progress=False), merge_base=merge_base)
             merged = AutoModelForCausalLM.from_pretrained(str(merged_dir), dtype=torch.bfloat16).eval()
             logits = merged(**batch).logits.float()
             results[f"{merge_base}_max_abs_logit_diff"] = round((logits - reference)[mask].abs().max().item(), 4)

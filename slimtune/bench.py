@@ -11,20 +11,35 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
+import queue
 import shutil
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from transformers import LlamaConfig, MixtralConfig
 
 import slimtune  # noqa: F401  (quiets torchao's import-time warnings)
+from slimtune.checkpoint.atomic import atomic_directory, is_complete_checkpoint
 from slimtune.checkpoint.save import save_checkpoint
+from slimtune.checkpoint.stream import StreamTensor, adapter_tensor_stream
+from slimtune.checkpoint.writer import WriteOptions, write_json, write_safetensors, write_sharded
+from slimtune.distributed import current_ranks, shard_model
+from slimtune.formats.hf import export_config_dict
+from slimtune.formats.manifest import read_manifest
+from slimtune.formats.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config_dict
 from slimtune.lora import DEFAULT_TARGETS, LoRAConfig, lora_modules, qlora_linears
-from slimtune.memory import bytes_written_by_process, peak_rss_mb, reset_peak_rss, rss_mb
+from slimtune.memory import DEFAULT_SHARD_SIZE, bytes_read_by_process, bytes_written_by_process, peak_rss_mb, reset_peak_rss, rss_mb
 from slimtune.model import build_qlora_skeleton, expected_checkpoint_keys, init_lora, set_tensor
-from slimtune.quant.nf4 import BLOCK_SIZE, nf4_from_parts, scaler_block_size
+from slimtune.quant import is_nf4
+from slimtune.quant.nf4 import BLOCK_SIZE, dequantize_nf4_rows, nf4_from_parts, quantize_nf4, scaler_block_size
 from slimtune.tiny import tiny_config
 
 PRESETS = {
@@ -107,12 +122,8 @@ def _random_bf16_rows(shape: torch.Size, dtype: torch.dtype, gen: torch.Generato
     return out
 
 
-def write_synthetic_base(config: LlamaConfig, out_dir: Path, max_shard_size: str = "5GB", seed: int = 0) -> Path:
+def write_synthetic_base(config: LlamaConfig, out_dir: Path, max_shard_size: str = DEFAULT_SHARD_SIZE, seed: int = 0) -> Path:
     """A random bf16 Hugging Face checkpoint of the config's shape, streamed to disk chunk by chunk."""
-    from slimtune.checkpoint.atomic import atomic_directory
-    from slimtune.checkpoint.stream import StreamTensor
-    from slimtune.checkpoint.writer import WriteOptions, write_json, write_sharded
-    from slimtune.formats.hf import export_config_dict
 
     skeleton = build_qlora_skeleton(config, LoRAConfig(target_modules=[], quantize_modules=[]))
 
@@ -170,7 +181,7 @@ def bench_save(preset: str, out: Path, layers: int | None = None, device: str = 
     before = rss_mb()
     reset_peak_rss()
     wchar0 = bytes_written_by_process()
-    result = save_checkpoint(model, target, progress=True)
+    result = save_checkpoint(model, target, WriteOptions(progress=True))
     written = bytes_written_by_process() - wchar0
     peak = peak_rss_mb()
     vram = {"vram_overhead_mb": round((torch.cuda.max_memory_allocated() - vram_before) / 2**20, 1)} if cuda else {}
@@ -195,10 +206,6 @@ def bench_save(preset: str, out: Path, layers: int | None = None, device: str = 
 
 def write_synthetic_adapter(config: LlamaConfig, out_dir: Path, rank: int = 8, seed: int = 0) -> Path:
     """A PEFT-format LoRA adapter (r=8 on q_proj and v_proj, random A and B) for a base of this shape."""
-    from slimtune.checkpoint.atomic import atomic_directory
-    from slimtune.checkpoint.stream import adapter_tensor_stream
-    from slimtune.checkpoint.writer import write_json, write_safetensors
-    from slimtune.formats.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config_dict
 
     lora = LoRAConfig(rank=rank, alpha=2 * rank, target_modules=["q_proj", "v_proj"])
     model = build_qlora_skeleton(config, lora)
@@ -214,11 +221,12 @@ def write_synthetic_adapter(config: LlamaConfig, out_dir: Path, rank: int = 8, s
 
 MERGE_CHILD = """
 import json, sys, time
+from slimtune.checkpoint.writer import WriteOptions
 from slimtune.memory import bytes_read_by_process, bytes_written_by_process, peak_rss_mb
 from slimtune.merge import merge_from_files
 base, adapter, out, device = sys.argv[1:5]
 r0, w0, t0 = bytes_read_by_process(), bytes_written_by_process(), time.perf_counter()
-result = merge_from_files(base, adapter, out, overwrite=True, progress=True, device=device)
+result = merge_from_files(base, adapter, out, WriteOptions(overwrite=True, progress=True, device=device))
 print(json.dumps({"merge_s": time.perf_counter() - t0, "bytes_read": bytes_read_by_process() - r0,
                   "bytes_written": bytes_written_by_process() - w0, "output_bytes": result.total_bytes,
                   "peak_rss_mb": peak_rss_mb()}))
@@ -230,10 +238,6 @@ def bench_merge(preset: str, out: Path, layers: int | None = None, device: str =
     which reports its own peak RSS (VmHWM of its whole life: interpreter, imports, merge), the figure
     /usr/bin/time -v reports. (The parent's ru_maxrss for children is not used: the kernel folds the
     parent's own high-water mark into it when the child is started with vfork.)"""
-    import subprocess
-    import sys
-
-    from slimtune.checkpoint.atomic import is_complete_checkpoint
 
     overrides = {"num_hidden_layers": layers} if layers else {}
     config = preset_config(preset, **overrides)
@@ -269,7 +273,6 @@ def bench_merge(preset: str, out: Path, layers: int | None = None, device: str =
 
 
 def _free_port() -> int:
-    import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -278,10 +281,6 @@ def _free_port() -> int:
 
 def _dist_rank(rank: int, nproc: int, port: int, model: torch.nn.Module, target: Path, peer: bool, max_shard_size: str, results) -> None:
     """One forked rank: join, shard, export (and optionally the peer's gather + merge); report figures."""
-    import torch.distributed as dist
-
-    from slimtune.distributed import current_ranks, shard_model
-    from slimtune.memory import bytes_read_by_process
 
     try:
         torch.set_num_threads(1)
@@ -291,7 +290,7 @@ def _dist_rank(rank: int, nproc: int, port: int, model: torch.nn.Module, target:
         before = rss_mb()
         reset_peak_rss()
         w0, r0 = bytes_written_by_process(), bytes_read_by_process()
-        result = save_checkpoint(model, target, max_shard_size=max_shard_size, progress=False, ranks=ranks)
+        result = save_checkpoint(model, target, WriteOptions(max_shard_size, progress=False), ranks)
         row = {
             "rank": rank,
             "rss_before_mb": round(before, 1),
@@ -314,9 +313,6 @@ def _peer_gather_and_merge(model: torch.nn.Module, ranks) -> dict:
     state dict gathered to rank 0's CPU (torch's ``get_model_state_dict(full_state_dict=True,
     cpu_offload=True)``), NF4 weights upcast to bf16, then ``get_merged_lora_ckpt``'s merge
     (W += alpha / r * B @ A, LoRA keys dropped). Rank 0's peak RSS over it (nothing written)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    from slimtune.quant import is_nf4
 
     before = rss_mb()
     reset_peak_rss()
@@ -342,15 +338,15 @@ def _peer_gather_and_merge(model: torch.nn.Module, ranks) -> dict:
     }
 
 
-def dist_export(model: torch.nn.Module, target: Path, nproc: int = 2, max_shard_size: str = "5GB", peer: bool = False) -> list[dict]:
+def dist_export(
+    model: torch.nn.Module, target: Path, nproc: int = 2, max_shard_size: str = DEFAULT_SHARD_SIZE, peer: bool = False
+) -> list[dict]:
     """The cooperative export of ``model`` to ``target`` by ``nproc`` forked ranks (the model shared
     copy-on-write): each joins a gloo group, FSDP2-shards the model (``shard_model``: it copies its rows
     of every weight) and calls ``save_checkpoint`` with its ``Ranks``. Returns one row per rank, in rank
     order, measured in that rank: RSS before the save, peak RSS (VmHWM, reset before the save) and its
     difference, bytes written and read back, seconds (and the peer's figures with ``peer``).
     Example: ``rows = dist_export(synthetic_qlora_model(preset_config("tiny")), Path("out/x"))``"""
-    import multiprocessing
-    import queue
 
     ctx = multiprocessing.get_context("fork")
     results = ctx.Queue()
@@ -384,7 +380,6 @@ def bench_dist_save(preset: str, out: Path, nproc: int = 2, layers: int | None =
     write), join a gloo group, FSDP2-shard it (``shard_model``: each rank copies its rows of every
     weight) and export it together. Each rank measures its own RSS (before; VmHWM reset) and its
     write()/read() byte counters (reads = the sha256 read-back of files it did not write whole)."""
-    from slimtune.formats.manifest import read_manifest
 
     overrides = {"num_hidden_layers": layers} if layers else {}
     config = preset_config(preset, **overrides)
@@ -399,7 +394,7 @@ def bench_dist_save(preset: str, out: Path, nproc: int = 2, layers: int | None =
     before = rss_mb()
     reset_peak_rss()
     w0 = bytes_written_by_process()
-    single = save_checkpoint(model, single_dir, progress=False)
+    single = save_checkpoint(model, single_dir, WriteOptions(progress=False))
     single_written = bytes_written_by_process() - w0
     single_peak = peak_rss_mb()
     single_manifest = read_manifest(single_dir)["files"]
@@ -481,12 +476,6 @@ def bench_load_moe(out: Path, layers: int = 2) -> dict:
     """Load a synthetic Mixtral of the real widths (hidden 4096, intermediate 14336, 8 experts; per-expert
     tensors as published) as QLoRA in a fresh child process; its peak RSS during the load against what
     it holds afterwards (the bound: at most the resident NF4 model + 512 MB)."""
-    import subprocess
-    import sys
-
-    from transformers import MixtralConfig
-
-    from slimtune.checkpoint.atomic import is_complete_checkpoint
 
     config = MixtralConfig(**MIXTRAL_WIDTHS, num_hidden_layers=layers, dtype="bfloat16")
     base = out / f"mixtral-{layers}l"
@@ -510,7 +499,6 @@ def bench_load_moe(out: Path, layers: int = 2) -> dict:
 def bench_nf4(rows: int = 4096, cols: int = 14336, chunk_rows: int = 256, repeats: int = 3, device: str = "cpu") -> dict:
     """NF4 dequantization throughput: torchao's get_original_weight vs slimtune's row-chunked table
     lookup, on one weight (Llama-3-8B's MLP shape by default); bit-identity checked in the same run."""
-    from slimtune.quant.nf4 import dequantize_nf4_rows, quantize_nf4
 
     weight = quantize_nf4((torch.randn(rows, cols, device=device) * 0.02).to(torch.bfloat16))
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)

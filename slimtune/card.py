@@ -47,14 +47,6 @@ def model_card(f: CardFacts) -> str:
         if f.merged
         else "This checkpoint holds the adapter only (merge it with `slimtune merge --merge-base quantized`)."
     )
-    quantized = _quantized_text(f.nf4)
-    merged_eval = ""
-    if f.eval and "eval_loss_merged" in f.eval:
-        diff = f.eval["eval_loss_merged"] - f.eval["eval_loss"]
-        merged_eval = (
-            f"\n| eval loss, merged model | {f.eval['eval_loss_merged']:.4f} ({diff:+.4f} vs the adapter on the NF4 base: the cost of "
-            f"rounding W' + B A once to {f.merged_dtype}; `checkpoint.merged_dtype: fp32` avoids it) |"
-        )
     return f"""---
 base_model: {f.base}
 library_name: peft
@@ -64,14 +56,14 @@ tags: [slimtune, qlora, lora]
 # QLoRA adapter for `{f.base}` (slimtune)
 
 Fine-tuned with slimtune (QLoRA) on an NF4-quantized `{f.model_type}` base: step {f.step} of {f.total_steps}
-(epoch {f.epoch}). {quantized}
+(epoch {f.epoch}). {_quantized_text(f.nf4)}
 
 | | |
 | --- | --- |
 | base model | `{f.base}` |
 | steps | {f.step} of {f.total_steps} |
 | train loss (this step) | {f.train_loss:.4f} |
-| eval loss | {evaluated} |{merged_eval}
+| eval loss | {evaluated} |{_merged_eval_row(f)}
 | LoRA | r = {lora["rank"]}, alpha = {lora["alpha"]:g}, scaling {scaling}, dropout {lora["dropout"]:g} |
 | LoRA targets | {", ".join(lora["target_modules"])} |
 | data rows | {shapes} |
@@ -130,8 +122,19 @@ def _quantized_text(nf4: dict | None) -> str:
         return ""
     blocks = ", ".join(f"{sbs} x {n}" for sbs, n in nf4["scaler_blocks"].items())
     text = f"NF4 (blocks of {nf4['block_size']}): {nf4['nf4']} of {nf4['targets']} targeted linears"
-    text += f", double-quantized in scaler blocks of {blocks} (blocks per scaler group: tensors)" if blocks else ""
+    text += f"; scaler block (64-element blocks per double-quantized scale) x tensors: {blocks}" if blocks else ""
     kept = nf4["kept"]
     if kept:
         text += f"; kept in their dtype: {', '.join(f'`{k}` ({why})' for k, why in kept.items())}"
     return text + ". Per-tensor scaler blocks: `slimtune_format.json`, key `nf4`."
+
+
+def _merged_eval_row(f: CardFacts) -> str:
+    """The table row of eval_loss_merged, with what its difference from eval_loss means ("" without it)."""
+    if not f.eval or "eval_loss_merged" not in f.eval:
+        return ""
+    diff = f.eval["eval_loss_merged"] - f.eval["eval_loss"]
+    return (
+        f"\n| eval loss, merged model | {f.eval['eval_loss_merged']:.4f} ({diff:+.4f} vs the adapter on the NF4 base: the cost of "
+        f"rounding W' + B A once to {f.merged_dtype}; `checkpoint.merged_dtype: fp32` avoids it) |"
+    )

@@ -1,43 +1,48 @@
 """The `slimtune` command: one subcommand per job. Exit statuses: 0 success, 1 `verify` found problems,
 2 bad input or environment (one line naming the file, key or tensor), 3 internal error (one line; the
-traceback with SLIMTUNE_DEBUG=1)."""
+traceback with SLIMTUNE_DEBUG=1).
+
+Each command imports its modules inside its function, so `slimtune --help` and usage errors answer
+without loading torch or transformers (several seconds); the imports marked ``# lazy`` are those."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import traceback
 from pathlib import Path
 
 from slimtune.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_OK, EXIT_PROBLEMS, REPORT_HINT, SlimtuneError
 from slimtune.formats.strict_json import safe_text
+from slimtune.memory import DEFAULT_SHARD_SIZE, parse_size
 
 
 def _quiet_transformers() -> None:
-    import transformers
+    import transformers  # lazy
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    from slimtune.demo import run_demo
+    from slimtune.demo import run_demo  # lazy
 
     targets = [t.strip() for t in args.targets.split(",") if t.strip()] if args.targets else None
     run_demo(args.out, args.base, steps=args.steps, targets=targets)
 
 
 def cmd_finetune(args: argparse.Namespace) -> int:
-    from slimtune.config import load_config
-    from slimtune.distributed import launched_by_torchrun, run_ranks, shutdown
+    from slimtune.config import load_config  # lazy
+    from slimtune.distributed import launched_by_torchrun, run_ranks, shutdown  # lazy
 
     if args.nproc < 1:
         raise SlimtuneError(f"--nproc {args.nproc}: expected 1 or more processes")
     cfg = load_config(args.config, args.overrides)  # every key checked before any work starts
     if args.nproc > 1 and not launched_by_torchrun():
         return run_ranks(args.nproc, ["finetune", "--config", str(args.config), *args.overrides])
-    from slimtune.recipes.finetune import run_finetune
+    from slimtune.recipes.finetune import run_finetune  # lazy
 
     try:
         run_finetune(cfg)  # under torchrun it joins the process group: every rank runs the recipe
@@ -49,8 +54,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 
 
 def _sampling(args: argparse.Namespace):
-    from slimtune.errors import SlimtuneError
-    from slimtune.generate import SamplingOptions
+    from slimtune.generate import SamplingOptions  # lazy
 
     if args.max_new_tokens < 1 or not 0 <= args.temperature < 100 or not 0 < args.top_p <= 1:
         raise SlimtuneError("--max-new-tokens must be >= 1, --temperature in [0, 100), --top-p in (0, 1]")
@@ -58,7 +62,7 @@ def _sampling(args: argparse.Namespace):
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from slimtune.generate import generate, load_for_generation, prompt_ids, read_messages
+    from slimtune.generate import generate, load_for_generation, prompt_ids, read_messages  # lazy
 
     options = _sampling(args)
     messages = read_messages(args.messages) if args.messages is not None else None
@@ -70,37 +74,29 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_chat(args: argparse.Namespace) -> None:
-    from slimtune.generate import chat_loop, load_for_generation
+    from slimtune.generate import chat_loop, load_for_generation  # lazy
 
     options = _sampling(args)
     chat_loop(load_for_generation(args.checkpoint, args.form, args.base, args.device), options)
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    from slimtune.distributed import init_distributed, launched_by_torchrun, run_ranks, shutdown
+    from slimtune.distributed import init_distributed, launched_by_torchrun, run_ranks, shutdown  # lazy
 
     if args.nproc < 1:
         raise SlimtuneError(f"--nproc {args.nproc}: expected 1 or more processes")
     if args.nproc > 1 and not launched_by_torchrun():
         forwarded = ["merge", "--base", str(args.base), "--adapter", str(args.adapter), "--out", str(args.out)]
-        forwarded += ["--merge-base", args.merge_base, "--max-shard-size", args.max_shard_size, "--device", args.device]
+        forwarded += ["--merge-base", args.merge_base, "--max-shard-size", str(args.max_shard_size), "--device", args.device]
         forwarded += (["--dtype", args.dtype] if args.dtype else []) + (["--overwrite"] if args.overwrite else [])
         return run_ranks(args.nproc, forwarded)
-    from slimtune.merge import merge_from_files
+    from slimtune.checkpoint.writer import WriteOptions  # lazy
+    from slimtune.merge import merge_from_files  # lazy
 
+    options = WriteOptions(args.max_shard_size, args.overwrite, dtype=args.dtype, device=args.device)
     ranks = init_distributed("cpu")  # the ranks exchange only small control messages: gloo
     try:
-        result = merge_from_files(
-            args.base,
-            args.adapter,
-            args.out,
-            merge_base=args.merge_base,
-            dtype=args.dtype,
-            max_shard_size=args.max_shard_size,
-            overwrite=args.overwrite,
-            device=args.device,
-            ranks=ranks,
-        )
+        result = merge_from_files(args.base, args.adapter, args.out, options, args.merge_base, ranks)
     except BaseException:
         shutdown()
         raise
@@ -114,7 +110,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from slimtune.verify import verify_checkpoint
+    from slimtune.verify import verify_checkpoint  # lazy
 
     report = verify_checkpoint(args.path, args.base, args.adapter, args.merge_base, args.ulps)
     if report.tensor_diffs:
@@ -131,19 +127,17 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> None:
-    from slimtune.inspect import inspect_path
+    from slimtune.inspect import inspect_path  # lazy
 
     print("\n".join(inspect_path(args.path)))
 
 
-def _size(text: str) -> str:
-    from slimtune.memory import parse_size
-
+def _size(text: str) -> int:
+    """--max-shard-size, parsed here once (a bad size is argparse's usage error, exit 2)."""
     try:
-        parse_size(text)
+        return parse_size(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -157,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--targets", default=None, help="comma-separated LoRA target modules (default: all attention and MLP projections)")
     demo.set_defaults(func=cmd_demo)
 
-    from slimtune.config import schema_help, shipped_configs
+    from slimtune.config import schema_help, shipped_configs  # lazy
 
     finetune = sub.add_parser(
         "finetune",
@@ -177,24 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     finetune.set_defaults(func=cmd_finetune)
 
-    def generation_args(p: argparse.ArgumentParser, temperature: float) -> None:
-        p.add_argument("checkpoint", type=Path, help="a step-N checkpoint, a merged model directory or an adapter directory")
-        p.add_argument(
-            "--form",
-            choices=["auto", "merged", "adapter"],
-            default="auto",
-            help="merged: the merged model with plain transformers; adapter: the adapter on the NF4 base it was trained on "
-            "(bounded memory, as finetune loads it); auto: merged when the checkpoint has it",
-        )
-        p.add_argument("--base", type=Path, default=None, help="base model for --form adapter (default: the one training used)")
-        p.add_argument("--max-new-tokens", type=int, default=128, help="default: 128")
-        p.add_argument("--temperature", type=float, default=temperature, help=f"0: greedy (default: {temperature})")
-        p.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling (default: 0.9)")
-        p.add_argument("--seed", type=int, default=0, help="sampling seed: the same seed gives the same text (default: 0)")
-        p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: cuda when available")
-
     generate = sub.add_parser("generate", help="generate from a checkpoint, with the prompt format its training used")
-    generation_args(generate, 0.7)
+    _generation_args(generate, 0.7)
     source = generate.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", default=None, help="a prompt, rendered as training rendered its data (chat, Alpaca or text)")
     source.add_argument("--messages", type=Path, default=None, help='a JSON file: [{"role": ..., "content": ...}, ...]')
@@ -204,32 +182,10 @@ def build_parser() -> argparse.ArgumentParser:
     generate.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="talk to a checkpoint interactively (replies streamed)")
-    generation_args(chat, 0.7)
+    _generation_args(chat, 0.7)
     chat.set_defaults(func=cmd_chat)
 
-    merge = sub.add_parser("merge", help="merge a PEFT LoRA adapter into a Hugging Face base, from files, in bounded memory")
-    merge.add_argument(
-        "--base", type=Path, required=True, help="base checkpoint directory (safetensors; bf16/fp16/fp32 or bitsandbytes NF4)"
-    )
-    merge.add_argument("--adapter", type=Path, required=True, help="PEFT adapter directory (or a slimtune checkpoint holding adapter/)")
-    merge.add_argument("--out", type=Path, required=True, help="output directory (must not exist unless --overwrite)")
-    merge.add_argument(
-        "--merge-base",
-        choices=["original", "quantized"],
-        default="original",
-        help="merge into W itself (original, default) or into dequant(NF4(W)), the weights a QLoRA adapter was trained against",
-    )
-    merge.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="output dtype (default: the base's)")
-    merge.add_argument("--max-shard-size", default="5GB", type=_size, help='largest shard (default "5GB", decimal units)')
-    merge.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the merge math runs (default: cpu)")
-    merge.add_argument("--overwrite", action="store_true", help="replace an existing output directory (atomically, once complete)")
-    merge.add_argument(
-        "--nproc",
-        type=int,
-        default=1,
-        help="processes that each merge their row range of every tensor into the same files (default 1; under torchrun: its world)",
-    )
-    merge.set_defaults(func=cmd_merge)
+    _add_merge(sub)
 
     verify = sub.add_parser("verify", help="check a checkpoint against its manifest, the format rules and (optionally) its sources")
     verify.add_argument("path", type=Path, help="checkpoint directory")
@@ -248,9 +204,52 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _default_sigterm() -> None:
-    import signal
+def _generation_args(p: argparse.ArgumentParser, temperature: float) -> None:
+    p.add_argument("checkpoint", type=Path, help="a step-N checkpoint, a merged model directory or an adapter directory")
+    p.add_argument(
+        "--form",
+        choices=["auto", "merged", "adapter"],
+        default="auto",
+        help="merged: the merged model with plain transformers; adapter: the adapter on the NF4 base it was trained on "
+        "(bounded memory, as finetune loads it); auto: merged when the checkpoint has it",
+    )
+    p.add_argument("--base", type=Path, default=None, help="base model for --form adapter (default: the one training used)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="default: 128")
+    p.add_argument("--temperature", type=float, default=temperature, help=f"0: greedy (default: {temperature})")
+    p.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling (default: 0.9)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed: the same seed gives the same text (default: 0)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: cuda when available")
 
+
+def _add_merge(sub) -> None:
+    merge = sub.add_parser("merge", help="merge a PEFT LoRA adapter into a Hugging Face base, from files, in bounded memory")
+    merge.add_argument(
+        "--base", type=Path, required=True, help="base checkpoint directory (safetensors; bf16/fp16/fp32 or bitsandbytes NF4)"
+    )
+    merge.add_argument("--adapter", type=Path, required=True, help="PEFT adapter directory (or a slimtune checkpoint holding adapter/)")
+    merge.add_argument("--out", type=Path, required=True, help="output directory (must not exist unless --overwrite)")
+    merge.add_argument(
+        "--merge-base",
+        choices=["original", "quantized"],
+        default="original",
+        help="merge into W itself (original, default) or into dequant(NF4(W)), the weights a QLoRA adapter was trained against",
+    )
+    merge.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="output dtype (default: the base's)")
+    merge.add_argument(
+        "--max-shard-size", default=DEFAULT_SHARD_SIZE, type=_size, help=f'largest shard (default "{DEFAULT_SHARD_SIZE}", decimal units)'
+    )
+    merge.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the merge math runs (default: cpu)")
+    merge.add_argument("--overwrite", action="store_true", help="replace an existing output directory (atomically, once complete)")
+    merge.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="processes that each merge their row range of every tensor into the same files (default 1; under torchrun: its world)",
+    )
+    merge.set_defaults(func=cmd_merge)
+
+
+def _default_sigterm() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 

@@ -21,7 +21,7 @@ import yaml
 
 from slimtune.errors import SlimtuneError
 from slimtune.lora import DEFAULT_TARGETS
-from slimtune.memory import parse_size
+from slimtune.memory import DEFAULT_SHARD_SIZE, parse_size
 
 PLACEHOLDER = "{output_dir}"
 
@@ -243,7 +243,7 @@ SCHEMA: tuple[Key, ...] = (
         nullable=True,
         minimum=1,
     ),
-    Key("checkpoint.max_shard_size", "str", "5GB", "Largest merged safetensors shard, e.g. 2GB or 500MiB."),
+    Key("checkpoint.max_shard_size", "str", DEFAULT_SHARD_SIZE, "Largest merged safetensors shard, e.g. 2GB or 500MiB."),
     Key("logging.progress_bar", "bool", True, "Show a tqdm bar (loss, eval loss, lr, tokens/s) on stderr."),
     Key("logging.tensorboard", "bool", False, "Also write TensorBoard event files under output_dir/tensorboard (extra: tensorboard)."),
     Key("logging.wandb.project", "str", None, "Also log to this Weights & Biases project (extra: wandb).", nullable=True),

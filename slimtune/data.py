@@ -305,7 +305,7 @@ def parse_json(raw: bytes, where: str) -> Any:
 
 def _read_with_datasets(path: Path, kind: str) -> Iterator[Record]:
     """Parquet, Arrow and CSV through ``datasets`` in streaming mode (no cache written)."""
-    import datasets
+    import datasets  # optional and heavy: only for parquet, arrow and csv files
 
     datasets.disable_progress_bars()
     builder = {"parquet": "parquet", "arrow": "arrow", "csv": "csv"}[kind]

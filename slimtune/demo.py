@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from slimtune.checkpoint.save import ADAPTER_DIR
 from slimtune.config import load_config
+from slimtune.generate import SamplingOptions, generate, load_for_generation, prompt_ids
 from slimtune.recipes.finetune import run_finetune
 from slimtune.tiny import DEMO_TEXTS
 
@@ -119,15 +120,19 @@ def _link(link: Path, target: Path) -> None:
 
 def _show_generate(out_dir: Path, ckpt: Path) -> str:
     """What `slimtune generate` prints on the demo checkpoint, both forms (greedy, so they can be compared)."""
-    from slimtune.generate import SamplingOptions, generate, load_for_generation, prompt_ids
-
     prompt = "Can training resume?"
     rel = os.path.relpath(ckpt) if not os.path.relpath(ckpt).startswith("..") else str(ckpt)
     print(f"\n$ slimtune generate {rel} --prompt {prompt!r} --temperature 0 --max-new-tokens 24")
     options = SamplingOptions(max_new_tokens=24, temperature=0.0)
     merged = load_for_generation(ckpt, form="merged", device="cpu")
-    text = generate(merged, prompt_ids(merged, prompt=prompt), options, on_text=lambda t: print(t, end="", flush=True))
-    print()
+    text = generate(merged, prompt_ids(merged, prompt=prompt), options)
+    ids = merged.tokenizer(text, add_special_tokens=False)["input_ids"]
+    # the text as Python writes it, so spaces and newlines show (slimtune generate prints it plainly)
+    print(f"{text!r}\n(token ids: {ids})")
+    print(
+        "(the demo model is a random tiny Llama trained for seconds: expect noise, often spaces or repeated "
+        "characters; on a real model this is its answer)"
+    )
     adapter = load_for_generation(ckpt, form="adapter", device="cpu")
     same = generate(adapter, prompt_ids(adapter, prompt=prompt), options) == text
     print(
@@ -139,7 +144,7 @@ def _show_generate(out_dir: Path, ckpt: Path) -> str:
 
 def _peft_reload(base_dir: Path, adapter_dir: Path, batch: dict | None = None, qlora_logits: torch.Tensor | None = None) -> str:
     try:
-        from peft import PeftModel
+        from peft import PeftModel  # optional (a dev extra): the demo's reload check only
     except ImportError:
         return "peft is not installed: adapter reload skipped (pip install peft)"
     base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.bfloat16, local_files_only=True)

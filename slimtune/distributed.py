@@ -14,9 +14,12 @@ Example::
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import re
 import signal
+import sys
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from slimtune.errors import SlimtuneError
+from slimtune.quant import is_nf4
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -165,10 +169,7 @@ def run_ranks(nproc: int, args: list[str]) -> int:
     stopped. Returns 0, or a non-zero code after printing one line naming the failed rank(s).
 
     Example: ``run_ranks(2, ["merge", "--base", "b", "--adapter", "a", "--out", "o"])``."""
-    import logging
-    import sys
-    import uuid
-
+    # torch's elastic launcher: only for `--nproc N`, so a one-process command does not import it
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -210,6 +211,7 @@ def shard_model(model: torch.nn.Module, ranks: Ranks, keep_whole: set[torch.nn.P
     shard: the same code path); alone it does nothing."""
     if not (dist.is_available() and dist.is_initialized()):
         return model
+    # FSDP2 and device meshes only under a process group: a one-process run or merge never loads them
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -233,7 +235,7 @@ def reshard(model: torch.nn.Module) -> None:
     """Free the gathered parameters FSDP2 keeps after a forward pass without backward (evaluation,
     generation under no_grad: the root keeps its own gathered), so the next training step gathers
     afresh; without it the next backward fails. Alone, or unsharded: nothing to do."""
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule  # FSDP2: see shard_model
 
     for module in model.modules():
         if isinstance(module, FSDPModule):
@@ -246,7 +248,7 @@ def nf4_splits(shape: tuple[int, ...], world_size: int) -> bool:
     the rows and the number of those blocks must both divide by the number of ranks. With one rank there is
     nothing to cut, and FSDP2's one-rank gather does not hand torchao's NF4 its parts (torchao 0.18: the
     forward fails), so: no."""
-    from slimtune.quant.nf4 import BLOCK_SIZE, scaler_block_size
+    from slimtune.quant.nf4 import BLOCK_SIZE, scaler_block_size  # torchao (~80 MB): only where NF4 weights are sharded
 
     sbs = scaler_block_size(tuple(shape))
     if world_size <= 1 or sbs is None:
@@ -256,6 +258,4 @@ def nf4_splits(shape: tuple[int, ...], world_size: int) -> bool:
 
 
 def _unsplittable_nf4(model: torch.nn.Module, world_size: int) -> set[torch.nn.Parameter]:
-    from slimtune.quant import is_nf4
-
     return {p for p in model.parameters() if is_nf4(p) and not nf4_splits(tuple(p.shape), world_size)}

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from slimtune.errors import SlimtuneError
+from slimtune.quant import base_rows, is_nf4
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ def supported_names() -> str:
 
 def is_linear(module: nn.Module) -> bool:
     """nn.Linear or transformers' Conv1D (GPT-2): the layers PEFT's all-linear takes."""
-    from transformers.pytorch_utils import Conv1D
+    from transformers.pytorch_utils import Conv1D  # lazy: the merge path imports this module, never transformers
 
     return isinstance(module, (nn.Linear, Conv1D))
 
@@ -147,7 +148,7 @@ def default_targets(model_type: str) -> list[str]:
 
 def meta_model(config, dtype: torch.dtype | None = None) -> nn.Module:
     """The transformers model for ``config`` with every tensor on the meta device (no memory)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # lazy: the merge path imports this module, never transformers
 
     try:
         with torch.device("meta"):
@@ -251,7 +252,7 @@ def checkpoint_layout(model: nn.Module) -> list[Placement]:
     own reversed conversions (what save_pretrained writes for this model). The conversion runs twice:
     on meta tensors (names and shapes) and on row-id tensors (each parameter viewed [-1, last dim] with
     its last dimension collapsed to one global row number), which says which rows each output holds."""
-    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.core_model_loading import revert_weight_conversion  # lazy: the merge path imports this module, never transformers
 
     tensors = model_tensors(model)
     fam = family_name(model.config)
@@ -295,8 +296,8 @@ def checkpoint_layout(model: nn.Module) -> list[Placement]:
 
 def forward_renamings(model: nn.Module):
     """transformers' load-time renamings (legacy names included), for checkpoints not in the published layout."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightRenaming
+    from transformers.conversion_mapping import get_model_conversion_mapping  # lazy: the merge path imports this module, never transformers
+    from transformers.core_model_loading import WeightRenaming  # lazy: the merge path imports this module, never transformers
 
     renamings = [c for c in get_model_conversion_mapping(model) if isinstance(c, WeightRenaming)]
 
@@ -333,7 +334,7 @@ class NF4Experts(nn.Module):
 
     def add_piece(self, attr: str, row0: int, value: torch.Tensor) -> None:
         """Rows ``row0 ..`` of ``attr`` viewed 2-D; NF4 when its size divides into NF4 blocks."""
-        from slimtune.quant.nf4 import can_quantize, quantize_nf4
+        from slimtune.quant.nf4 import can_quantize, quantize_nf4  # torchao (~80 MB): only for a model with experts
 
         value = value.reshape(-1, self.shapes[attr][-1])
         key = f"{attr}_{row0}"
@@ -348,8 +349,6 @@ class NF4Experts(nn.Module):
 
     def rows(self, attr: str, start: int, end: int) -> torch.Tensor:
         """Rows [start, end) of ``attr`` viewed 2-D, in the base dtype (NF4 dequantized as torchao does)."""
-        from slimtune.checkpoint.stream import base_rows
-
         parts = []
         for row0, n, key in self.index[attr]:
             a, b = max(start, row0), min(end, row0 + n)
@@ -358,8 +357,6 @@ class NF4Experts(nn.Module):
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _linear(self, x: torch.Tensor, attr: str, expert: int) -> torch.Tensor:
-        from slimtune.quant import is_nf4
-
         per = self.shapes[attr][1]
         start, end = expert * per, (expert + 1) * per
         outs = []
@@ -369,12 +366,10 @@ class NF4Experts(nn.Module):
                 continue
             w = self.pieces[key]
             if is_nf4(w) and (a, b) == (row0, row0 + n):
-                from slimtune.quant.nf4 import linear_nf4
+                from slimtune.quant.nf4 import linear_nf4  # an NF4 weight exists: torchao is loaded already
 
                 outs.append(linear_nf4(x, w))
             else:
-                from slimtune.checkpoint.stream import base_rows
-
                 outs.append(nn.functional.linear(x, base_rows(w, a - row0, b - row0).to(x.dtype)))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
@@ -421,7 +416,7 @@ def frozen_nf4_keys(config) -> set[str]:
 
 def tiny_config(family: Family, vocab_size: int = 259, **overrides):
     """The family's config at test widths (every projection divides into NF4 blocks), bf16."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # lazy: the merge path imports this module, never transformers
 
     special = dict(pad_token_id=vocab_size - 3, bos_token_id=vocab_size - 2, eos_token_id=vocab_size - 1)
     values = dict(family.tiny, vocab_size=vocab_size, dtype="bfloat16", **special)

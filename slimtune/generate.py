@@ -19,15 +19,21 @@ Example::
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import AutoModelForCausalLM
+from transformers.generation.streamers import BaseStreamer
 
 from slimtune.data import FALLBACK_CHAT_TEMPLATE, alpaca_prompt, parse_json
 from slimtune.errors import SlimtuneError
+from slimtune.formats.peft import ADAPTER_WEIGHTS, read_adapter
+from slimtune.lora import LoRAConfig
+from slimtune.model import load_adapter_weights, load_qlora_model, load_tokenizer, pick_device, pick_dtype
 
 FORMAT_NAME = "slimtune_format.json"
 PROMPT_FORMATS = ("chat", "alpaca", "text")
@@ -91,13 +97,9 @@ def load_for_generation(
         raise SlimtuneError(f"{path}: no merged model here (config.json and *.safetensors); use --form adapter")
     if form == "adapter" and adapter_dir is None:
         raise SlimtuneError(f"{path}: no adapter here (adapter/adapter_config.json)")
-    from slimtune.recipes.finetune import pick_device, pick_dtype
-
     dev = pick_device(device)
     compute = pick_dtype(dtype, dev)
     if form == "merged":
-        from transformers import AutoModelForCausalLM
-
         try:
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=compute, local_files_only=True)
         except (OSError, ValueError) as e:
@@ -106,18 +108,11 @@ def load_for_generation(
     else:
         model, tokenizer_dir = _load_adapter_on_nf4(path, adapter_dir, base, compute)
     model.to(dev).eval()
-    from slimtune.recipes.finetune import load_tokenizer
-
     tokenizer = load_tokenizer(tokenizer_dir)
     return Loaded(model, tokenizer, form, _recorded_prompt_format(path, tokenizer), dev)
 
 
 def _load_adapter_on_nf4(path: Path, adapter_dir: Path, base: str | Path | None, dtype: torch.dtype) -> tuple[nn.Module, Path]:
-    from slimtune.formats.peft import ADAPTER_WEIGHTS, read_adapter
-    from slimtune.lora import LoRAConfig
-    from slimtune.model import load_qlora_model
-    from slimtune.recipes.finetune import load_adapter_weights
-
     config = read_adapter(adapter_dir).config
     if config.get("rank_pattern") or config.get("alpha_pattern") or config.get("use_dora"):
         raise SlimtuneError(
@@ -203,8 +198,6 @@ def prompt_ids(
 def generate(loaded: Loaded, ids: list[int], options: SamplingOptions, on_text: Callable[[str], None] | None = None) -> str:
     """The continuation of ``ids`` (without the prompt), streamed piece by piece to ``on_text``. The
     global RNG is left as it was (sampling draws from a forked, seeded generator)."""
-    from transformers.generation.streamers import BaseStreamer
-
     tokenizer = loaded.tokenizer
     produced: list[int] = []
     shown = [""]
@@ -259,7 +252,6 @@ def chat_loop(
 ) -> None:
     """An interactive conversation: each reply streamed as it is generated; /reset starts over, /exit
     (or end of input) leaves. Without a chat format (trained on Alpaca or plain text) each turn stands alone."""
-    import sys
 
     def out(text: str) -> None:
         (write or sys.stdout.write)(text)

@@ -35,7 +35,8 @@ def describe_adapter(directory: Path) -> list[str]:
     return lines
 
 
-def describe_files(files: list[Path], root: Path) -> list[str]:
+def describe_files(files: list[Path], root: Path, label: str = "") -> list[str]:
+    """Each file's tensors (name, dtype, shape, bytes) and a total line (``total (label): ...``)."""
     lines, dtypes = [], Counter()
     tensors = params = nbytes = 0
     for path in files:
@@ -46,7 +47,8 @@ def describe_files(files: list[Path], root: Path) -> list[str]:
             tensors, params, nbytes = tensors + 1, params + e.numel, nbytes + e.nbytes
             dtypes[e.type_name] += e.nbytes
     by_dtype = ", ".join(f"{d} {_human(b)}" for d, b in dtypes.most_common())
-    lines.append(f"total: {tensors} tensors, {params:,d} parameters, {nbytes:,d} bytes ({by_dtype})")
+    what = f" ({label})" if label else ""
+    lines.append(f"total{what}: {tensors} tensors, {params:,d} parameters, {nbytes:,d} bytes ({by_dtype})")
     return lines
 
 
@@ -66,4 +68,8 @@ def inspect_path(path: str | Path) -> list[str]:
     files = sorted(path.rglob("*.safetensors"))
     if not files and not lines:
         raise SlimtuneError(f"{path}: no safetensors files, adapter or manifest")
+    adapter = [f for f in files if (f.parent / ADAPTER_CONFIG).is_file()]
+    model = [f for f in files if f not in adapter]
+    if adapter and model:  # a checkpoint: the merged model and its adapter are two things, counted apart
+        return lines + describe_files(model, path, "merged model") + describe_files(adapter, path, "adapter")
     return lines + describe_files(files, path) if files else lines

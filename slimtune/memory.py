@@ -55,6 +55,9 @@ def bytes_read_by_process() -> int:
     return _io_counter("rchar")
 
 
+DEFAULT_SHARD_SIZE = "5GB"  # the largest merged shard unless the config or command line says otherwise
+
+
 def parse_size(size: str | int) -> int:
     """'5GB' -> 5_000_000_000 (decimal units, as Hugging Face shards), '512MiB' -> binary units. A
     positive, finite size of at most 2**63 bytes; anything else ('abc', 'nanGB', '1e400GB', '-1GB')

@@ -6,30 +6,33 @@ so memory is one chunk plus the adapter, whatever the model size."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from slimtune.checkpoint.save import DTYPES, SaveResult, write_checkpoint
+from slimtune.checkpoint.save import CheckpointParts, SaveResult, write_checkpoint
 from slimtune.checkpoint.staging import BufferPool, pool_for
 from slimtune.checkpoint.staging import to_host as plain_to_host
 from slimtune.checkpoint.stream import StreamTensor, ToHost
-from slimtune.checkpoint.writer import DEFAULT_CHUNK_BYTES, DEFAULT_INFLIGHT_BYTES, WriteOptions
+from slimtune.checkpoint.writer import DEFAULT_CHUNK_BYTES, WriteOptions
 from slimtune.distributed import SINGLE, Ranks
 from slimtune.errors import SlimtuneError
+from slimtune.families import frozen_nf4_keys
 from slimtune.formats.bnb import BnbNF4Weight, aux_owner, is_aux_key, load_bnb_weight
-from slimtune.formats.hf import checkpoint_files, export_config_dict, module_kinds, read_config_dict
+from slimtune.formats.hf import checkpoint_files, export_config_dict, load_config, module_kinds, read_config_dict
 from slimtune.formats.peft import Adapter, AdapterModule, SavedTensor, read_adapter, resolve
 from slimtune.formats.safetensors import COMPUTE_DTYPES, SafetensorsReader
 from slimtune.formats.strict_json import safe_name
 from slimtune.lora import merge_lora_rows
-from slimtune.memory import parse_size
 
 log = logging.getLogger(__name__)
 
 # Tied checkpoints store only the input embedding (Llama, Mistral, Qwen2 names); an adapter that changes
 # lm_head unties them, and lm_head is then written from the embedding's rows.
 INPUT_EMBEDDING, OUTPUT_EMBEDDING = "model.embed_tokens.weight", "lm_head.weight"
+MERGE_BASES = ("original", "quantized")  # MergeBase(quantized=False / True)
 
 
 class BaseCheckpoint:
@@ -44,6 +47,8 @@ class BaseCheckpoint:
         self._kinds: tuple[dict[str, str], str | None] | None = None
         self.readers = [SafetensorsReader(h.path) for h in checkpoint_files(self.dir)]
         self.location = {key: r for r in self.readers for key in r.tensors}
+        for key, reader in self.location.items():  # every tensor passes through torch: refuse before writing
+            reader.torch_shape(key)
         self.bnb: dict[str, BnbNF4Weight] = {}
         for key, reader in self.location.items():
             if key + ".absmax" in self.location and key.endswith(".weight"):
@@ -97,26 +102,49 @@ def _finite(rows: torch.Tensor, key: str, adapter: Adapter) -> torch.Tensor:
     return rows
 
 
-def _base_rows_fn(base: BaseCheckpoint, key: str, merge_base: str, chunk_bytes: int):
-    """Rows of the base weight that the adapter is merged into: W itself, or dequant(NF4(W))."""
-    if merge_base == "original" or key in base.bnb:
-        return lambda s, e: base.rows(key, s, e)
-    from slimtune.quant.nf4 import NF4RoundTrip, can_quantize, not_quantizable_reason
+@dataclass(frozen=True)
+class MergeBase:
+    """``merge_base`` resolved once into the row reader it selects: ``original`` merges into W itself,
+    ``quantized`` into dequant(NF4(W)), the weights a QLoRA adapter was trained against (computed
+    ``chunk_bytes`` at a time; bitsandbytes bases are NF4 already and read as they are).
 
-    shape = base.shape(key)
-    if not can_quantize(shape):  # training kept it in its dtype too
-        why = not_quantizable_reason(shape)
-        log.warning("%s: %s %s cannot be NF4 (%s); merged into the original weight", base.dir, key, list(shape), why)
-        return lambda s, e: base.rows(key, s, e)
-    state: dict[str, NF4RoundTrip] = {}
+    Example: ``rows = MergeBase.named("quantized").reader(base, "model.layers.0.mlp.up_proj.weight")``"""
 
-    def rows(s: int, e: int) -> torch.Tensor:
-        if "rt" not in state:  # first pass over W only when the tensor's turn comes
-            row_bytes = shape[1] * 2
-            state["rt"] = NF4RoundTrip(lambda a, b: base.rows(key, a, b), shape, base.dtype(key), max(1, chunk_bytes // row_bytes))
-        return state["rt"].rows(s, e)
+    quantized: bool = False
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
 
-    return rows
+    @classmethod
+    def named(cls, name: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> MergeBase:
+        """The one check of the name: ``original`` or ``quantized``."""
+        if name not in MERGE_BASES:
+            raise SlimtuneError(f"merge base {name!r}: expected 'original' or 'quantized'")
+        return cls(name == "quantized", chunk_bytes)
+
+    @property
+    def name(self) -> str:
+        return MERGE_BASES[self.quantized]
+
+    def reader(self, base: BaseCheckpoint, key: str) -> Callable[[int, int], torch.Tensor]:
+        """Rows of the base weight ``key`` that the adapter is merged into."""
+        if not self.quantized or key in base.bnb:
+            return lambda s, e: base.rows(key, s, e)
+        # torchao (~80 MB of RSS) is imported only when a merge needs NF4: never for an original-base merge
+        from slimtune.quant.nf4 import NF4RoundTrip, can_quantize, not_quantizable_reason
+
+        shape = base.shape(key)
+        if not can_quantize(shape):  # training kept it in its dtype too
+            why = not_quantizable_reason(shape)
+            log.warning("%s: %s %s cannot be NF4 (%s); merged into the original weight", base.dir, key, list(shape), why)
+            return lambda s, e: base.rows(key, s, e)
+        state: dict[str, NF4RoundTrip] = {}
+
+        def rows(s: int, e: int) -> torch.Tensor:
+            if "rt" not in state:  # first pass over W only when the tensor's turn comes
+                row_bytes = shape[1] * 2
+                state["rt"] = NF4RoundTrip(lambda a, b: base.rows(key, a, b), shape, base.dtype(key), max(1, self.chunk_bytes // row_bytes))
+            return state["rt"].rows(s, e)
+
+        return rows
 
 
 def _merged_source(
@@ -125,8 +153,7 @@ def _merged_source(
     m: AdapterModule,
     adapter: Adapter,
     dtype: torch.dtype,
-    merge_base: str,
-    chunk_bytes: int,
+    merge_base: MergeBase,
     device: torch.device,
     to_host: ToHost,
     replaced: SavedTensor | None = None,
@@ -148,7 +175,7 @@ def _merged_source(
     if replaced is not None:
         read_rows = replaced.rows
     else:
-        read_rows = _base_rows_fn(base, key, merge_base, chunk_bytes)
+        read_rows = merge_base.reader(base, key)
     a, b = m.lora_a.float().to(device), m.lora_b.float().to(device)
     magnitude = None if m.magnitude is None else m.magnitude.to(device)
     if m.transposed:  # W is [in, out] (Conv1D, embedding): rows of (B @ A)^T are A[:, rows]^T @ B^T
@@ -178,8 +205,7 @@ def merged_file_stream(
     base: BaseCheckpoint,
     adapter: Adapter,
     dtype: torch.dtype | None = None,
-    merge_base: str = "original",
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    merge_base: MergeBase = MergeBase(),
     device: str | torch.device = "cpu",
     to_host: ToHost = plain_to_host,
 ) -> list[StreamTensor]:
@@ -201,10 +227,7 @@ def merged_file_stream(
     frozen_nf4 = set()
     # MoE experts were NF4 in training too (slimtune.families); transformers is imported only for a base
     # that has expert tensors at all
-    if merge_base == "quantized" and any(".experts." in k for k in base.keys):
-        from slimtune.families import frozen_nf4_keys
-        from slimtune.formats.hf import load_config
-
+    if merge_base.quantized and any(".experts." in k for k in base.keys):
         frozen_nf4 = frozen_nf4_keys(load_config(base.dir))
     stream = []
     for key in keys:
@@ -234,11 +257,9 @@ def merged_file_stream(
             if source_key != key:
                 raise SlimtuneError(f"adapter {adapter.path}: LoRA on tied {key} is not supported; untie the model first")
             replaced = saved.pop(key, None)  # an adapted embedding's weight saved with the adapter replaces the base's
-            stream.append(
-                _merged_source(key, base, m, adapter, out_dtype, merge_base, chunk_bytes, torch.device(device), to_host, replaced)
-            )
+            stream.append(_merged_source(key, base, m, adapter, out_dtype, merge_base, torch.device(device), to_host, replaced))
         elif key in frozen_nf4 and key not in base.bnb:
-            read = _base_rows_fn(base, key, merge_base, chunk_bytes)
+            read = merge_base.reader(base, key)
             stream.append(StreamTensor(key, tuple(base.shape(key)), out_dtype, lambda s, e, r=read, d=out_dtype: to_host(r(s, e), d)))
         else:
             rows = (
@@ -254,52 +275,40 @@ def merge_from_files(
     base_dir: str | Path,
     adapter_dir: str | Path,
     out_dir: str | Path,
-    *,
+    options: WriteOptions = WriteOptions(),
     merge_base: str = "original",
-    dtype: str | torch.dtype | None = None,
-    max_shard_size: str | int = "5GB",
-    overwrite: bool = False,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    inflight_bytes: int = DEFAULT_INFLIGHT_BYTES,
-    device: str = "cpu",
-    progress: bool = True,
     ranks: Ranks = SINGLE,
 ) -> SaveResult:
     """Merge ``adapter_dir`` into ``base_dir`` and write ``out_dir`` as a Hugging Face checkpoint
     (sharded safetensors, index, config without quantization_config, tokenizer files, manifest).
+    ``options`` says how (shard size, dtype, overwrite, the device of the merge math); ``merge_base``
+    which base weights the adapter is merged into (``original`` W, or ``quantized`` dequant(NF4(W))).
     With ``ranks`` of a process group (``slimtune merge --nproc N``), every rank calls this and merges
-    its row range of every tensor into the same files (see ``write_checkpoint``)."""
-    try:
-        parse_size(max_shard_size)
-    except ValueError as e:
-        raise SlimtuneError(f"max shard size: {e}") from None
-    if merge_base not in ("original", "quantized"):
-        raise SlimtuneError(f"merge base {merge_base!r}: expected 'original' or 'quantized'")
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise SlimtuneError(f"dtype {dtype!r}: expected one of {sorted(DTYPES)}")
-        dtype = DTYPES[dtype]
+    its row range of every tensor into the same files (see ``write_checkpoint``).
+
+    Example: ``merge_from_files("base", "run/step-000100/adapter", "merged", WriteOptions(dtype="bf16"))``"""
+    options.shard_bytes  # noqa: B018 - parsed (and checked) once, before anything is read
+    rows_of = MergeBase.named(merge_base, options.chunk_bytes)
+    dtype, device, chunk_bytes = options.torch_dtype, options.device, options.chunk_bytes
     if device == "cuda" and not torch.cuda.is_available():
         raise SlimtuneError("--device cuda: no CUDA device is available here; use --device cpu")
     if device not in ("cpu", "cuda"):
         raise SlimtuneError(f"device {device!r}: expected 'cpu' or 'cuda'")
     out_dir = Path(out_dir)
-    if out_dir.exists() and not overwrite:
+    if out_dir.exists() and not options.overwrite:
         raise SlimtuneError(f"{out_dir} already exists; pass --overwrite to replace it")
-    pool = pool_for(chunk_bytes, inflight_bytes, pin_memory=device == "cuda")
+    pool = pool_for(chunk_bytes, options.inflight_bytes, pin_memory=device == "cuda")
     base = BaseCheckpoint(base_dir, pool)
     try:
         adapter = read_adapter(adapter_dir)
-        stream = merged_file_stream(base, adapter, dtype, merge_base, chunk_bytes, device, pool.to_host)
-        return write_checkpoint(
-            out_dir,
+        stream = merged_file_stream(base, adapter, dtype, rows_of, device, pool.to_host)
+        parts = CheckpointParts(
             merged=stream,
             config=export_config_dict(base.config, stream),
             tokenizer_dir=base.dir,
-            options=WriteOptions(max_shard_size, overwrite, chunk_bytes, inflight_bytes, progress),
             manifest_extra={"kind": "merged", "merge_base": merge_base, "base": str(Path(base_dir)), "adapter": str(adapter.path)},
-            ranks=ranks,
             whole_below=chunk_bytes,  # every rank can make any rows: small tensors go whole to one rank
         )
+        return write_checkpoint(out_dir, parts, options, ranks)
     finally:
         base.close()

@@ -18,10 +18,13 @@ import logging
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import PretrainedConfig
+from transformers import AutoTokenizer, PretrainedConfig
+from transformers.pytorch_utils import Conv1D
 
+from slimtune.checkpoint.writer import DTYPES
 from slimtune.distributed import SINGLE, Ranks, nf4_splits, shard_model
 from slimtune.errors import SlimtuneError
 from slimtune.families import (
@@ -40,6 +43,7 @@ from slimtune.families import (
     resolve_targets,
 )
 from slimtune.formats.hf import checkpoint_files, load_config
+from slimtune.formats.peft import lora_key
 from slimtune.formats.safetensors import SafetensorsReader
 from slimtune.lora import LoRAConfig, LoRALinear, lora_modules, qlora_linears
 from slimtune.quant import is_nf4
@@ -59,8 +63,6 @@ def build_qlora_skeleton(config: PretrainedConfig, lora: LoRAConfig) -> nn.Modul
     device (no memory), buffers (rotary tables, embed_scale) computed as transformers does. The
     published checkpoint layout is kept as ``model.slimtune_layout``; the resolved targets as
     ``model.slimtune_targets``."""
-    from transformers.pytorch_utils import Conv1D
-
     dtype = config_dtype(config)
     model = meta_model(config, dtype)
     check_supported(model)
@@ -101,10 +103,26 @@ def build_qlora_skeleton(config: PretrainedConfig, lora: LoRAConfig) -> nn.Modul
         )
     for name in fused_experts(model):
         model.set_submodule(name, NF4Experts(model.get_submodule(name)))
+    _check_adapter_size(model, lora)
     model.slimtune_layout = layout
     model.slimtune_targets = targets
     model.slimtune_rename = rename
     return model
+
+
+def _check_adapter_size(model: nn.Module, lora: LoRAConfig) -> None:
+    """On the meta skeleton, before anything is allocated: refuse adapters larger than the whole model they
+    adapt (a rank typo such as 1000000000 would otherwise try to allocate terabytes)."""
+    adapters = lora_modules(model).values()
+    size = sum(m.rank * (m.in_features + m.out_features) for m in adapters)
+    base = sum(p.numel() for name, p in model.named_parameters() if ".lora_" not in name)
+    if adapters and size > base:
+        narrowest = min(min(m.in_features, m.out_features) for m in adapters)
+        raise SlimtuneError(
+            f"LoRA rank {lora.rank} (lora.rank; r in an adapter_config.json): the adapters would hold {size:,} parameters "
+            f"({size * 4 / 2**30:,.1f} GiB in fp32), more than the whole base model ({base:,}); "
+            f"a useful rank is far below the narrowest target's width ({narrowest})"
+        )
 
 
 def set_tensor(model: nn.Module, name: str, value: torch.Tensor, trainable: bool = False) -> None:
@@ -307,7 +325,7 @@ def _hold_frozen_in(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 def _is_dtensor(t: object) -> bool:
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # only where FSDP2 may have sharded: not loaded by a one-process run
 
     return isinstance(t, DTensor)
 
@@ -315,7 +333,7 @@ def _is_dtensor(t: object) -> bool:
 def _local_shard(value: torch.Tensor, like) -> torch.Tensor:
     """This rank's rows of the whole tensor ``value``, as a DTensor laid out like the sharded ``like``
     (``torch.chunk`` on dim 0; a rank past the last chunk gets no rows)."""
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # only where FSDP2 may have sharded: not loaded by a one-process run
 
     mesh = like.device_mesh
     world, rank = mesh.size(), mesh.get_local_rank()
@@ -349,3 +367,50 @@ def _tie_embeddings(model: nn.Module, config: PretrainedConfig) -> set[str]:
         return set()
     out.weight = inp.weight
     return {f"{name}.weight" for name, m in model.named_modules() if m is out}
+
+
+# --- Loading helpers shared by training and generation ----------------------------------------------
+
+
+def pick_device(name: str) -> torch.device:
+    """``auto``: cuda where torch sees a GPU, else cpu; ``cuda`` without one is an error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SlimtuneError("device is cuda but torch sees no CUDA GPU (use device=cpu or device=auto)")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    """bf16 where the hardware has it, fp16 (with loss scaling) on GPUs without it."""
+    if name == "auto":
+        if device.type != "cuda":
+            return torch.bfloat16
+        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
+    if name == "fp16" and device.type != "cuda":
+        raise SlimtuneError("dtype fp16 is for GPUs without bf16; on the CPU use bf16 or fp32")
+    return DTYPES[name]
+
+
+def load_tokenizer(model_dir: Path):
+    """The tokenizer of a local model directory; unusable files are one ``SlimtuneError`` line."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - transformers and tokenizers raise many types (KeyError...) for bad files
+        raise SlimtuneError(f"{model_dir}: no usable tokenizer files ({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
+    if type(tokenizer.model_max_length) is not int:  # compared with sequence lengths when tokenizing
+        found = type(tokenizer.model_max_length).__name__
+        raise SlimtuneError(f"{model_dir}/tokenizer_config.json: model_max_length must be an integer, found {found}")
+    return tokenizer
+
+
+def load_adapter_weights(model: nn.Module, path: Path) -> None:
+    """The fp32 adapters from the checkpoint's PEFT file, bit for bit."""
+    tensors = load_file(str(path))
+    with torch.no_grad():
+        for name, module in lora_modules(model).items():
+            for attr, peft_name in (("lora_a", "lora_A"), ("lora_b", "lora_B")):
+                key = lora_key(name, peft_name)
+                if key not in tensors:
+                    raise SlimtuneError(f"{path}: no tensor {key}")
+                getattr(module, attr).weight.copy_(tensors[key])

@@ -33,14 +33,14 @@ class Trackers:
         tensorboard = wandb_run = None
         if cfg.logging.tensorboard:
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                from torch.utils.tensorboard import SummaryWriter  # optional: logging.tensorboard only
             except ImportError:
                 raise SlimtuneError("logging.tensorboard=true needs the tensorboard package: pip install 'slimtune[tensorboard]'") from None
             # purge_step: events past the resumed step (written before a kill) are dropped, as in metrics.jsonl
             tensorboard = SummaryWriter(log_dir=str(out / TENSORBOARD_DIR), purge_step=resume_step + 1 if resume_step else None)
         if cfg.logging.wandb.project is not None:
             try:
-                import wandb
+                import wandb  # optional: logging.wandb only
             except ImportError:
                 raise SlimtuneError("logging.wandb.project needs the wandb package: pip install 'slimtune[wandb]'") from None
             os.environ.setdefault("WANDB_SILENT", "true")

@@ -17,7 +17,7 @@ from slimtune.formats.hf import INDEX_NAME, read_index
 from slimtune.formats.manifest import manifest_problems, read_manifest
 from slimtune.formats.peft import read_adapter
 from slimtune.formats.safetensors import COMPUTE_DTYPES, SafetensorsReader, read_header
-from slimtune.merge import BaseCheckpoint, merged_file_stream
+from slimtune.merge import BaseCheckpoint, MergeBase, merged_file_stream
 
 
 @dataclass
@@ -78,12 +78,12 @@ def ulp_tolerance(reference: torch.Tensor, dtype: torch.dtype, ulps: int) -> tor
     return ulps * (reference.abs() * torch.finfo(dtype).eps + torch.finfo(dtype).tiny)
 
 
-def check_recomputed(
+def _check_recomputed(
     ckpt: Path,
     location: dict[str, Path],
     base_dir: Path,
     adapter_dir: Path,
-    merge_base: str,
+    merge_base: MergeBase,
     ulps: int,
     report: VerifyReport,
     progress: bool,
@@ -153,5 +153,6 @@ def verify_checkpoint(
     check_manifest(ckpt, report, progress)
     location = check_safetensors_and_index(ckpt, report)
     if base_dir is not None:
-        check_recomputed(ckpt, location, Path(base_dir), Path(adapter_dir), merge_base, ulps, report, progress)
+        rows_of = MergeBase.named(merge_base)
+        _check_recomputed(ckpt, location, Path(base_dir), Path(adapter_dir), rows_of, ulps, report, progress)
     return report

@@ -12,6 +12,7 @@ import torch
 
 from slimtune import save_checkpoint
 from slimtune.checkpoint.atomic import read_manifest
+from slimtune.checkpoint.writer import WriteOptions
 from slimtune.distributed import init_distributed, shard_model, shutdown
 from slimtune.lora import LoRAConfig
 from slimtune.memory import peak_rss_mb, reset_peak_rss, rss_mb
@@ -26,12 +27,12 @@ perturb_adapters(model)
 if device == "cuda":
     model.to(f"cuda:{torch.cuda.current_device()}")
 if ranks.is_coordinator:
-    save_checkpoint(model, out / "single", max_shard_size="400KB", progress=False)
+    save_checkpoint(model, out / "single", WriteOptions(max_shard_size="400KB", progress=False))
 shard_model(model, ranks)
 assert all(type(p).__name__ == "DTensor" for p in model.parameters())  # every weight is sharded
 before = rss_mb()
 reset_peak_rss()
-save_checkpoint(model, out / "dist", max_shard_size="400KB", progress=False, ranks=ranks)
+save_checkpoint(model, out / "dist", WriteOptions(max_shard_size="400KB", progress=False), ranks=ranks)
 (out / f"rank-{ranks.rank}.json").write_text(json.dumps({"rss_before_mb": before, "peak_rss_mb": peak_rss_mb()}))
 if ranks.is_coordinator:
     same = read_manifest(out / "single")["files"] == read_manifest(out / "dist")["files"]

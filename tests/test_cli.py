@@ -60,4 +60,6 @@ def test_demo_end_to_end(tmp_path, steps):
     assert losses[-1] < losses[0] - 0.3, losses
     assert "max |logit diff|" in text and "peak during save" in text and str(out) in text
     assert "$ slimtune generate" in text and "format; the adapter on the NF4 base" in text
+    shown = text.split("--max-new-tokens 24\n", 1)[1].splitlines()
+    assert shown[0][0] in "'\"" and shown[1].startswith("(token ids: [") and "random tiny Llama" in shown[2]  # repr: spaces show
     assert (out / "checkpoint" / "slimtune_manifest.json").is_file()

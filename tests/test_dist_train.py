@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from slimtune.checkpoint.atomic import MANIFEST_NAME, is_complete_checkpoint, read_manifest
+from slimtune.checkpoint.writer import WriteOptions
 from tests.conftest import ROOT, run_cli
 
 pytestmark = pytest.mark.multiprocess
@@ -106,13 +107,12 @@ def test_two_rank_checkpoint_is_the_single_process_save_of_its_adapter_and_verif
     from slimtune.checkpoint.save import ADAPTER_DIR
     from slimtune.formats.peft import ADAPTER_WEIGHTS
     from slimtune.lora import LoRAConfig
-    from slimtune.model import load_qlora_model
-    from slimtune.recipes.finetune import load_adapter_weights
+    from slimtune.model import load_adapter_weights, load_qlora_model
 
     ckpt, base = runs["two"] / "step-000006", runs["two"] / "base"
     model = load_qlora_model(base, LoRAConfig(rank=8, alpha=16), seed=0, progress=False, dtype=torch.bfloat16)
     load_adapter_weights(model, ckpt / ADAPTER_DIR / ADAPTER_WEIGHTS)
-    save_checkpoint(model, tmp_path / "single", max_shard_size="1MB", progress=False)
+    save_checkpoint(model, tmp_path / "single", WriteOptions(max_shard_size="1MB", progress=False))
     exported, single = files(ckpt), files(tmp_path / "single")
     shards = [p for p in single if p.startswith("model-")]
     assert len(shards) >= 2  # rows of several files written by both ranks

@@ -19,6 +19,7 @@ from slimtune import save_checkpoint
 from slimtune.checkpoint.atomic import MANIFEST_NAME, sha256_file
 from slimtune.checkpoint.plan import plan_save
 from slimtune.checkpoint.stream import StreamTensor, merged_tensor_stream
+from slimtune.checkpoint.writer import WriteOptions
 from slimtune.distributed import split_rows
 from tests.conftest import ROOT, run_cli, run_python
 
@@ -100,13 +101,13 @@ def test_plan_order_is_canonical_whatever_the_stream_order():
 
 def test_world_size_one_writes_through_the_plan(qlora_model, tmp_path, monkeypatch):
     """The single-process save is the world of size 1: every shard hashed while written, never read back."""
-    import slimtune.checkpoint.atomic as atomic
+    import slimtune.checkpoint.writer as writer
 
     def no_read_back(path, *a, **k):
         raise AssertionError(f"{path} was read back")
 
-    monkeypatch.setattr(atomic, "sha256_file", no_read_back)
-    result = save_checkpoint(qlora_model, tmp_path / "ckpt", max_shard_size="300KB", progress=False)
+    monkeypatch.setattr(writer, "sha256_file", no_read_back)
+    result = save_checkpoint(qlora_model, tmp_path / "ckpt", WriteOptions(max_shard_size="300KB", progress=False))
     monkeypatch.undo()
     plan = plan_save(merged_tensor_stream(qlora_model), [], 300_000)
     assert plan.read_back_bytes(0) == 0 and len(plan.files) >= 3
@@ -127,7 +128,7 @@ def adapter_ckpt(tiny_base, tmp_path_factory) -> Path:
     model = load_qlora_model(tiny_base, LoRAConfig(rank=8, alpha=16), seed=0, progress=False)
     perturb_adapters(model)
     out = tmp_path_factory.mktemp("dist") / "adapter-ckpt"
-    save_checkpoint(model, out, adapter_only=True, progress=False)
+    save_checkpoint(model, out, WriteOptions(adapter_only=True, progress=False))
     return out
 
 
@@ -174,7 +175,8 @@ def test_sigkill_of_one_rank_mid_export_leaves_earlier_checkpoint(tiny_base, ada
 
 
 @pytest.mark.multiprocess
-def test_fsdp2_sharded_export_is_bit_identical_to_single_process_save_and_to_merge(tmp_path):
+@pytest.mark.parametrize("width,mlp", [(256, 512), (576, 1536)])
+def test_fsdp2_sharded_export_is_bit_identical_to_single_process_save_and_to_merge(tmp_path, width, mlp):
     """2 ranks, FSDP2 on every decoder layer and the root (NF4 base and fp32 adapters sharded): each rank
     writes the merged rows it holds. Same files, byte for byte, as one process saving the same weights;
     the same as `slimtune merge --merge-base quantized` of the adapter it wrote; and it verifies."""
@@ -182,8 +184,9 @@ def test_fsdp2_sharded_export_is_bit_identical_to_single_process_save_and_to_mer
     from slimtune.tiny import make_tiny_checkpoint
     from slimtune.verify import verify_checkpoint
 
-    # 256-wide: every NF4 weight has an even number of scaler blocks, as FSDP2's split of NF4 needs
-    base = make_tiny_checkpoint(tmp_path / "base", seed=1, hidden_size=256, intermediate_size=512)
+    # every NF4 weight has an even number of scaler blocks, as FSDP2's split of NF4 needs: 256 wide with
+    # scaler blocks of 256; 576 wide (SmolLM2-135M's) with 216 for the 576 x 576 projections (24 of them)
+    base = make_tiny_checkpoint(tmp_path / "base", seed=1, hidden_size=width, intermediate_size=mlp)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     cmd += [str(ROOT / "tests" / "dist_worker.py"), str(base), str(tmp_path)]
@@ -196,7 +199,9 @@ def test_fsdp2_sharded_export_is_bit_identical_to_single_process_save_and_to_mer
         assert (tmp_path / "single" / name).read_bytes() == (tmp_path / "dist" / name).read_bytes()
     # the offline merge of the adapter the export wrote: every file both write is the same file (one
     # canonical tensor order in plan_save, one config rule), though its stream comes in the base's order
-    merge_from_files(base, tmp_path / "dist", tmp_path / "merged", merge_base="quantized", max_shard_size="400KB", progress=False)
+    merge_from_files(
+        base, tmp_path / "dist", tmp_path / "merged", WriteOptions(max_shard_size="400KB", progress=False), merge_base="quantized"
+    )
     merged = _manifest(tmp_path / "merged")
     assert set(merged) == {p for p in dist if not p.startswith("adapter/")}
     assert {"config.json", "model.safetensors.index.json", "tokenizer.json"} <= set(merged)

@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from slimtune.checkpoint.atomic import read_manifest
 from slimtune.checkpoint.save import save_checkpoint
+from slimtune.checkpoint.writer import WriteOptions
 from slimtune.cli import main as slimtune_main
 from slimtune.errors import SlimtuneError
 from slimtune.families import FAMILIES, default_targets, family_of, tiny_config
@@ -116,7 +117,7 @@ def test_family_end_to_end(family, tmp_path):
     model.eval()
     assert all(p.abs().sum() > 0 for p in lora_parameters(model))
     ckpt = tmp_path / "ckpt"
-    save_checkpoint(model, ckpt, progress=False)
+    save_checkpoint(model, ckpt, WriteOptions(progress=False))
     ours = logits(model, ids)
 
     # (e) keys: the merged save is what transformers' save_pretrained writes for this family (the base
@@ -178,9 +179,7 @@ def test_family_end_to_end(family, tmp_path):
     for k, t in saved.items():
         assert t.dtype == offline[k].dtype and torch.equal(t.view(torch.uint8), offline[k].view(torch.uint8)), k
     # ... and so is every file both write (shards, index, config, tokenizer): one order, one config rule
-    offline_files, saved_files = (
-        {f["path"]: f["sha256"] for f in read_manifest(d)["files"]} for d in (tmp_path / "offline", ckpt)
-    )
+    offline_files, saved_files = ({f["path"]: f["sha256"] for f in read_manifest(d)["files"]} for d in (tmp_path / "offline", ckpt))
     assert set(offline_files) == {p for p in saved_files if not p.startswith("adapter/")}
     assert {p: saved_files[p] for p in offline_files} == offline_files
 

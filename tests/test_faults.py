@@ -24,6 +24,7 @@ import pytest
 from slimtune.checkpoint.atomic import atomic_directory, is_complete_checkpoint, reclaim_leftovers
 from slimtune.checkpoint.manager import CheckpointManager
 from slimtune.checkpoint.save import save_checkpoint
+from slimtune.checkpoint.writer import WriteOptions
 from slimtune.cli import main
 from slimtune.errors import SlimtuneError
 from slimtune.lora import LoRAConfig
@@ -210,7 +211,7 @@ def source(tiny_base, tmp_path_factory) -> Path:
     """A complete merged checkpoint (adapter + merged model) of the tiny base."""
     model = load_qlora_model(tiny_base, LoRAConfig(rank=8, alpha=16), seed=0, progress=False)
     perturb_adapters(model)
-    return save_checkpoint(model, tmp_path_factory.mktemp("source") / "ckpt", progress=False).path
+    return save_checkpoint(model, tmp_path_factory.mktemp("source") / "ckpt", WriteOptions(progress=False)).path
 
 
 @pytest.fixture(scope="module")
@@ -231,9 +232,10 @@ def killed(tiny_base, source, tmp_path_factory) -> dict:
     merge_job = f"from slimtune.cli import main; main(['merge', '--base', {base!r}, '--adapter', {str(source)!r}, '--out', {merge_out!r}])"
     overwrite_job = (
         "from slimtune.lora import LoRAConfig; from slimtune.model import load_qlora_model; "
-        "from slimtune.checkpoint.save import save_checkpoint; from tests.conftest import perturb_adapters; "
+        "from slimtune.checkpoint.save import save_checkpoint; from slimtune.checkpoint.writer import WriteOptions; "
+        "from tests.conftest import perturb_adapters; "
         f"m = load_qlora_model({base!r}, LoRAConfig(rank=8, alpha=16), seed=0, progress=False); perturb_adapters(m, seed=5); "
-        f"save_checkpoint(m, {over!r}, overwrite=True, progress=False)"
+        f"save_checkpoint(m, {over!r}, WriteOptions(overwrite=True, progress=False))"
     )
     tiny_job = f"from slimtune.tiny import make_tiny_checkpoint; make_tiny_checkpoint({tiny!r})"
     run_args = [*finetune, f"output_dir={run}", "training.stop_after_steps=2"]
@@ -265,7 +267,7 @@ def test_kill_during_an_overwrite_save_keeps_the_checkpoint(killed, source, qlor
     assert result["returncode"] == -signal.SIGKILL
     assert digest(parent / "ckpt") == digest(source)  # byte-identical, mid-shard of its replacement
     assert hidden(parent)
-    save_checkpoint(qlora_model, parent / "next", adapter_only=True, progress=False)
+    save_checkpoint(qlora_model, parent / "next", WriteOptions(adapter_only=True, progress=False))
     assert hidden(parent) == []  # the next save into the same parent reclaimed the dead temporary
     assert digest(parent / "ckpt") == digest(source)
 
@@ -351,7 +353,7 @@ def test_no_room_for_the_checkpoint_is_refused_before_writing(qlora_model, tmp_p
         if kind != "tmpfs":
             pytest.skip("needs a real small file system (mount as root)")
         with pytest.raises(SlimtuneError, match=r"not enough disk space in .*: the checkpoint needs [0-9,]+ bytes"):
-            save_checkpoint(qlora_model, disk / "x" / "ckpt", progress=False)
+            save_checkpoint(qlora_model, disk / "x" / "ckpt", WriteOptions(progress=False))
         assert list(disk.iterdir()) == []
 
 

@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import load_file
 
 from slimtune import save_checkpoint
-from slimtune.checkpoint.writer import DEFAULT_CHUNK_BYTES
+from slimtune.checkpoint.writer import DEFAULT_CHUNK_BYTES, WriteOptions
 from slimtune.merge import merge_from_files
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -51,12 +51,12 @@ def test_ulp_distance_counts_units():
 
 @needs_cuda
 def test_cuda_save_matches_cpu_save_with_bounded_vram(qlora_model, tmp_path):
-    save_checkpoint(qlora_model, tmp_path / "cpu", progress=False)
+    save_checkpoint(qlora_model, tmp_path / "cpu", WriteOptions(progress=False))
     model = qlora_model.to("cuda")
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    save_checkpoint(model, tmp_path / "cuda", progress=False)
+    save_checkpoint(model, tmp_path / "cuda", WriteOptions(progress=False))
     vram_overhead = torch.cuda.max_memory_allocated() - before
     print(f"VRAM overhead of the save: {vram_overhead / 2**20:.1f} MiB (chunk {DEFAULT_CHUNK_BYTES / 2**20:.0f} MiB)")
     assert vram_overhead <= 12 * DEFAULT_CHUNK_BYTES
@@ -71,8 +71,8 @@ def test_cuda_merge_matches_cpu_merge(tiny_base, tmp_path):
     from tests.test_merge import make_peft_adapter
 
     make_peft_adapter(tiny_base, tmp_path / "adapter", r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"])
-    merge_from_files(tiny_base, tmp_path / "adapter", tmp_path / "cpu", progress=False)
-    merge_from_files(tiny_base, tmp_path / "adapter", tmp_path / "cuda", device="cuda", progress=False)
+    merge_from_files(tiny_base, tmp_path / "adapter", tmp_path / "cpu", WriteOptions(progress=False))
+    merge_from_files(tiny_base, tmp_path / "adapter", tmp_path / "cuda", WriteOptions(device="cuda", progress=False))
     cpu = load_file(tmp_path / "cpu" / "model-00001-of-00001.safetensors")
     gpu = load_file(tmp_path / "cuda" / "model-00001-of-00001.safetensors")
     assert_within_one_ulp(cpu, gpu)

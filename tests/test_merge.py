@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, GPT2Config
 
+from slimtune.checkpoint.writer import WriteOptions
 from slimtune.errors import SlimtuneError
 from slimtune.merge import merge_from_files
 from slimtune.quant.nf4 import quantize_nf4
@@ -72,7 +73,7 @@ ULPS = {"plain": 1, "rslora": 1, "dora": 2, "modules_to_save+patterns": 1}
 def test_merge_matches_peft_merge_and_unload(kind, tiny_base, tmp_path):
     adapter = tmp_path / "adapter"
     make_peft_adapter(tiny_base, adapter, **KINDS[kind])
-    merge_from_files(tiny_base, adapter, tmp_path / "merged", progress=False)
+    merge_from_files(tiny_base, adapter, tmp_path / "merged", WriteOptions(progress=False))
     ours = read_dir(tmp_path / "merged")
     reference = peft_reference(tiny_base, adapter)
     theirs = reference.merge_and_unload().state_dict()
@@ -100,7 +101,7 @@ def test_fan_in_fan_out_gpt2(tmp_path):
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(tmp_path / "base")
     make_peft_adapter(tmp_path / "base", tmp_path / "adapter", r=4, lora_alpha=8, target_modules=["c_attn", "c_proj"], fan_in_fan_out=True)
-    merge_from_files(tmp_path / "base", tmp_path / "adapter", tmp_path / "merged", progress=False)
+    merge_from_files(tmp_path / "base", tmp_path / "adapter", tmp_path / "merged", WriteOptions(progress=False))
     ours = read_dir(tmp_path / "merged")
     theirs = peft_reference(tmp_path / "base", tmp_path / "adapter").merge_and_unload().state_dict()
     for name, t in ours.items():
@@ -111,7 +112,7 @@ def test_fan_in_fan_out_gpt2(tmp_path):
 def test_merge_base_quantized_is_torchao_nf4_of_the_base(tiny_base, tmp_path):
     adapter = tmp_path / "adapter"
     make_peft_adapter(tiny_base, adapter, r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"])
-    merge_from_files(tiny_base, adapter, tmp_path / "q", merge_base="quantized", dtype="fp32", progress=False)
+    merge_from_files(tiny_base, adapter, tmp_path / "q", WriteOptions(dtype="fp32", progress=False), merge_base="quantized")
     merged = read_dir(tmp_path / "q")
     base = load_file(tiny_base / "model.safetensors")
     lora = load_file(adapter / "adapter_model.safetensors")
@@ -178,7 +179,7 @@ def test_bitsandbytes_nf4_base_dequantizes_to_documented_values(tiny_base, tmp_p
     expected = write_bnb_base(tiny_base, tmp_path / "bnb", ["q_proj", "gate_proj", "down_proj"], nested)
     adapter = tmp_path / "adapter"
     make_peft_adapter(tiny_base, adapter, r=4, lora_alpha=8, target_modules=["q_proj"])
-    merge_from_files(tmp_path / "bnb", adapter, tmp_path / "merged", progress=False)
+    merge_from_files(tmp_path / "bnb", adapter, tmp_path / "merged", WriteOptions(progress=False))
     merged = read_dir(tmp_path / "merged")
     lora = load_file(adapter / "adapter_model.safetensors")
     for key, values in expected.items():
@@ -316,6 +317,16 @@ def test_inspect_checkpoint_and_adapter(tiny_base, tmp_path):
     assert run_cli("inspect", str(tmp_path / "nothing")).returncode == 2
 
 
+def test_inspect_counts_merged_model_and_adapter_apart(qlora_model, tmp_path):
+    from slimtune import save_checkpoint
+    from slimtune.inspect import inspect_path
+
+    save_checkpoint(qlora_model, tmp_path / "ckpt", WriteOptions(progress=False))
+    totals = [line for line in inspect_path(tmp_path / "ckpt") if line.startswith("total")]
+    assert totals[0].startswith("total (merged model): 21 tensors, 591,232 parameters"), totals
+    assert totals[1].startswith("total (adapter): 28 tensors, 47,104 parameters"), totals  # r=8 on 14 linears of 128 + in/out
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on machines without a GPU")
 def test_cuda_merge_without_gpu_is_a_clear_error(tiny_base, adapter_dir, tmp_path):
     assert_fails(merge_cli(tiny_base, adapter_dir, tmp_path / "o", "--device", "cuda"), "--device cuda", "no CUDA device")
@@ -326,8 +337,8 @@ def test_bin_adapter_merges_like_safetensors(tiny_base, tmp_path):
     model = make_peft_adapter(tiny_base, tmp_path / "st", r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"])
     model.save_pretrained(str(tmp_path / "bin"), safe_serialization=False)
     assert (tmp_path / "bin" / "adapter_model.bin").is_file() and not (tmp_path / "bin" / "adapter_model.safetensors").exists()
-    merge_from_files(tiny_base, tmp_path / "st", tmp_path / "m1", progress=False)
-    merge_from_files(tiny_base, tmp_path / "bin", tmp_path / "m2", progress=False)
+    merge_from_files(tiny_base, tmp_path / "st", tmp_path / "m1", WriteOptions(progress=False))
+    merge_from_files(tiny_base, tmp_path / "bin", tmp_path / "m2", WriteOptions(progress=False))
     a, b = read_dir(tmp_path / "m1"), read_dir(tmp_path / "m2")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -347,9 +358,11 @@ def test_save_and_offline_merge_of_its_adapter_write_the_same_files(qlora_model,
     from slimtune import save_checkpoint
     from slimtune.checkpoint.save import DTYPES
 
-    save_checkpoint(qlora_model, tmp_path / "save", max_shard_size="300KB", dtype=DTYPES.get(dtype), progress=False)
+    save_checkpoint(qlora_model, tmp_path / "save", WriteOptions(max_shard_size="300KB", dtype=DTYPES.get(dtype), progress=False))
     adapter = tmp_path / "save" / "adapter"
-    merge_from_files(tiny_base, adapter, tmp_path / "merged", merge_base="quantized", dtype=dtype, max_shard_size="300KB", progress=False)
+    merge_from_files(
+        tiny_base, adapter, tmp_path / "merged", WriteOptions(dtype=dtype, max_shard_size="300KB", progress=False), merge_base="quantized"
+    )
     saved, merged = _manifest_digests(tmp_path / "save"), _manifest_digests(tmp_path / "merged")
     assert set(saved) - set(merged) == {"adapter/adapter_config.json", "adapter/adapter_model.safetensors"}
     assert set(merged) <= set(saved) and {"config.json", "model.safetensors.index.json", "tokenizer.json"} <= set(merged)
@@ -379,8 +392,8 @@ def test_odd_widths_use_their_own_scaler_blocks_in_load_save_and_offline_merge(t
     assert (report["nf4"], report["targets"], report["kept"]) == (14, 14, {})
     assert report["scaler_blocks"] == {"225": 6, "81": 8}
     assert report["tensors"]["model.layers.0.self_attn.q_proj.weight"] == 81
-    save_checkpoint(model, tmp_path / "save", progress=False)
-    merge_from_files(base, tmp_path / "save" / "adapter", tmp_path / "merged", merge_base="quantized", progress=False)
+    save_checkpoint(model, tmp_path / "save", WriteOptions(progress=False))
+    merge_from_files(base, tmp_path / "save" / "adapter", tmp_path / "merged", WriteOptions(progress=False), merge_base="quantized")
     saved, merged = _manifest_digests(tmp_path / "save"), _manifest_digests(tmp_path / "merged")
     assert {p: saved[p] for p in merged} == merged
     original = {k: v for f in base.glob("*.safetensors") for k, v in load_file(f).items()}
@@ -390,3 +403,19 @@ def test_odd_widths_use_their_own_scaler_blocks_in_load_save_and_offline_merge(t
     oracle = to_nf4(original[key], 64, 225).get_original_weight().float()
     expected = (oracle + m.scaling * (m.lora_b.weight.detach() @ m.lora_a.weight.detach())).to(torch.bfloat16)
     assert torch.equal(written[key].view(torch.int16), expected.view(torch.int16))
+
+
+def test_targets_that_cannot_be_nf4_keep_their_dtype_and_are_summarised(tmp_path):
+    """36 wide: no projection is made of whole 64-element blocks (36 x 36 = 1,296 elements): each keeps
+    bf16, and the load's one summary line says how many and why."""
+    from slimtune.lora import LoRAConfig
+    from slimtune.model import load_qlora_model, nf4_report, nf4_summary_line
+    from slimtune.tiny import make_tiny_checkpoint
+
+    sizes = dict(hidden_size=36, intermediate_size=100, num_attention_heads=2, num_key_value_heads=2)
+    base = make_tiny_checkpoint(tmp_path / "base", seed=2, **sizes)
+    report = nf4_report(load_qlora_model(base, LoRAConfig(rank=2, alpha=4), progress=False))
+    assert (report["nf4"], report["targets"], report["scaler_blocks"]) == (0, 14, {})
+    assert report["kept"]["model.layers.0.self_attn.q_proj.weight"] == "[36, 36] bfloat16: 1296 elements, not whole 64-element blocks"
+    line = nf4_summary_line(report)
+    assert line.startswith("NF4: 0 of 14 targets; 14 kept in their dtype: model.layers.0.") and line.endswith(" ...")

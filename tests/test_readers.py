@@ -204,7 +204,7 @@ def test_merge_passes_reference_dtypes_and_empty_tensors_through(tiny_base, tmp_
         adapter / "adapter_model.safetensors",
     )
     out = tmp_path / "merged"
-    merge_from_files(base, adapter, out, dtype="fp32", progress=False)
+    merge_from_files(base, adapter, out, WriteOptions(dtype="fp32", progress=False))
     merged = {}
     for f in sorted(out.glob("model-*.safetensors")):
         assert _verdict_reference(f.read_bytes())
@@ -321,3 +321,100 @@ def test_index_config_and_shard_faults_are_refused_before_anything_is_built(tmp_
     (d / "config.json").write_text("[]")
     with pytest.raises(SlimtuneError, match="expected a JSON object"):
         load_config(d)
+
+
+# --- values from files that reached torch or transformers unchecked (issue 16) ---------------------------
+def _copy_base(tiny_base, dst, config_change=None, files=None):
+    shutil.copytree(tiny_base, dst)
+    if config_change:
+        config = json.loads((dst / "config.json").read_text())
+        config_change(config)
+        (dst / "config.json").write_text(json.dumps(config))
+    for name, text in (files or {}).items():
+        (dst / name).write_text(text)
+    return dst
+
+
+def _one_line_exit_2(code, err, *needles):
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and "internal error" not in err and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in err, (needle, err)
+
+
+def test_merge_refuses_a_dimension_torch_cannot_hold_before_writing(tiny_base, tmp_path, capsys):
+    """[2**63, 0] is valid safetensors (the reference accepts it) but no torch size: one line, nothing written."""
+    base = _with_extra_tensors(tiny_base, tmp_path / "base", {"extra.huge_empty": torch.empty(2**62, 0, dtype=torch.bfloat16)})
+    (weights,) = list(base.glob("*.safetensors"))
+    data = weights.read_bytes().replace(b"4611686018427387904", b"9223372036854775808", 1)  # same length: header intact
+    weights.write_bytes(data)
+    assert ("extra.huge_empty", [2**63, 0]) in [(n, i["shape"]) for n, i in safetensors.deserialize(data)]
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}))
+    save_file(
+        {
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(2, 128),
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.randn(128, 2),
+        },
+        adapter / "adapter_model.safetensors",
+    )
+    code, out, err = _cli(["merge", "--base", base, "--adapter", adapter, "--out", tmp_path / "out"], capsys)
+    _one_line_exit_2(code, err, str(weights), "extra.huge_empty", "[9223372036854775808, 0]", "torch cannot hold")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "base"]
+
+
+def test_lora_rank_larger_than_the_model_is_refused_before_allocating(tiny_base, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["finetune", "--config", "tiny", f"output_dir={out}", f"model.path={tiny_base}", "lora.rank=1000000000"]
+    data = [f"dataset.path={tmp_path / 'data.jsonl'}", "dataset.create_builtin=true", "logging.progress_bar=false"]
+    code, _, err = _cli([*args, *data], capsys)
+    _one_line_exit_2(code, err, "LoRA rank 1000000000 (lora.rank", "more than the whole base model (591,232)")
+    assert not out.exists() and not (tmp_path / "data.jsonl").exists()
+
+
+def _set_rope_type(key):
+    def change(c):
+        c.pop("rope_parameters", None)
+        c[key] = {"rope_type": "weird-rope", "factor": 2.0, "rope_theta": 10000.0}
+
+    return change
+
+
+@pytest.mark.parametrize(
+    "change,needles",
+    [
+        (lambda c: c.update(hidden_act="gelu_fancy"), ["hidden_act 'gelu_fancy' is not a known activation", "a newer transformers may"]),
+        (_set_rope_type("rope_scaling"), ["rope_scaling.rope_type 'weird-rope' is not a known RoPE type", "a newer transformers may"]),
+        (_set_rope_type("rope_parameters"), ["rope_parameters.rope_type 'weird-rope'"]),
+        (lambda c: c.update(dtype=5), ['dtype must be a dtype name such as "bfloat16", found integer']),
+        (lambda c: (c.pop("dtype"), c.update(torch_dtype=5)), ["torch_dtype must be a dtype name"]),
+        (lambda c: c.update(dtype="notadtype"), ["dtype must be a dtype name", "'notadtype'"]),
+        (lambda c: c["rope_parameters"].update(rope_theta="1e4"), ["rope_parameters.rope_theta must be a number"]),
+        (lambda c: c.update(pad_token_id=100000), ["pad_token_id 100000 is not a token of the vocabulary (vocab_size 259)"]),
+    ],
+)
+def test_config_values_transformers_would_trip_on_are_one_line(tiny_base, tmp_path, capsys, change, needles):
+    """Each reached a KeyError, TypeError or AssertionError inside transformers or torch (exit 3)."""
+    base = _copy_base(tiny_base, tmp_path / "base", change)
+    out = tmp_path / "run"
+    code, _, err = _cli(["finetune", "--config", "tiny", f"output_dir={out}", f"model.path={base}", "logging.progress_bar=false"], capsys)
+    _one_line_exit_2(code, err, f"{base / 'config.json'}: ", *needles)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "name,change,needle",
+    [
+        ("tokenizer.json", lambda t: t.pop("added_tokens"), "no usable tokenizer files (KeyError: 'added_tokens')"),
+        ("tokenizer_config.json", lambda t: t.update(model_max_length="x"), "model_max_length must be an integer"),
+    ],
+)
+def test_tokenizer_values_that_tripped_transformers_are_one_line(tiny_base, tmp_path, capsys, name, change, needle):
+    text = json.loads((tiny_base / name).read_text())
+    change(text)
+    base = _copy_base(tiny_base, tmp_path / "base", files={name: json.dumps(text)})
+    out = tmp_path / "run"
+    code, _, err = _cli(["finetune", "--config", "tiny", f"output_dir={out}", f"model.path={base}", "logging.progress_bar=false"], capsys)
+    _one_line_exit_2(code, err, str(base), needle)
+    assert not out.exists()

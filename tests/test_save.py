@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from slimtune import save_checkpoint
 from slimtune.checkpoint.atomic import MANIFEST_NAME, read_manifest
-from slimtune.checkpoint.writer import _RowSink
+from slimtune.checkpoint.writer import WriteOptions, _RowSink
 from slimtune.errors import SlimtuneError
 from slimtune.lora import lora_modules, qlora_linears
 from slimtune.tiny import DEMO_TEXTS, byte_tokenizer
@@ -58,7 +58,7 @@ def batch():
 
 def test_merged_files_equal_independent_reference_and_load_in_transformers(qlora_model, tmp_path, batch):
     ckpt = tmp_path / "ckpt"
-    result = save_checkpoint(qlora_model, ckpt, progress=False)
+    result = save_checkpoint(qlora_model, ckpt, WriteOptions(progress=False))
     merged = read_merged(ckpt)
     reference = reference_merged_weights(qlora_model)
     for name, ref in reference.items():
@@ -104,7 +104,7 @@ def test_merged_forward_is_the_merged_save(qlora_model, tmp_path, batch, dtype):
     of the merged checkpoint reloaded in transformers."""
     from slimtune.checkpoint.fidelity import merged_forward
 
-    save_checkpoint(qlora_model, tmp_path / "ckpt", dtype=dtype, progress=False)
+    save_checkpoint(qlora_model, tmp_path / "ckpt", WriteOptions(dtype=dtype, progress=False))
     saved = read_merged(tmp_path / "ckpt")
     with merged_forward(qlora_model, dtype):
         for name, m in qlora_linears(qlora_model).items():
@@ -122,7 +122,7 @@ def test_merged_forward_is_the_merged_save(qlora_model, tmp_path, batch, dtype):
 def test_peft_merge_and_unload_agrees_with_slimtune(qlora_model, tiny_base, tmp_path):
     peft = pytest.importorskip("peft")
     ckpt = tmp_path / "ckpt"
-    save_checkpoint(qlora_model, ckpt, progress=False)
+    save_checkpoint(qlora_model, ckpt, WriteOptions(progress=False))
     # PEFT's oracle: its own loader applies slimtune's adapter files to the dequantized base
     base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(tiny_base)), dtype=torch.bfloat16)
     state = {k: v.detach().clone() for k, v in qlora_model.state_dict().items() if ".lora_" not in k}
@@ -143,7 +143,7 @@ def test_peft_merge_and_unload_agrees_with_slimtune(qlora_model, tiny_base, tmp_
 
 def test_adapter_only_and_sharding(qlora_model, tmp_path):
     adapter_only = tmp_path / "a"
-    save_checkpoint(qlora_model, adapter_only, adapter_only=True, progress=False)
+    save_checkpoint(qlora_model, adapter_only, WriteOptions(adapter_only=True, progress=False))
     files = {p.relative_to(adapter_only).as_posix() for p in adapter_only.rglob("*") if p.is_file()}
     assert files == {"adapter/adapter_config.json", "adapter/adapter_model.safetensors", MANIFEST_NAME}
     cfg = json.loads((adapter_only / "adapter" / "adapter_config.json").read_text())
@@ -154,7 +154,7 @@ def test_adapter_only_and_sharding(qlora_model, tmp_path):
     assert len(keys) == 2 * len(lora_modules(qlora_model))
 
     sharded = tmp_path / "s"
-    save_checkpoint(qlora_model, sharded, max_shard_size="300KB", progress=False)
+    save_checkpoint(qlora_model, sharded, WriteOptions(max_shard_size="300KB", progress=False))
     shards = sorted(p.name for p in sharded.glob("model-*.safetensors"))
     assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
     for p in sharded.glob("model-*.safetensors"):
@@ -166,13 +166,13 @@ def test_adapter_only_and_sharding(qlora_model, tmp_path):
 def read_merged_single(model, tmp_path):
     out = tmp_path / "single"
     if not out.exists():
-        save_checkpoint(model, out, progress=False)
+        save_checkpoint(model, out, WriteOptions(progress=False))
     return read_merged(out)
 
 
 def test_failure_mid_save_leaves_earlier_checkpoint_intact(qlora_model, tmp_path, monkeypatch):
     ckpt = tmp_path / "ckpt"
-    save_checkpoint(qlora_model, ckpt, progress=False)
+    save_checkpoint(qlora_model, ckpt, WriteOptions(progress=False))
     before = tree_digest(ckpt)
     calls = {"n": 0}
     original = _RowSink.write
@@ -188,7 +188,7 @@ def test_failure_mid_save_leaves_earlier_checkpoint_intact(qlora_model, tmp_path
         for m in lora_modules(qlora_model).values():
             m.lora_b.weight.add_(1.0)  # the new save would differ
     with pytest.raises(SlimtuneError, match=r"cannot write .*ckpt: no space left on device \(needs [0-9,]+ bytes, [0-9,]+ are free\)"):
-        save_checkpoint(qlora_model, ckpt, overwrite=True, progress=False)
+        save_checkpoint(qlora_model, ckpt, WriteOptions(overwrite=True, progress=False))
     assert calls["n"] == 20
     assert tree_digest(ckpt) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # temporary sibling removed
@@ -199,13 +199,13 @@ def test_refuses_existing_directory_and_short_disk(qlora_model, tmp_path, monkey
     existing.mkdir()
     (existing / "keep.txt").write_text("mine")
     with pytest.raises(SlimtuneError, match="already exists"):
-        save_checkpoint(qlora_model, existing, progress=False)
+        save_checkpoint(qlora_model, existing, WriteOptions(progress=False))
     assert (existing / "keep.txt").read_text() == "mine"
 
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 1000, 1000))
     with pytest.raises(SlimtuneError, match=r"needs [\d,]+ bytes .* 1,000 bytes are free"):
-        save_checkpoint(qlora_model, tmp_path / "new", progress=False)
+        save_checkpoint(qlora_model, tmp_path / "new", WriteOptions(progress=False))
     assert not (tmp_path / "new").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exists"]
 
@@ -242,7 +242,7 @@ def test_model_families_load_save_and_reload(family, tmp_path, batch):
     AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(tmp_path / "base")
     model = load_qlora_model(tmp_path / "base", LoRAConfig(rank=4, alpha=8, use_rslora=True), progress=False).eval()
     perturb_adapters(model)
-    save_checkpoint(model, tmp_path / "ckpt", progress=False)
+    save_checkpoint(model, tmp_path / "ckpt", WriteOptions(progress=False))
     merged = read_merged(tmp_path / "ckpt")
     if config.tie_word_embeddings:
         assert "lm_head.weight" not in merged
@@ -255,12 +255,12 @@ def test_model_families_load_save_and_reload(family, tmp_path, batch):
 
 def test_config_comes_from_the_base_or_from_the_model_when_the_base_is_gone(qlora_model, tiny_base, tmp_path, caplog):
     qlora_model.config.use_cache = False  # as during training
-    save_checkpoint(qlora_model, tmp_path / "a", progress=False)
+    save_checkpoint(qlora_model, tmp_path / "a", WriteOptions(progress=False))
     base = json.loads((tiny_base / "config.json").read_text())
     written = json.loads((tmp_path / "a" / "config.json").read_text())
     assert written == {**base, "dtype": "bfloat16", "torch_dtype": "bfloat16"}  # the base's config.json, use_cache as there
     qlora_model.slimtune_source_dir = tmp_path / "moved"
-    save_checkpoint(qlora_model, tmp_path / "b", progress=False)
+    save_checkpoint(qlora_model, tmp_path / "b", WriteOptions(progress=False))
     assert "config.json written from the model's config instead" in caplog.text
     config = AutoConfig.from_pretrained(tmp_path / "b")
     assert config.model_type == "llama" and config.hidden_size == base["hidden_size"] and "quantization_config" not in config.to_dict()

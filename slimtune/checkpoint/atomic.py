@@ -13,7 +13,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
-import json
 import logging
 import os
 import re
@@ -24,9 +23,16 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from slimtune.checkpoint.writer import FileRecord
 from slimtune.errors import SlimtuneError
-from slimtune.formats.manifest import MANIFEST_FORMAT, MANIFEST_NAME, read_manifest, sha256_file  # noqa: F401 - re-exported
+from slimtune.fileio import fsync_dir
+from slimtune.formats.manifest import (  # noqa: F401 - re-exported: the checkpoint's manifest, as callers know it from here
+    MANIFEST_FORMAT,
+    MANIFEST_NAME,
+    FileRecord,
+    read_manifest,
+    sha256_file,
+    write_manifest,
+)
 
 log = logging.getLogger(__name__)
 
@@ -87,28 +93,6 @@ def os_errors(what: str, where: Path, needed: int | None = None) -> Iterator[Non
         yield
     except OSError as e:
         raise SlimtuneError(describe_os_error(e, what, Path(where), needed)) from None
-
-
-def fsync_dir(path: Path) -> None:
-    if os.name != "posix":
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_manifest(directory: Path, records: list[FileRecord], extra: dict | None = None) -> None:
-    """Written last: its presence is what makes a directory a checkpoint."""
-    data = {"format": MANIFEST_FORMAT, **(extra or {}), "files": [r.__dict__ for r in records]}
-    tmp = directory / (MANIFEST_NAME + ".partial")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, directory / MANIFEST_NAME)
-    fsync_dir(directory)
 
 
 def is_complete_checkpoint(directory: Path) -> bool:

@@ -22,7 +22,7 @@ Example::
     manager = CheckpointManager(out, keep_last_n=2)
     resume = manager.find_resume_point(resume=True, overwrite=False)   # None: start at step 0
     manager.prepare(fresh_start=resume is None, overwrite=False)        # mkdir, leftovers, overwrite
-    result = manager.save(model, step, state, SaveOptions(adapter_only=True), train_state)
+    result = manager.save(model, step, state, SaveOptions(WriteOptions(adapter_only=True)), train_state)
     manager.load_train_state(resume.path, template)                     # fills template in place
 """
 
@@ -39,16 +39,17 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from slimtune.checkpoint.atomic import MANIFEST_NAME, is_complete_checkpoint, os_errors, reclaim_leftovers
-from slimtune.checkpoint.save import ADAPTER_DIR, ExtraFile, SaveResult, save_checkpoint
+from slimtune.checkpoint.save import ADAPTER_DIR, ExtraFile, SaveOptions, SaveResult, save_checkpoint
 from slimtune.config import KEYS, PLACEHOLDER, Config
 from slimtune.distributed import SINGLE, Ranks
 from slimtune.errors import SlimtuneError
@@ -70,18 +71,6 @@ class ResumePoint:
 
     path: Path
     state: dict
-
-
-@dataclass(frozen=True)
-class SaveOptions:
-    """How a step checkpoint is written: adapter only or also the merged model, its shard size, and the
-    merged model's dtype (None: the base checkpoint's)."""
-
-    adapter_only: bool = False
-    max_shard_size: str | int = "5GB"
-    dtype: torch.dtype | None = None
-    extra_files: dict[str, Path] | None = None  # relative name -> file (model card, tokenizer files)
-    tokenizer_dir: Path | None = None  # the merged model's tokenizer files (default: the base's)
 
 
 class CheckpointManager:
@@ -190,26 +179,18 @@ class CheckpointManager:
         if ranks.is_coordinator and ckpt.exists():
             self.set_aside(ckpt)
         state = {**state, "config": portable_config(state["config"])} if "config" in state else state
-        return save_checkpoint(
-            model,
-            ckpt,
-            adapter_only=options.adapter_only,
-            max_shard_size=options.max_shard_size,
-            dtype=options.dtype,
+        options = replace(
+            options,
+            write=replace(options.write, progress=False),
             extra_files={STATE_NAME: ExtraFile(_state_size(state), partial(_write_state, state)), **(options.extra_files or {})},
-            tokenizer_dir=options.tokenizer_dir,
-            progress=False,
-            ranks=ranks,
-            shared_write=None if train_state is None else partial(_save_train_state, train_state),
         )
+        return save_checkpoint(model, ckpt, options, ranks, None if train_state is None else partial(_save_train_state, train_state))
 
     def load_train_state(self, path: Path, template: dict) -> dict:
         """Read ``path``'s training state into ``template`` (the same nested layout as saved, holding
         this process's tensors or DTensors, which DCP fills in place, resharding as needed) and return
         it with the plain values unpacked. Entries of ``template`` the checkpoint lacks (the RNG of a
         rank that did not exist then) are left out of the result. Every rank calls this."""
-        import torch.distributed.checkpoint as dcp
-
         where = path / TRAIN_STATE_DIR
         try:
             metadata = dcp.FileSystemReader(str(where)).read_metadata().state_dict_metadata
@@ -349,8 +330,6 @@ def _write_state(state: dict, path: Path) -> None:
 def _save_train_state(state: dict, tmp: Path) -> list[str]:
     """Every rank: write ``state`` with DCP into ``tmp/train_state`` (each rank its shards, the
     coordinator the metadata; files fsynced). Returns the files' paths relative to ``tmp``."""
-    import torch.distributed.checkpoint as dcp
-
     where = tmp / TRAIN_STATE_DIR
     writer = dcp.FileSystemWriter(str(where), single_file_per_rank=True, sync_files=True, thread_count=1)
     try:

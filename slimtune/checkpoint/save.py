@@ -13,35 +13,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from slimtune.checkpoint.atomic import atomic_directory, check_free_space, os_errors, sha256_file, write_manifest
+from slimtune.checkpoint.atomic import atomic_directory, check_free_space, os_errors
 from slimtune.checkpoint.plan import plan_save
 from slimtune.checkpoint.staging import pool_for
 from slimtune.checkpoint.stream import StreamTensor, adapter_tensor_stream, merged_tensor_stream
-from slimtune.checkpoint.writer import (
-    DEFAULT_CHUNK_BYTES,
-    DEFAULT_INFLIGHT_BYTES,
-    FileRecord,
-    WriteOptions,
-    create_files,
-    write_json,
-    write_planned,
-)
+from slimtune.checkpoint.writer import DTYPES, WriteOptions, create_files, write_json, write_planned
 from slimtune.distributed import SINGLE, Ranks
 from slimtune.errors import SlimtuneError
 from slimtune.formats.hf import INDEX_NAME, export_config_dict, index_dict, read_config_dict, tokenizer_files
+from slimtune.formats.manifest import FileRecord, sha256_file, write_manifest
 from slimtune.formats.peft import ADAPTER_CONFIG, ADAPTER_DIR_NAME, adapter_config_dict
-from slimtune.memory import parse_size
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 ADAPTER_DIR = ADAPTER_DIR_NAME
 log = logging.getLogger(__name__)
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # as the CLI and configs spell them
+__all__ = ["DTYPES", "CheckpointParts", "ExtraFile", "SaveOptions", "SaveResult", "save_checkpoint", "write_checkpoint"]
 
 
 @dataclass(frozen=True)
@@ -64,36 +55,59 @@ class SaveResult:
         return sum(f.size for f in self.files)
 
 
+@dataclass(frozen=True)
+class CheckpointParts:
+    """What ``write_checkpoint`` lays out: the merged model's stream (empty: adapter only) with its config
+    and tokenizer files, the PEFT adapter's stream and config, extra files, the manifest's extra fields;
+    ``whole_below``: tensors smaller than this many bytes are written whole by one rank (every rank can
+    make any rows of them); ``shared_write(tmp)``: files every rank writes together (the training state,
+    through DCP), returning their paths relative to ``tmp``."""
+
+    merged: list[StreamTensor]
+    config: dict | None = None
+    tokenizer_dir: Path | None = None
+    adapter: list[StreamTensor] | None = None
+    adapter_config: dict | None = None
+    extra_files: dict[str, Path | ExtraFile] | None = None
+    manifest_extra: dict | None = None
+    whole_below: int = 0
+    shared_write: Callable[[Path], list[str]] | None = None
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """A live model's save: how it is written (``write``) and the files it carries beside the weights:
+    ``extra_files`` (relative name -> file, or an ``ExtraFile`` made in place: recipe state, model card)
+    and ``tokenizer_dir``, the merged model's tokenizer files (default: the base's).
+
+    Example: ``SaveOptions(WriteOptions(adapter_only=True, progress=False))``"""
+
+    write: WriteOptions = WriteOptions()
+    extra_files: dict[str, Path | ExtraFile] | None = None
+    tokenizer_dir: Path | None = None
+
+
 def write_checkpoint(
-    out_dir: str | Path,
-    *,
-    merged: list[StreamTensor],
-    config: dict | None = None,
-    tokenizer_dir: Path | None = None,
-    adapter: list[StreamTensor] | None = None,
-    adapter_config: dict | None = None,
-    extra_files: dict[str, Path | ExtraFile] | None = None,
-    options: WriteOptions = WriteOptions(),
-    manifest_extra: dict | None = None,
-    ranks: Ranks = SINGLE,
-    whole_below: int = 0,
-    shared_write: Callable[[Path], list[str]] | None = None,
+    out_dir: str | Path, parts: CheckpointParts, options: WriteOptions = WriteOptions(), ranks: Ranks = SINGLE
 ) -> SaveResult:
     """Lay out a checkpoint directory from streams, in bounded memory, on one rank or many. Every rank
     calls this with streams of the same shapes (each can make the rows the plan gives it; tensors below
-    ``whole_below`` bytes are written whole by one rank). The coordinator checks the disk space against
+    ``parts.whole_below`` bytes are written whole by one rank). The coordinator checks the disk space against
     the planned byte count, creates a temporary sibling and every shard at its final size; each rank
     writes its rows (``write_planned``); the coordinator adds the small files and the manifest last,
-    then renames. ``shared_write(tmp)`` runs on every rank once the shards are written, for files the
+    then renames. ``parts.shared_write(tmp)`` runs on every rank once the shards are written, for files the
     ranks write together (the training state, through DCP); it returns their paths relative to ``tmp``,
     which the coordinator hashes into the manifest (reading them back: they are small). Any rank's
     failure stops every rank and leaves no checkpoint and no manifest. A failed
     write (full disk, file-size limit, read-only file system) is one ``SlimtuneError`` line; nothing of
     it stays behind (nor any parent directory made for it) and an earlier checkpoint at ``out_dir`` is
-    untouched."""
+    untouched.
+
+    Example: ``write_checkpoint(out, CheckpointParts(merged=stream, config=cfg), WriteOptions(progress=False))``"""
     start = time.perf_counter()
     out_dir = Path(out_dir)
-    plan = plan_save(merged, adapter, parse_size(options.max_shard_size), ranks.world_size, whole_below)
+    merged, adapter, extra_files, shared_write = parts.merged, parts.adapter, parts.extra_files, parts.shared_write
+    plan = plan_save(merged, adapter, options.shard_bytes, ranks.world_size, parts.whole_below)
     if len(set(ranks.gather(plan.digest(), "planning the save"))) > 1:
         raise SlimtuneError(f"{out_dir}: the ranks computed different save plans (their models or streams differ)")
     bar = tqdm(
@@ -129,16 +143,16 @@ def write_checkpoint(
                 pending = "finishing the checkpoint"
                 records: list[FileRecord] = []
                 if adapter is not None:
-                    records.append(_prefixed(write_json(tmp / ADAPTER_DIR / ADAPTER_CONFIG, adapter_config or {})))
+                    records.append(_prefixed(write_json(tmp / ADAPTER_DIR / ADAPTER_CONFIG, parts.adapter_config or {})))
                 records += written
                 for name in shared_write(tmp) if shared_write is not None else []:
                     records.append(_synced_record(tmp / name, name))
                 if merged:
                     records.append(write_json(tmp / INDEX_NAME, index_dict(plan.weight_map, plan.merged_bytes)))
-                    if config is not None:
-                        records.append(write_json(tmp / "config.json", config))
-                    if tokenizer_dir is not None:
-                        records += [_copy(src, tmp / src.name) for src in tokenizer_files(tokenizer_dir)]
+                    if parts.config is not None:
+                        records.append(write_json(tmp / "config.json", parts.config))
+                    if parts.tokenizer_dir is not None:
+                        records += [_copy(src, tmp / src.name) for src in tokenizer_files(parts.tokenizer_dir)]
                 for name, src in (extra_files or {}).items():
                     (tmp / name).parent.mkdir(parents=True, exist_ok=True)
                     if isinstance(src, ExtraFile):
@@ -146,7 +160,7 @@ def write_checkpoint(
                         records.append(_synced_record(tmp / name, name))
                     else:
                         records.append(_copy(Path(src), tmp / name, name))
-                write_manifest(tmp, records, manifest_extra)
+                write_manifest(tmp, records, parts.manifest_extra)
         except BaseException as e:
             if pending:
                 ranks.agree(e, pending)
@@ -158,45 +172,40 @@ def write_checkpoint(
 def save_checkpoint(
     model: nn.Module,
     out_dir: str | Path,
-    *,
-    adapter_only: bool = False,
-    max_shard_size: str | int = "5GB",
-    dtype: torch.dtype | None = None,
-    overwrite: bool = False,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    inflight_bytes: int = DEFAULT_INFLIGHT_BYTES,
-    extra_files: dict[str, Path | ExtraFile] | None = None,
-    progress: bool = True,
-    tokenizer_dir: Path | None = None,
+    options: SaveOptions | WriteOptions = SaveOptions(),
     ranks: Ranks = SINGLE,
     shared_write: Callable[[Path], list[str]] | None = None,
 ) -> SaveResult:
     """Write ``out_dir`` holding ``adapter/`` (PEFT) and, unless ``adapter_only``, the merged model in
     Hugging Face sharded safetensors with config and tokenizer files, then ``slimtune_manifest.json``.
-    ``dtype`` defaults to the base dtype. ``extra_files`` (relative name -> path) are copied in (recipe state,
-    model card); the merged model's tokenizer files come from ``tokenizer_dir`` (default: the base's).
+    ``options`` is a ``SaveOptions`` or just its ``WriteOptions``; the merged dtype defaults to the base
+    dtype. Extra files (relative name -> path) are copied in (recipe state, model card); the merged
+    model's tokenizer files come from ``tokenizer_dir`` (default: the base's).
     On an FSDP2-sharded model every rank calls this with its ``ranks``; each writes the merged rows of
     the weights it holds into the same files (the cooperative export of ``write_checkpoint``);
-    ``shared_write`` is passed on to it."""
+    ``shared_write`` is passed on to it.
+
+    Example: ``save_checkpoint(model, "out/ckpt", WriteOptions(max_shard_size="2GB", progress=False))``"""
+    if isinstance(options, WriteOptions):
+        options = SaveOptions(options)
+    write = options.write
     source_dir = getattr(model, "slimtune_source_dir", None)
     on_gpu = any(p.is_cuda for p in model.parameters())
-    to_host = pool_for(chunk_bytes, inflight_bytes, pin_memory=on_gpu).to_host
-    merged = [] if adapter_only else merged_tensor_stream(model, dtype, to_host)
+    to_host = pool_for(write.chunk_bytes, write.inflight_bytes, pin_memory=on_gpu).to_host
+    merged = [] if write.adapter_only else merged_tensor_stream(model, write.torch_dtype, to_host)
     base_config = _base_config(model) if merged else None
     config = export_config_dict(base_config, merged) if base_config is not None else None
-    return write_checkpoint(
-        out_dir,
+    parts = CheckpointParts(
         merged=merged,
         config=config,
-        tokenizer_dir=tokenizer_dir or source_dir,
+        tokenizer_dir=options.tokenizer_dir or source_dir,
         adapter=adapter_tensor_stream(model),
         adapter_config=adapter_config_dict(model, str(source_dir or "")),
-        extra_files=extra_files,
-        options=WriteOptions(max_shard_size, overwrite, chunk_bytes, inflight_bytes, progress),
-        manifest_extra={"kind": "adapter" if adapter_only else "adapter+merged"},
-        ranks=ranks,
+        extra_files=options.extra_files,
+        manifest_extra={"kind": "adapter" if write.adapter_only else "adapter+merged"},
         shared_write=shared_write,
     )
+    return write_checkpoint(out_dir, parts, write, ranks)
 
 
 def _base_config(model: nn.Module) -> dict | PretrainedConfig | None:

@@ -13,12 +13,13 @@ import torch
 from torch import nn
 
 from slimtune.checkpoint.staging import to_host as plain_to_host
+from slimtune.distributed import split_rows
 from slimtune.errors import SlimtuneError
 from slimtune.families import NF4Experts
 from slimtune.formats.peft import lora_key
 from slimtune.formats.safetensors import dtype_size
 from slimtune.lora import LoRALinear, lora_modules, merge_lora_rows, qlora_linears
-from slimtune.quant import is_nf4
+from slimtune.quant import base_rows
 
 
 @dataclass(frozen=True)
@@ -64,15 +65,6 @@ def row_chunks(t: StreamTensor, chunk_bytes: int, start: int = 0, end: int | Non
 ToHost = Callable[[torch.Tensor, torch.dtype], torch.Tensor]
 
 
-def base_rows(weight: torch.Tensor, start: int, end: int) -> torch.Tensor:
-    """Rows of a frozen base weight in its own dtype: NF4 dequantized exactly as torchao does."""
-    if is_nf4(weight):
-        from slimtune.quant.nf4 import dequantize_nf4_rows
-
-        return dequantize_nf4_rows(weight, start, end)
-    return weight.detach()[start:end]
-
-
 class LocalRows:
     """The rows of a tensor this process holds: all of a plain tensor, or a DTensor's Shard(0) local
     shard (FSDP2's layout, rows split as ``split_rows``), addressed by global row numbers."""
@@ -81,9 +73,7 @@ class LocalRows:
         self.name, self.shape, self.start = name, tuple(tensor.shape), 0
         data = tensor.detach()
         if _is_dtensor(data):
-            from torch.distributed.tensor import Replicate, Shard
-
-            from slimtune.distributed import split_rows
+            from torch.distributed.tensor import Replicate, Shard  # a DTensor exists: torch.distributed.tensor is loaded
 
             mesh, placements = data.device_mesh, data.placements
             if mesh.ndim != 1 or not all(isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0) for p in placements):
@@ -107,7 +97,7 @@ class LocalRows:
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # the offline merge of files never loads torch.distributed.tensor
 
     return isinstance(t, DTensor)
 

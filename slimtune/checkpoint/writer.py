@@ -14,6 +14,7 @@ import struct
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -24,21 +25,25 @@ from slimtune.checkpoint.stream import StreamTensor, row_chunks
 from slimtune.distributed import SINGLE, Ranks
 from slimtune.errors import SlimtuneError
 from slimtune.formats.hf import INDEX_NAME, index_dict
-from slimtune.formats.manifest import sha256_bytes
+from slimtune.formats.manifest import FileRecord, sha256_bytes, sha256_file
 from slimtune.formats.safetensors import tensor_bytes
-from slimtune.memory import parse_size
+from slimtune.memory import DEFAULT_SHARD_SIZE, parse_size
 
 DEFAULT_CHUNK_BYTES = 8 * 1024 * 1024  # output bytes per chunk; fp32 temporaries make the peak ~8x this
 DEFAULT_INFLIGHT_BYTES = 16 * 1024 * 1024  # finished chunks waiting for the writer: two suffice to overlap
 
 
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # as the CLI and configs spell them
+
+
 @dataclass(frozen=True)
 class WriteOptions:
-    """How a checkpoint is written; every save, merge and export takes one of these.
+    """How a checkpoint is written: the one bundle from the config or command line to the writer; every
+    save, merge and export takes one of these.
 
-    Example: ``WriteOptions(max_shard_size="2GB", overwrite=True, progress=False)``."""
+    Example: ``WriteOptions(max_shard_size="2GB", overwrite=True, progress=False, dtype="bf16")``."""
 
-    max_shard_size: str | int = "5GB"
+    max_shard_size: str | int = DEFAULT_SHARD_SIZE
     """Largest merged shard; decimal units as Hugging Face uses ("5GB" = 5e9 bytes)."""
     overwrite: bool = False
     """Replace an existing directory (atomically, once the new checkpoint is complete)."""
@@ -48,15 +53,29 @@ class WriteOptions:
     """Finished chunks that may wait for the writer thread."""
     progress: bool = True
     """A progress bar on the coordinator."""
+    dtype: str | torch.dtype | None = None
+    """The merged model's dtype ("bf16", "fp16", "fp32" or a torch dtype); None: the base checkpoint's."""
+    adapter_only: bool = False
+    """Write the adapter only (a live model's save): no merged model."""
+    device: str = "cpu"
+    """Where the merge math of each chunk runs (the offline merge: "cpu" or "cuda")."""
 
+    @cached_property
+    def shard_bytes(self) -> int:
+        """``max_shard_size`` in bytes, parsed once; a bad size is one ``SlimtuneError`` line."""
+        try:
+            return parse_size(self.max_shard_size)
+        except ValueError as e:
+            raise SlimtuneError(f"max shard size: {e}") from None
 
-@dataclass(frozen=True)
-class FileRecord:
-    """A file as the manifest lists it."""
-
-    path: str
-    size: int
-    sha256: str
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        """``dtype`` as a torch dtype (None: the base's); an unknown name is one ``SlimtuneError`` line."""
+        if isinstance(self.dtype, str):
+            if self.dtype not in DTYPES:
+                raise SlimtuneError(f"dtype {self.dtype!r}: expected one of {sorted(DTYPES)}")
+            return DTYPES[self.dtype]
+        return self.dtype
 
 
 def pipelined_write(writer, chunks: Iterator[torch.Tensor], inflight_bytes: int, bar: tqdm | None = None) -> None:
@@ -225,8 +244,6 @@ def write_planned(directory: Path, plan: SavePlan, ranks: Ranks, options: WriteO
     thread: on one host it trails the writers tensor by tensor (``_Progress``: the bytes are still in
     the page cache); across hosts it starts after every rank's fsync of the file. Returns every file's
     record, on every rank."""
-    from slimtune.checkpoint.atomic import sha256_file
-
     rank = ranks.rank
     hashes: dict[str, str] = {}
     errors: list[BaseException] = []
@@ -332,7 +349,7 @@ def write_json(path: Path, data: object) -> FileRecord:
 
 def write_sharded(out_dir: Path, stream: list[StreamTensor], options: WriteOptions = WriteOptions()) -> list[FileRecord]:
     """Hugging Face sharded layout, one process: model-0000i-of-0000N.safetensors plus the index."""
-    plan = plan_save(stream, None, parse_size(options.max_shard_size))
+    plan = plan_save(stream, None, options.shard_bytes)
     create_files(out_dir, plan)
     records = write_planned(out_dir, plan, SINGLE, options)
     return records + [write_json(out_dir / INDEX_NAME, index_dict(plan.weight_map, plan.merged_bytes))]

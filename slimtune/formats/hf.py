@@ -6,6 +6,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
 from slimtune.errors import SlimtuneError
 from slimtune.formats.safetensors import COMPUTE_DTYPES, SafetensorsHeader, read_header
 from slimtune.formats.strict_json import json_kind, load_json, safe_name, safe_text
@@ -59,9 +61,11 @@ def read_config_dict(model_dir: str | Path) -> dict:
     if not isinstance(model_type, str) or not model_type:
         raise SlimtuneError(f"{path}: model_type must be a non-empty string, found {json_kind(model_type)}")
     _check_sizes(data, str(path))
+    _check_dtype_names(data, str(path))
     for key in ("text_config",):  # multimodal configs nest the language model's sizes
         if isinstance(data.get(key), dict):
             _check_sizes(data[key], f"{path}: {key}")
+            _check_dtype_names(data[key], f"{path}: {key}")
     params = estimate_parameters(data)
     if params > MAX_CONFIG_PARAMETERS:
         raise SlimtuneError(f"{path}: the sizes declare about {params:.3g} parameters, more than the {MAX_CONFIG_PARAMETERS:.0e} allowed")
@@ -83,6 +87,66 @@ def _check_sizes(data: dict, where: str) -> None:
     kv = data.get("num_key_value_heads")
     if heads and kv and heads % kv:
         raise SlimtuneError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
+
+
+def _check_dtype_names(data: dict, where: str) -> None:
+    """dtype / torch_dtype: null or the name of a torch dtype ("bfloat16"), as transformers writes them."""
+    for key in ("dtype", "torch_dtype"):
+        value = data.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, str) or not isinstance(getattr(torch, value, None), torch.dtype):
+            shown = repr(safe_text(value)) if isinstance(value, str) else json_kind(value)
+            raise SlimtuneError(f'{where}: {key} must be a dtype name such as "bfloat16", found {shown}')
+
+
+def _check_buildable(config: PretrainedConfig, data: dict, path: Path) -> None:
+    """What transformers reads only when it builds the model (a KeyError, TypeError or AssertionError deep
+    inside): the activation and RoPE type must be ones this transformers implements, RoPE parameters
+    numbers, pad_token_id a row of the embedding. Values as transformers read them (after its own renaming
+    of legacy keys); messages name the key as the file spells it."""
+    import transformers  # seconds to import: only where a config object is checked (load_config)
+
+    newer = f"this transformers ({transformers.__version__}) does not know it; a newer transformers may"
+    for prefix, cfg, raw in (("", config, data), ("text_config.", getattr(config, "text_config", None), data.get("text_config"))):
+        if cfg is None or not isinstance(raw, dict):
+            continue
+        where = f"{path}: {prefix}"
+        _check_activation(cfg, where, newer)
+        file_key = next((k for k in ("rope_scaling", "rope_parameters") if raw.get(k) is not None), "rope_parameters")
+        _check_rope(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None), f"{where}{file_key}.", newer)
+        pad, vocab = getattr(cfg, "pad_token_id", None), getattr(cfg, "vocab_size", None)
+        if type(pad) is int and type(vocab) is int and not -vocab <= pad < vocab:
+            raise SlimtuneError(f"{where}pad_token_id {pad} is not a token of the vocabulary (vocab_size {vocab})")
+
+
+def _check_activation(cfg, where: str, newer: str) -> None:
+    from transformers.activations import ACT2FN  # transformers: as above, only from load_config
+
+    for key in ("hidden_act", "hidden_activation", "activation_function"):
+        value = getattr(cfg, key, None)
+        if isinstance(value, str) and value not in ACT2FN:
+            raise SlimtuneError(f"{where}{key} {safe_text(value)!r} is not a known activation ({newer})")
+        if value is not None and not isinstance(value, str):
+            raise SlimtuneError(f"{where}{key} must be an activation name, found {json_kind(value)}")
+
+
+def _check_rope(rope, where: str, newer: str) -> None:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # transformers: as above, only from load_config
+
+    if not isinstance(rope, dict):
+        return
+    groups = [("", rope)] if "rope_type" in rope or "type" in rope else []
+    if not groups:  # per layer type (sliding / full attention)
+        groups = [(f"{name}.", params) for name, params in rope.items() if isinstance(params, dict)]
+    for sub, params in groups:
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type != "default" and (not isinstance(rope_type, str) or rope_type not in ROPE_INIT_FUNCTIONS):
+            shown = repr(safe_text(rope_type)) if isinstance(rope_type, str) else json_kind(rope_type)
+            raise SlimtuneError(f"{where}{sub}rope_type {shown} is not a known RoPE type ({newer})")
+        for key, value in params.items():
+            if key not in ("rope_type", "type") and isinstance(value, str):
+                raise SlimtuneError(f"{where}{sub}{safe_text(key)} must be a number, found string {safe_text(value)!r}")
 
 
 def estimate_parameters(data: dict) -> int:
@@ -111,14 +175,16 @@ def load_config(model_dir: str | Path) -> PretrainedConfig:
     """config.json of a local checkpoint, checked by ``read_config_dict`` first, then by transformers
     (never a hub lookup); every failure names the file."""
     model_dir = Path(model_dir)
-    read_config_dict(model_dir)
+    data = read_config_dict(model_dir)
     path = model_dir / "config.json"
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # transformers (seconds to import) only where a model config object is needed
 
     try:
-        return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+        config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
     except Exception as e:  # noqa: BLE001 - transformers raises many types for a bad config; all are bad input
         raise SlimtuneError(f"{path}: not a usable model config ({type(e).__name__}: {_one_line(e)})") from None
+    _check_buildable(config, data, path)
+    return config
 
 
 def _one_line(e: BaseException) -> str:

@@ -10,18 +10,36 @@ Example::
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from collections.abc import Iterable
+from dataclasses import asdict, dataclass
 from pathlib import Path, PurePosixPath
 
 from tqdm.auto import tqdm
 
 from slimtune.errors import SlimtuneError
+from slimtune.fileio import write_atomic
 from slimtune.formats.strict_json import json_kind, load_json, safe_name
 
 MANIFEST_NAME = "slimtune_manifest.json"
 MANIFEST_FORMAT = "slimtune-checkpoint/1"
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """A file as the manifest lists it."""
+
+    path: str
+    size: int
+    sha256: str
+
+
+def write_manifest(directory: Path, records: list[FileRecord], extra: dict | None = None) -> None:
+    """Written last: its presence is what makes a directory a checkpoint (fsynced, renamed into place)."""
+    data = {"format": MANIFEST_FORMAT, **(extra or {}), "files": [asdict(r) for r in records]}
+    write_atomic(Path(directory) / MANIFEST_NAME, json.dumps(data, indent=2), sync=True)
 
 
 def sha256_file(path: str | Path, block: int = 8 * 1024 * 1024) -> str:

@@ -48,6 +48,7 @@ DTYPE_BITS = {
 COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what a merge may cast
 MAX_HEADER_BYTES = 100_000_000  # the reference implementation's limit
 _U64 = 2**64 - 1
+_TORCH_MAX_DIM = 2**63 - 1  # torch sizes are int64
 
 
 def dtype_size(dtype: torch.dtype) -> int:
@@ -285,9 +286,21 @@ class SafetensorsReader:
         except KeyError:
             raise SlimtuneError(f"{self.path}: no tensor named {safe_repr(name)}") from None
 
+    def torch_shape(self, name: str) -> tuple[int, ...]:
+        """The shape of tensor ``name``, refused when torch cannot hold it: the format allows dimensions up
+        to 2**64 - 1 (an empty [2**63, 0] is valid safetensors), torch's sizes are signed 64-bit."""
+        entry = self.entry(name)
+        if any(d > _TORCH_MAX_DIM for d in entry.shape):
+            raise SlimtuneError(
+                f"{self.path}: tensor {safe_name(name)} has shape {list(entry.shape)}: a dimension over 2**63 - 1, "
+                "which safetensors allows and torch cannot hold"
+            )
+        return entry.shape
+
     def read(self, name: str, start: int = 0, end: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows [start, end) of tensor ``name`` (the whole tensor by default), read into ``out`` if given."""
         entry = self.entry(name)
+        self.torch_shape(name)
         if entry.dtype is None:
             raise SlimtuneError(f"{self.path}: tensor {safe_name(name)} has dtype {entry.dtype_name}, which torch cannot hold")
         rows = entry.shape[0] if entry.shape else 1

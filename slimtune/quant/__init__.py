@@ -17,3 +17,13 @@ def is_nf4(t: torch.Tensor) -> bool:
         if module is not None and isinstance(t, module.NF4Tensor):
             return True
     return False
+
+
+def base_rows(weight: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Rows of a frozen base weight in its own dtype: NF4 dequantized exactly as torchao does."""
+    if is_nf4(weight):
+        # an NF4 tensor exists, so torchao is loaded already; slimtune.quant.nf4 imports it at its top
+        from slimtune.quant.nf4 import dequantize_nf4_rows
+
+        return dequantize_nf4_rows(weight, start, end)
+    return weight.detach()[start:end]

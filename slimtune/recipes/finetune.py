@@ -1,7 +1,9 @@
 """QLoRA fine-tuning on a local JSONL dataset: `slimtune finetune --config NAME_OR_PATH [key=value ...]`.
 
-Read top to bottom: ``run_finetune`` is the whole recipe (set-up, training loop, checkpointing); the
-helpers below it follow in the order it uses them.
+Read top to bottom as named steps: ``run_finetune`` calls ``setup`` (checks, data, model, optimizer: a
+``Run``), ``restore`` (a fresh output_dir, or the state of the checkpoint it resumes from), then for each
+optimizer step ``train_step``, ``evaluate`` when due and ``checkpoint`` when due, and ``finish``. The
+helpers below the steps follow in the order the steps use them.
 
 One process or many: under torchrun (``torchrun --nproc-per-node N -m slimtune finetune ...``, or
 ``slimtune finetune --nproc N``) every rank runs this same code. The model is loaded FSDP2-sharded
@@ -17,11 +19,12 @@ validated), what output_dir holds (resume point and its compatibility), the data
 tokenized), then loads the model as NF4 + LoRA. Training is AdamW on the adapters only, linear warmup
 then cosine decay, gradient accumulation with the loss averaged over every trained token of the
 optimizer step, gradient clipping. Checkpoints (``step-NNNNNN``) are written by ``save_checkpoint`` in
-bounded memory and atomically, with the recipe state inside them (optimizer, scheduler, loss scaler,
-data position, each rank's RNG states, config), so ``resume=true`` continues bit-exactly where a
-checkpoint was taken, in a new process, on the same number of ranks (on another number, it continues
-through DCP's resharding). The run directory itself (step directories, resume point, pruning, leftovers,
-metrics.jsonl) belongs to ``CheckpointManager``.
+bounded memory and atomically. Inside them ``recipe_state.pt`` holds the run's facts resume checks first
+(step, config, data hash) and ``train_state/`` (torch.distributed.checkpoint, every rank its shards) the
+training state: adapters, optimizer, scheduler, loss scaler, data position, each rank's RNG states. So
+``resume=true`` continues bit-exactly where a checkpoint was taken, in a new process, on the same number
+of ranks (on another number, it continues through DCP's resharding). The run directory itself (step
+directories, resume point, pruning, leftovers, metrics.jsonl) belongs to ``CheckpointManager``.
 """
 
 from __future__ import annotations
@@ -50,12 +53,22 @@ from tqdm.auto import tqdm
 from slimtune.card import CardFacts, model_card
 from slimtune.checkpoint.atomic import os_errors
 from slimtune.checkpoint.fidelity import merged_forward
-from slimtune.checkpoint.manager import STATE_FORMAT, CheckpointManager, CreatedByRun, MetricsLog, SaveOptions, rng_state, set_rng_state
-from slimtune.checkpoint.save import ADAPTER_DIR, DTYPES, SaveResult
+from slimtune.checkpoint.manager import (
+    STATE_FORMAT,
+    CheckpointManager,
+    CreatedByRun,
+    MetricsLog,
+    ResumePoint,
+    rng_state,
+    set_rng_state,
+)
+from slimtune.checkpoint.save import ADAPTER_DIR, DTYPES, SaveOptions, SaveResult
+from slimtune.checkpoint.writer import WriteOptions
 from slimtune.config import Config
 from slimtune.data import (
     FALLBACK_CHAT_TEMPLATE,
     IGNORE_INDEX,
+    Data,
     DataSpec,
     builtin_tiny_records,
     collate,
@@ -65,15 +78,14 @@ from slimtune.data import (
     model_inputs,
     write_jsonl,
 )
-from slimtune.distributed import Ranks, init_distributed, reshard, split_rows
+from slimtune.distributed import SINGLE, Ranks, init_distributed, reshard, split_rows
 from slimtune.errors import SlimtuneError
 from slimtune.formats.hf import load_config as load_hf_config
 from slimtune.formats.hf import tokenizer_files
-from slimtune.formats.peft import lora_key
-from slimtune.generate import FORMAT_NAME, format_record, prompt_format_of
-from slimtune.lora import LoRAConfig, lora_modules, lora_parameters
+from slimtune.generate import FORMAT_NAME, Loaded, SamplingOptions, format_record, generate, prompt_format_of, prompt_ids
+from slimtune.lora import LoRAConfig, lora_parameters
 from slimtune.memory import peak_rss_mb, reset_peak_rss, rss_mb
-from slimtune.model import config_dtype, load_qlora_model, nf4_report, nf4_summary_line
+from slimtune.model import config_dtype, load_qlora_model, load_tokenizer, nf4_report, nf4_summary_line, pick_device, pick_dtype
 from slimtune.tiny import byte_tokenizer, make_tiny_checkpoint, tiny_config
 from slimtune.tracking import Trackers
 
@@ -97,41 +109,338 @@ class FinetuneResult:
     plot_path: Path | None = None
 
 
+@dataclass
+class Run:
+    """Everything a run holds between its steps: made by ``setup``, advanced by the other steps."""
+
+    cfg: Config
+    ranks: Ranks
+    device: torch.device
+    dtype: torch.dtype  # the compute dtype
+    manager: CheckpointManager
+    resume: ResumePoint | None  # None: a fresh start
+    tokenizer: object
+    hf_config: object
+    data: Data
+    builtin_rows: list[dict] | None  # the built-in dataset, written by ``restore``
+    model: nn.Module
+    base_dtype: torch.dtype  # the base checkpoint's dtype: the merged model's
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    scaler: torch.amp.GradScaler
+    lr_factor: Callable[[int], float]
+    pad_id: int
+    total_steps: int
+    stop_at: int  # where this invocation stops (training.stop_after_steps)
+    global_step: int = 0
+    epoch: int = 0  # 0-based
+    step_in_epoch: int = 0  # the next step of the epoch, 0-based
+    position: tuple[int, int] = (0, 0)  # (epoch, step_in_epoch) after the step being taken
+    first_step: int = 1  # this invocation's first step
+    record: dict = field(default_factory=dict)  # the metrics record of the step being taken
+    last_eval: dict | None = None
+    docs: CheckpointDocs | None = None
+    metrics: MetricsLog | None = None
+    trackers: Trackers = field(default_factory=Trackers)
+    memory: PeakMemory | None = None
+    bar: tqdm | None = None
+    result: FinetuneResult | None = None
+
+
 def run_finetune(cfg: Config, on_step: Callable[[dict], None] | None = None) -> FinetuneResult:
     """Train LoRA adapters on a QLoRA model as ``cfg`` says; ``on_step`` sees each step's metrics record.
     Under torchrun every rank calls this (it joins the process group). A fresh run that fails before its
     first checkpoint leaves nothing behind (CreatedByRun).
 
     Example: ``run_finetune(load_config("tiny", ["output_dir=out", "training.max_steps=5"]))``"""
-    device = pick_device(cfg.device)
-    ranks = init_distributed(device.type)
+    ranks = init_distributed(pick_device(cfg.device).type)
     created = CreatedByRun(Path(cfg.output_dir), [Path(cfg.model.path), Path(cfg.dataset.path)]) if ranks.is_coordinator else None
     try:
-        return _finetune(cfg, on_step, ranks)
+        run = setup(cfg, ranks)
+        restore(run)
+        while run.global_step < run.stop_at:
+            steps = epoch_steps(
+                epoch_order(len(run.data.train), cfg.seed, run.epoch, cfg.dataset.shuffle),
+                cfg.training.batch_size,
+                cfg.training.gradient_accumulation_steps,
+            )
+            for index in range(run.step_in_epoch, len(steps)):
+                epoch_end = index + 1 == len(steps)
+                run.position = (run.epoch + 1, 0) if epoch_end else (run.epoch, index + 1)
+                record = train_step(run, steps[index])
+                # a checkpoint at each epoch end, every save_every_n_steps and where this invocation stops
+                save_now = epoch_end or _every(run.global_step, cfg.checkpoint.save_every_n_steps) or run.global_step == run.stop_at
+                if run.data.eval and (save_now or _every(run.global_step, cfg.training.eval_every_n_steps)):
+                    record.update(evaluate(run, merged=save_now and not _adapter_only(run)))
+                if save_now:
+                    checkpoint(run)
+                log_step(run, on_step)
+                if run.global_step >= run.stop_at:
+                    break
+            run.epoch, run.step_in_epoch = run.position
+        return finish(run)
     except BaseException:
         if created is not None:
             created.undo(say)
         raise
 
 
-def _finetune(cfg: Config, on_step: Callable[[dict], None] | None, ranks: Ranks) -> FinetuneResult:
-    out = Path(cfg.output_dir)
+# ---------------------------------------------------------------------------------------------------
+# The steps
+
+
+def setup(cfg: Config, ranks: Ranks = SINGLE) -> Run:
+    """Check everything cheap before anything slow or anything written: output_dir (resume point and its
+    compatibility), tokenizer and data (parsed and tokenized row by row: a bad row fails in seconds),
+    then load the model (NF4 base + fp32 adapters, FSDP2-sharded under a process group) and make the
+    optimizer (AdamW on the adapters), the warmup + cosine schedule and the loss scaler (fp16 only).
+    Writes nothing but the embedded tiny model, when the config asks for it and the data is good.
+
+    Example: ``run = setup(load_config("tiny", ["output_dir=out"]))``"""
     device = pick_device(cfg.device)
     if device.type == "cuda" and ranks.distributed:
         device = torch.device("cuda", torch.cuda.current_device())  # init_distributed bound this rank to its GPU
     dtype = pick_dtype(cfg.dtype, device)
     if ranks.distributed and dtype == torch.float16:
         raise SlimtuneError("dtype fp16 (loss scaling) is for one process; with several ranks use bf16 or fp32")
-
-    # --- Set-up 1: output_dir. Resume from its newest complete checkpoint, or refuse to mix two runs. ---
-    manager = CheckpointManager(out, cfg.checkpoint.keep_last_n, log=say)
-    resume = manager.find_resume_point(cfg.resume, cfg.overwrite)
-    resume_dir, saved = (resume.path, resume.state) if resume is not None else (None, None)
+    manager = CheckpointManager(Path(cfg.output_dir), cfg.checkpoint.keep_last_n, log=say)
+    resume = manager.find_resume_point(cfg.resume, cfg.overwrite)  # or refuse to mix two runs
     if resume is not None:
         manager.check_resumable(cfg, resume)
+    tokenizer, hf_config, data, builtin_rows = _read_data(cfg, ranks, resume)
+    pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
+    steps_per_epoch = len(epoch_steps(list(range(len(data.train))), cfg.training.batch_size, cfg.training.gradient_accumulation_steps))
+    total_steps = cfg.training.total_epochs * steps_per_epoch
+    if cfg.training.max_steps is not None:
+        total_steps = min(total_steps, cfg.training.max_steps)
+    model = _load_model(cfg, ranks, device, dtype)
+    params = lora_parameters(model)
+    say(
+        f"model: {Path(cfg.model.path).name}, {sum(p.numel() for p in params):,} trainable adapter parameters, {device.type}, "
+        f"{str(dtype).removeprefix('torch.')}"
+        + (f", {ranks.world_size} rank{'s' if ranks.world_size > 1 else ''} (FSDP2)" if ranks.distributed else "")
+        + f"; data: {len(data.train)} {'packed rows' if cfg.dataset.packed else 'examples'}"
+        + (f" ({data.documents} documents)" if cfg.dataset.packed else "")
+        + (f", {len(data.eval)} held out" if data.eval else "")
+        + f", {steps_per_epoch} steps/epoch, {total_steps} steps"
+    )
+    optimizer = torch.optim.AdamW(params, lr=cfg.optimizer.lr, weight_decay=cfg.optimizer.weight_decay)
+    lr_factor = partial(warmup_cosine, warmup=cfg.scheduler.warmup_steps, total=total_steps, min_ratio=cfg.scheduler.min_lr_ratio)
+    stop_at = total_steps if cfg.training.stop_after_steps is None else min(total_steps, cfg.training.stop_after_steps)
+    return Run(
+        cfg,
+        ranks,
+        device,
+        dtype,
+        manager,
+        resume,
+        tokenizer,
+        hf_config,
+        data,
+        builtin_rows,
+        model,
+        base_dtype=config_dtype(model.config),
+        optimizer=optimizer,
+        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor),
+        scaler=torch.amp.GradScaler(device.type, enabled=dtype == torch.float16),
+        lr_factor=lr_factor,
+        pad_id=pad_id,
+        total_steps=total_steps,
+        stop_at=stop_at,
+    )
 
-    # --- Set-up 2: tokenizer and data, read and tokenized row by row before the model is loaded (a bad row
-    # fails in seconds, not minutes); then the step arithmetic. ---
+
+def restore(run: Run) -> None:
+    """Where writing starts: a fresh output_dir (leftovers removed, the previous run's files with
+    overwrite, the built-in dataset written), or everything restored from the checkpoint resumed from
+    (adapters, optimizer, scheduler, loss scaler, data position, RNG: ``_load_train_state``). Then the
+    run's logs open: metrics.jsonl (cut back to the checkpoint's step), trackers, progress bar."""
+    cfg, ranks = run.cfg, run.ranks
+    error = None
+    if ranks.is_coordinator:
+        try:
+            run.manager.prepare(fresh_start=run.resume is None, overwrite=cfg.overwrite)
+            if run.builtin_rows is not None:
+                with os_errors("write the built-in dataset to", Path(cfg.dataset.path)):
+                    write_jsonl(Path(cfg.dataset.path), run.builtin_rows)
+                say(f"built-in dataset written to {cfg.dataset.path}")
+        except BaseException as e:  # noqa: BLE001 - every rank raises below
+            error = e
+    ranks.agree(error, "preparing output_dir")
+    if run.resume is None:
+        seed_everything(cfg.seed + ranks.rank)
+    else:
+        _load_train_state(run)
+    run.position, run.first_step = (run.epoch, run.step_in_epoch), run.global_step + 1
+    run.docs = CheckpointDocs(run.tokenizer, cfg, run.data, run.hf_config, _merged_dtype(run) or run.base_dtype, nf4_report(run.model))
+    if ranks.is_coordinator:
+        last_record = run.resume.state.get("metrics") if run.resume is not None else None
+        run.metrics = MetricsLog(run.manager.metrics_path, keep_through_step=run.global_step, last_record=last_record)
+        run.trackers = Trackers.from_config(cfg, run.manager.out, resume_step=run.global_step)
+    run.memory = PeakMemory(run.device)
+    run.result = FinetuneResult(run.model, run.tokenizer, run.manager.out, run.global_step, metrics_path=run.manager.metrics_path)
+    if run.global_step >= run.stop_at:
+        say(f"nothing to train: the run is at step {run.global_step} and stops at step {run.stop_at}")
+    run.model.train()
+    progress = cfg.logging.progress_bar and ranks.is_coordinator
+    run.bar = tqdm(total=run.total_steps, initial=run.global_step, desc="train", unit="step", dynamic_ncols=True, disable=not progress)
+
+
+def train_step(run: Run, batch: list[list[int]]) -> dict:
+    """One optimizer step over the global batch ``batch`` (its micro-batches' example indices): this
+    rank's slice of each micro-batch forward and backward, the loss the token mean over the whole global
+    step, gradient clipping, optimizer and scheduler steps. Returns the step's metrics record (also
+    ``run.record``, which evaluation and the checkpoint add to)."""
+    cfg, ranks, device, model, scaler = run.cfg, run.ranks, run.device, run.model, run.scaler
+    started = time.perf_counter()
+    micro_batches = [rank_batch(run.data.train, mb, ranks, run.pad_id) for mb in batch]  # this rank's slices
+    local_tokens = sum(int((mb["labels"][:, 1:] != IGNORE_INDEX).sum()) for mb in micro_batches)
+    trained_tokens = int(all_sum(torch.tensor(float(local_tokens), device=device), ranks))  # the global step's
+    loss_sum = torch.zeros((), device=device)
+    tokens = 0
+    for mb in micro_batches:
+        mb = {k: v.to(device) for k, v in mb.items()}
+        logits = model(**model_inputs(mb)).logits
+        loss = token_loss_sum(logits, mb["labels"]) / trained_tokens  # summed over micro-batches: the step's token mean
+        scaler.scale(loss).backward()
+        loss_sum += loss.detach()
+        tokens += int(mb["attention_mask"].sum())
+        del logits, loss
+    lr = run.optimizer.param_groups[0]["lr"]
+    scaler.unscale_(run.optimizer)
+    if cfg.training.max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_([p for g in run.optimizer.param_groups for p in g["params"]], cfg.training.max_grad_norm)
+    scaler.step(run.optimizer)
+    scaler.update()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.scheduler.step()
+    run.global_step += 1
+    step_loss = all_sum(loss_sum, ranks).item()
+    tokens = int(all_sum(torch.tensor(float(tokens), device=device), ranks).item())
+    if not math.isfinite(step_loss) and not scaler.is_enabled():
+        raise SlimtuneError(f"the loss is {step_loss} at step {run.global_step}; lower optimizer.lr or check the data")
+    seconds = time.perf_counter() - started
+    run.record = {"step": run.global_step, "epoch": run.epoch + 1, "loss": step_loss, "lr": lr}
+    run.record.update(tokens_per_s=tokens / seconds, step_s=seconds)
+    if run.global_step == run.first_step and run.resume is not None:
+        run.record["resumed_from"] = run.resume.state["global_step"]
+    return run.record
+
+
+def evaluate(run: Run, merged: bool = False) -> dict:
+    """Loss and perplexity on the held-out examples (``_evaluate``: no RNG drawn, dropout off); kept as
+    ``run.last_eval`` for the checkpoint's model card and the summary. With ``merged`` (a merged save
+    follows) also ``eval_loss_merged``: the same data through round(W' + B A), what the merge's one
+    rounding costs (``merged_forward``; one process: not wired under FSDP2 yet)."""
+    args = (run.data.eval, run.cfg.training.batch_size, run.pad_id, run.device, run.ranks)
+    run.last_eval = _evaluate(run.model, *args)
+    if merged and not run.ranks.distributed:
+        with merged_forward(run.model, _merged_dtype(run)):
+            run.last_eval["eval_loss_merged"] = _evaluate(run.model, *args)["eval_loss"]
+    return run.last_eval
+
+
+def checkpoint(run: Run) -> SaveResult:
+    """Samples (training.sample_prompts) into the step's record, then ``step-N`` through the manager,
+    written by every rank: the merged model (unless checkpoint.merged says adapter only), the adapter,
+    tokenizer, model card, recipe state and training state; then pruning (keep_last_n).
+    The one place a checkpoint is taken: an asynchronous save hooks in here."""
+    cfg, ranks, record, step = run.cfg, run.ranks, run.record, run.global_step
+    if cfg.training.sample_prompts:
+        record["samples"] = _sample_generations(run)
+        for sample in record["samples"]:
+            say(f"sample at step {step}: {sample['prompt']!r} -> {sample['text']!r}")  # every rank ran it: FSDP2 needs all
+    ckpt = run.manager.step_path(step)
+    state = recipe_state(cfg, step, run.data.sha256, len(run.data.train), run.total_steps, ranks)
+    state["metrics"] = {**record, "checkpoint": ckpt.name}  # rewritten on resume if a kill takes it
+    adapter_only = _adapter_only(run)
+    facts = dict(step=step, total_steps=run.total_steps, epoch=run.epoch + 1, train_loss=record["loss"], merged=not adapter_only)
+    extra = run.docs.files(eval=run.last_eval if "eval_loss" in record else None, **facts)
+    write = WriteOptions(cfg.checkpoint.max_shard_size, dtype=_merged_dtype(run), adapter_only=adapter_only)
+    options = SaveOptions(write, extra_files=extra, tokenizer_dir=run.docs.tokenizer_dir)
+    training = train_state(run.model, run.optimizer, run.scheduler, run.scaler, run.position, ranks)
+    save = partial(run.manager.save, run.model, step, state, options, training, ranks)
+    result, before, save_peak = run.memory.around_save(save)
+    del training, save
+    removed = run.manager.prune() if ranks.is_coordinator else []
+    record.update(checkpoint=ckpt.name, checkpoint_save_s=result.seconds, checkpoint_bytes=result.total_bytes)
+    record.update(checkpoint_peak_rss_mb=save_peak)
+    kind = "adapter" if adapter_only else "adapter + merged"
+    say(
+        f"saved {ckpt.name} ({kind}, {result.total_bytes:,} bytes, {result.seconds:.2f} s, "
+        f"peak RSS during save {save_peak:.0f} MB)" + (f"; removed {', '.join(removed)}" if removed else "")
+    )
+    run.result.checkpoint, run.result.last_save = ckpt, result
+    run.result.rss_before_last_save_mb, run.result.peak_rss_last_save_mb = before, save_peak
+    return result
+
+
+def log_step(run: Run, on_step: Callable[[dict], None] | None = None) -> None:
+    """The step's record, with memory figures, to metrics.jsonl, the trackers, the progress bar and ``on_step``."""
+    record = run.record
+    record.update(run.memory.snapshot())
+    if run.metrics is not None:
+        run.metrics.write(record)
+    run.trackers.log(record)
+    run.result.losses.append(record["loss"])
+    run.bar.update(1)
+    shown_eval = {"eval": f"{run.last_eval['eval_loss']:.4f}"} if run.last_eval else {}
+    run.bar.set_postfix(loss=f"{record['loss']:.4f}", **shown_eval, lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
+    if on_step is not None:
+        on_step(record)
+
+
+def finish(run: Run) -> FinetuneResult:
+    """Close the logs, draw the loss curve (loss.png) and print the summary."""
+    run.bar.close()
+    run.trackers.close()
+    run.docs.close()
+    run.model.eval()
+    result, step, total, last_eval = run.result, run.global_step, run.total_steps, run.last_eval
+    result.global_step = step
+    result.plot_path = plot_losses(run.manager.metrics_path, run.manager.plot_path) if run.ranks.is_coordinator else None
+    snapshot = run.memory.snapshot()
+    result.peak_rss_mb, result.peak_gpu_mb = snapshot["peak_rss_mb"], snapshot.get("peak_gpu_mb")
+    if result.losses:
+        first_step = step - len(result.losses) + 1
+        evaluated = f"; eval loss {last_eval['eval_loss']:.4f} (perplexity {last_eval['eval_ppl']:.2f})" if last_eval else ""
+        say(f"trained steps {first_step}-{step} of {total}: loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}{evaluated}")
+    if step < total:
+        say(f"stopped at step {step} (training.stop_after_steps); continue with resume=true")
+    say(f"metrics: {run.manager.metrics_path}" + (f"; loss curve: {result.plot_path}" if result.plot_path else ""))
+    if result.checkpoint is not None:
+        say(f"newest checkpoint: {result.checkpoint}")
+    gpu = f"; peak GPU memory {result.peak_gpu_mb:.0f} MB" if result.peak_gpu_mb is not None else ""
+    say(f"peak RSS of the run: {result.peak_rss_mb:.0f} MB{gpu}")
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------
+# Step helpers
+
+
+def _adapter_only(run: Run) -> bool:
+    """Whether this step's checkpoint holds the adapter only (checkpoint.merged)."""
+    merged = run.cfg.checkpoint.merged
+    return merged == "never" or (merged == "final" and run.global_step < run.total_steps)
+
+
+def _merged_dtype(run: Run) -> torch.dtype | None:
+    """checkpoint.merged_dtype, else the base's; None: each tensor in its own dtype (the base's for NF4
+    weights, what the save writes when the compute dtype is the base's)."""
+    if run.cfg.checkpoint.merged_dtype:
+        return DTYPES[run.cfg.checkpoint.merged_dtype]
+    return None if run.dtype == run.base_dtype else run.base_dtype
+
+
+def _every(step: int, n: int | None) -> bool:
+    return n is not None and step % n == 0
+
+
+def _read_data(cfg: Config, ranks: Ranks, resume: ResumePoint | None) -> tuple[object, object, Data, list[dict] | None]:
+    """The tokenizer and the tokenized data, checked against the checkpoint resumed from; the embedded
+    tiny model written (coordinator) once the data is known good. Returns (tokenizer, HF config, data,
+    the built-in rows to write or None)."""
     dataset_path = Path(cfg.dataset.path)
     builtin_rows = None
     if not dataset_path.is_file():
@@ -145,15 +454,11 @@ def _finetune(cfg: Config, on_step: Callable[[dict], None] | None, ranks: Ranks)
     else:
         hf_config = load_hf_config(model_dir)  # a missing or malformed model directory fails here, before the tokenizer
         tokenizer = load_tokenizer(model_dir)
-    data = load_data(
-        DataSpec.from_config(cfg),
-        tokenizer,
-        rows={str(dataset_path): builtin_rows} if builtin_rows is not None else None,
-        vocab_size=getattr(hf_config, "vocab_size", None),
-    )
-    examples, eval_examples, dataset_sha = data.train, data.eval, data.sha256
-    if saved is not None and saved["dataset_sha256"] != dataset_sha:
-        raise SlimtuneError(f"cannot resume from {resume_dir}: the content of the data files changed since the checkpoint was taken")
+    rows = {str(dataset_path): builtin_rows} if builtin_rows is not None else None
+    data = load_data(DataSpec.from_config(cfg), tokenizer, rows=rows, vocab_size=getattr(hf_config, "vocab_size", None))
+    saved = resume.state if resume is not None else None
+    if saved is not None and saved["dataset_sha256"] != data.sha256:
+        raise SlimtuneError(f"cannot resume from {resume.path}: the content of the data files changed since the checkpoint was taken")
     if create_tiny:
         error = None
         if ranks.is_coordinator:
@@ -166,228 +471,56 @@ def _finetune(cfg: Config, on_step: Callable[[dict], None] | None, ranks: Ranks)
         say(f"embedded tiny Llama base written to {model_dir}")
     if data.dropped:
         say(f"data: {data.dropped} example(s) have no trained token within max_seq_len={cfg.dataset.max_seq_len}; skipped")
-    pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
-    steps_per_epoch = len(epoch_steps(list(range(len(examples))), cfg.training.batch_size, cfg.training.gradient_accumulation_steps))
-    total_steps = cfg.training.total_epochs * steps_per_epoch
-    if cfg.training.max_steps is not None:
-        total_steps = min(total_steps, cfg.training.max_steps)
-    if saved is not None and saved["num_examples"] != len(examples):
+    if saved is not None and saved["num_examples"] != len(data.train):
         raise SlimtuneError(
-            f"cannot resume from {resume_dir}: the data tokenizes to {len(examples)} examples now, {saved['num_examples']} then"
+            f"cannot resume from {resume.path}: the data tokenizes to {len(data.train)} examples now, {saved['num_examples']} then"
         )
+    return tokenizer, hf_config, data, builtin_rows
 
-    # --- Set-up 4: the model, NF4 base + fp32 adapters, in the compute dtype, on the device. ---
-    # Under a process group the model comes out FSDP2-sharded, NF4 base and adapters alike (model.py says how).
+
+def _load_model(cfg: Config, ranks: Ranks, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """NF4 base + fp32 adapters, frozen weights in the compute dtype, on the device. Under a process group
+    the model comes out FSDP2-sharded, NF4 base and adapters alike (model.py says how)."""
     lora = LoRAConfig(cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.use_rslora, list(cfg.lora.target_modules))
     progress = cfg.logging.progress_bar and ranks.is_coordinator
-    model = load_qlora_model(model_dir, lora, seed=cfg.seed, progress=progress, ranks=ranks, dtype=dtype)
+    model = load_qlora_model(Path(cfg.model.path), lora, seed=cfg.seed, progress=progress, ranks=ranks, dtype=dtype)
     say(f"lora targets ({', '.join(lora.target_modules)}): {', '.join(model.slimtune_targets)}")
-    nf4 = nf4_report(model)
-    say(nf4_summary_line(nf4))
-    base_dtype = config_dtype(model.config)
-    # None: each tensor in its own dtype (the base's, for NF4 weights), what the merged save writes by default
-    merged_dtype = DTYPES[cfg.checkpoint.merged_dtype] if cfg.checkpoint.merged_dtype else (None if dtype == base_dtype else base_dtype)
+    say(nf4_summary_line(nf4_report(model)))
     if not ranks.distributed:
         model.to(device)  # FSDP2 placed each rank's shards on its device already
     if cfg.training.activation_checkpointing:
         enable_activation_checkpointing(model)
-    params = lora_parameters(model)
-    say(
-        f"model: {model_dir.name}, {sum(p.numel() for p in params):,} trainable adapter parameters, {device.type}, "
-        f"{str(dtype).removeprefix('torch.')}"
-        + (f", {ranks.world_size} rank{'s' if ranks.world_size > 1 else ''} (FSDP2)" if ranks.distributed else "")
-        + f"; data: {len(examples)} {'packed rows' if cfg.dataset.packed else 'examples'}"
-        + (f" ({data.documents} documents)" if cfg.dataset.packed else "")
-        + (f", {len(eval_examples)} held out" if eval_examples else "")
-        + f", {steps_per_epoch} steps/epoch, {total_steps} steps"
-    )
+    return model
 
-    # --- Set-up 5: optimizer (adapters only), warmup + cosine schedule, loss scaler (fp16 only). ---
-    optimizer = torch.optim.AdamW(params, lr=cfg.optimizer.lr, weight_decay=cfg.optimizer.weight_decay)
-    lr_factor = partial(warmup_cosine, warmup=cfg.scheduler.warmup_steps, total=total_steps, min_ratio=cfg.scheduler.min_lr_ratio)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
 
-    # --- Set-up 6: a fresh output_dir, or everything restored from the checkpoint. Writing starts here. ---
-    error = None
-    if ranks.is_coordinator:
-        try:
-            manager.prepare(fresh_start=saved is None, overwrite=cfg.overwrite)
-            if builtin_rows is not None:
-                with os_errors("write the built-in dataset to", dataset_path):
-                    write_jsonl(dataset_path, builtin_rows)
-                say(f"built-in dataset written to {dataset_path}")
-        except BaseException as e:  # noqa: BLE001 - every rank raises below
-            error = e
-    ranks.agree(error, "preparing output_dir")
-    if saved is None:
-        global_step, epoch, step_in_epoch = 0, 0, 0
-        seed_everything(cfg.seed + ranks.rank)
-    else:
-        template = train_state(model, optimizer, scheduler, scaler, (0, 0), ranks)
-        restored = manager.load_train_state(resume_dir, template)  # the adapters and optimizer state in place, resharded
-        set_optimizer_state_dict(model, optimizer, restored["optimizer"])
-        scheduler.load_state_dict(restored["scheduler"])
-        for group in optimizer.param_groups:  # hyperparameters that may change on resume come from the config
-            group["weight_decay"] = cfg.optimizer.weight_decay
-        scheduler.base_lrs = [cfg.optimizer.lr] * len(optimizer.param_groups)
-        for group in optimizer.param_groups:
-            group["lr"] = cfg.optimizer.lr * lr_factor(scheduler.last_epoch)
-        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
-        if scaler.is_enabled() and restored.get("grad_scaler"):
-            scaler.load_state_dict(restored["grad_scaler"])
-        global_step = saved["global_step"]
-        epoch, step_in_epoch = restored["position"]["epoch"], restored["position"]["step_in_epoch"]
-        world_then = saved.get("world_size", 1)
-        if world_then != ranks.world_size:
-            say(f"resume: the checkpoint was written by {world_then} rank(s), this run has {ranks.world_size}: state resharded by DCP")
-        rng = restored.get("rng", {}).get(str(ranks.rank))
-        if rng is not None:
-            set_rng_state(rng)  # last: nothing may draw random numbers between here and the next step
-        else:  # a rank the checkpoint did not have: a fresh stream of its own
-            seed_everything(cfg.seed + ranks.rank + 1_000_003 * global_step)
-        say(f"resumed from {resume_dir.name}: step {global_step}, epoch {epoch + 1}, step {step_in_epoch + 1} of the epoch next")
-    docs = CheckpointDocs(tokenizer, cfg, data, hf_config, merged_dtype or base_dtype, nf4)  # tokenizer with its chat template, card
-    metrics = (
-        MetricsLog(manager.metrics_path, keep_through_step=global_step, last_record=saved.get("metrics") if saved else None)
-        if ranks.is_coordinator
-        else None
-    )
-    trackers = Trackers.from_config(cfg, out, resume_step=global_step) if ranks.is_coordinator else Trackers()
-    prompt_format = prompt_format_of(data.shapes)
-    memory = PeakMemory(device)
-    result = FinetuneResult(model, tokenizer, out, global_step, metrics_path=manager.metrics_path)
-
-    # --- Training loop. ---
-    stop_at = total_steps if cfg.training.stop_after_steps is None else min(total_steps, cfg.training.stop_after_steps)
-    if global_step >= stop_at:
-        say(f"nothing to train: the run is at step {global_step} and stops at step {stop_at}")
-    model.train()
-    bar = tqdm(total=total_steps, initial=global_step, desc="train", unit="step", dynamic_ncols=True, disable=not progress)
-    position = (epoch, step_in_epoch)
-    first_step_of_invocation, last_eval = global_step + 1, None
-    while global_step < stop_at:
-        plan = epoch_steps(
-            epoch_order(len(examples), cfg.seed, epoch, cfg.dataset.shuffle),
-            cfg.training.batch_size,
-            cfg.training.gradient_accumulation_steps,
-        )
-        for index in range(step_in_epoch, len(plan)):
-            started = time.perf_counter()
-            micro_batches = [rank_batch(examples, batch, ranks, pad_id) for batch in plan[index]]  # this rank's slices
-            local_tokens = sum(int((mb["labels"][:, 1:] != IGNORE_INDEX).sum()) for mb in micro_batches)
-            trained_tokens = int(all_sum(torch.tensor(float(local_tokens), device=device), ranks))  # the global step's
-            loss_sum = torch.zeros((), device=device)
-            tokens = 0
-            for mb in micro_batches:
-                mb = {k: v.to(device) for k, v in mb.items()}
-                logits = model(**model_inputs(mb)).logits
-                loss = token_loss_sum(logits, mb["labels"]) / trained_tokens  # summed over micro-batches: the step's token mean
-                scaler.scale(loss).backward()
-                loss_sum += loss.detach()
-                tokens += int(mb["attention_mask"].sum())
-                del logits, loss
-            lr = optimizer.param_groups[0]["lr"]
-            scaler.unscale_(optimizer)
-            if cfg.training.max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(params, cfg.training.max_grad_norm)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-            global_step += 1
-            step_loss = all_sum(loss_sum, ranks).item()
-            tokens = int(all_sum(torch.tensor(float(tokens), device=device), ranks).item())
-            if not math.isfinite(step_loss) and not scaler.is_enabled():
-                raise SlimtuneError(f"the loss is {step_loss} at step {global_step}; lower optimizer.lr or check the data")
-            seconds = time.perf_counter() - started
-            epoch_end = index + 1 == len(plan)
-            position = (epoch + 1, 0) if epoch_end else (epoch, index + 1)
-            record = {"step": global_step, "epoch": epoch + 1, "loss": step_loss, "lr": lr}
-            record.update(tokens_per_s=tokens / seconds, step_s=seconds)
-            if global_step == first_step_of_invocation and saved is not None:
-                record["resumed_from"] = saved["global_step"]
-
-            # --- Evaluation: every eval_every_n_steps and at every checkpoint; no RNG drawn, dropout off. ---
-            every = cfg.checkpoint.save_every_n_steps
-            checkpoint_now = epoch_end or (every is not None and global_step % every == 0) or global_step == stop_at
-            eval_every = cfg.training.eval_every_n_steps
-            adapter_only = cfg.checkpoint.merged == "never" or (cfg.checkpoint.merged == "final" and global_step < total_steps)
-            if eval_examples and (checkpoint_now or (eval_every is not None and global_step % eval_every == 0)):
-                last_eval = evaluate(model, eval_examples, cfg.training.batch_size, pad_id, device, ranks)
-                if checkpoint_now and not adapter_only and not ranks.distributed:  # what the merge's rounding costs
-                    with merged_forward(model, merged_dtype):
-                        merged_eval = evaluate(model, eval_examples, cfg.training.batch_size, pad_id, device, ranks)
-                    last_eval["eval_loss_merged"] = merged_eval["eval_loss"]
-                record.update(last_eval)
-            if checkpoint_now and cfg.training.sample_prompts:
-                record["samples"] = sample_generations(model, tokenizer, cfg.training.sample_prompts, prompt_format, cfg, device)
-                for sample in record["samples"]:
-                    say(f"sample at step {global_step}: {sample['prompt']!r} -> {sample['text']!r}")  # every rank ran it: FSDP2 needs all
-
-            # --- Checkpointing: each epoch end, every save_every_n_steps, and where this invocation stops. ---
-            if checkpoint_now:
-                state = recipe_state(cfg, global_step, dataset_sha, len(examples), total_steps, ranks)
-                state["metrics"] = {**record, "checkpoint": manager.step_path(global_step).name}  # rewritten on resume if a kill takes it
-                facts = dict(step=global_step, total_steps=total_steps, epoch=epoch + 1, train_loss=step_loss, merged=not adapter_only)
-                extra = docs.files(eval=last_eval if "eval_loss" in record else None, **facts)
-                options = SaveOptions(
-                    adapter_only,
-                    cfg.checkpoint.max_shard_size,
-                    merged_dtype,
-                    extra_files=extra,
-                    tokenizer_dir=docs.tokenizer_dir,
-                )
-                ckpt = manager.step_path(global_step)
-                training = train_state(model, optimizer, scheduler, scaler, position, ranks)
-                save = partial(manager.save, model, global_step, state, options, training, ranks)
-                saved_result, before, save_peak = memory.around_save(save)
-                del training, save
-                removed = manager.prune() if ranks.is_coordinator else []
-                record.update(checkpoint=ckpt.name, checkpoint_save_s=saved_result.seconds, checkpoint_bytes=saved_result.total_bytes)
-                record.update(checkpoint_peak_rss_mb=save_peak)
-                kind = "adapter" if adapter_only else "adapter + merged"
-                say(
-                    f"saved {ckpt.name} ({kind}, {saved_result.total_bytes:,} bytes, {saved_result.seconds:.2f} s, "
-                    f"peak RSS during save {save_peak:.0f} MB)" + (f"; removed {', '.join(removed)}" if removed else "")
-                )
-                result.checkpoint, result.last_save = ckpt, saved_result
-                result.rss_before_last_save_mb, result.peak_rss_last_save_mb = before, save_peak
-            record.update(memory.snapshot())
-            if metrics is not None:
-                metrics.write(record)
-            trackers.log(record)
-            result.losses.append(step_loss)
-            bar.update(1)
-            shown_eval = {"eval": f"{last_eval['eval_loss']:.4f}"} if last_eval else {}
-            bar.set_postfix(loss=f"{step_loss:.4f}", **shown_eval, lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
-            if on_step is not None:
-                on_step(record)
-            if global_step >= stop_at:
-                break
-        epoch, step_in_epoch = position
-    bar.close()
-    trackers.close()
-    docs.close()
-    model.eval()
-
-    # --- The end: loss curve, summary. ---
-    result.global_step = global_step
-    result.plot_path = plot_losses(manager.metrics_path, manager.plot_path) if ranks.is_coordinator else None
-    snapshot = memory.snapshot()
-    result.peak_rss_mb, result.peak_gpu_mb = snapshot["peak_rss_mb"], snapshot.get("peak_gpu_mb")
-    if result.losses:
-        first_step = global_step - len(result.losses) + 1
-        evaluated = f"; eval loss {last_eval['eval_loss']:.4f} (perplexity {last_eval['eval_ppl']:.2f})" if last_eval else ""
-        say(f"trained steps {first_step}-{global_step} of {total_steps}: loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}{evaluated}")
-    if global_step < total_steps:
-        say(f"stopped at step {global_step} (training.stop_after_steps); continue with resume=true")
-    say(f"metrics: {manager.metrics_path}" + (f"; loss curve: {result.plot_path}" if result.plot_path else ""))
-    if result.checkpoint is not None:
-        say(f"newest checkpoint: {result.checkpoint}")
-    gpu = f"; peak GPU memory {result.peak_gpu_mb:.0f} MB" if result.peak_gpu_mb is not None else ""
-    say(f"peak RSS of the run: {result.peak_rss_mb:.0f} MB{gpu}")
-    return result
+def _load_train_state(run: Run) -> None:
+    """The checkpoint's training state into the run: adapters and optimizer state in place (resharded by
+    DCP to this number of ranks), scheduler and loss scaler through their ``load_state_dict``, the data
+    position, and this rank's RNG streams last. The learning rate and weight decay may change on resume:
+    they come from the config (the scheduler's base rates replaced before its state is loaded)."""
+    cfg, ranks, optimizer, scheduler = run.cfg, run.ranks, run.optimizer, run.scheduler
+    template = train_state(run.model, optimizer, scheduler, run.scaler, (0, 0), ranks)
+    restored = run.manager.load_train_state(run.resume.path, template)  # the adapters and optimizer state in place, resharded
+    set_optimizer_state_dict(run.model, optimizer, restored["optimizer"])
+    scheduler.load_state_dict({**restored["scheduler"], "base_lrs": [cfg.optimizer.lr] * len(optimizer.param_groups)})
+    for group in optimizer.param_groups:  # the rate of the next step, from the config's lr (the scheduler's next step agrees)
+        group["weight_decay"] = cfg.optimizer.weight_decay
+        group["lr"] = cfg.optimizer.lr * run.lr_factor(scheduler.last_epoch)
+    if run.scaler.is_enabled() and restored.get("grad_scaler"):
+        run.scaler.load_state_dict(restored["grad_scaler"])
+    saved = run.resume.state
+    run.global_step = saved["global_step"]
+    run.epoch, run.step_in_epoch = restored["position"]["epoch"], restored["position"]["step_in_epoch"]
+    world_then = saved.get("world_size", 1)
+    if world_then != ranks.world_size:
+        say(f"resume: the checkpoint was written by {world_then} rank(s), this run has {ranks.world_size}: state resharded by DCP")
+    rng = restored.get("rng", {}).get(str(ranks.rank))
+    if rng is not None:
+        set_rng_state(rng)  # last: nothing may draw random numbers between here and the next step
+    else:  # a rank the checkpoint did not have: a fresh stream of its own
+        seed_everything(cfg.seed + ranks.rank + 1_000_003 * run.global_step)
+    name = run.resume.path.name
+    say(f"resumed from {name}: step {run.global_step}, epoch {run.epoch + 1}, step {run.step_in_epoch + 1} of the epoch next")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -400,34 +533,6 @@ def say(message: str) -> None:
         return
     tqdm.write(message, file=sys.stdout)
     sys.stdout.flush()
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise SlimtuneError("device is cuda but torch sees no CUDA GPU (use device=cpu or device=auto)")
-    return torch.device(name)
-
-
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    """bf16 where the hardware has it, fp16 (with loss scaling) on GPUs without it."""
-    if name == "auto":
-        if device.type != "cuda":
-            return torch.bfloat16
-        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
-    if name == "fp16" and device.type != "cuda":
-        raise SlimtuneError("dtype fp16 is for GPUs without bf16; on the CPU use bf16 or fp32")
-    return DTYPES[name]
-
-
-def load_tokenizer(model_dir: Path):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    except (OSError, ValueError, TypeError) as e:
-        raise SlimtuneError(f"{model_dir}: no usable tokenizer files ({e})") from None
 
 
 def enable_activation_checkpointing(model: nn.Module) -> None:
@@ -452,20 +557,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)  # CUDA generators too
-
-
-def load_adapter_weights(model: nn.Module, path: Path) -> None:
-    """The fp32 adapters from the checkpoint's PEFT file, bit for bit."""
-    from safetensors.torch import load_file
-
-    tensors = load_file(str(path))
-    with torch.no_grad():
-        for name, module in lora_modules(model).items():
-            for attr, peft_name in (("lora_a", "lora_A"), ("lora_b", "lora_B")):
-                key = lora_key(name, peft_name)
-                if key not in tensors:
-                    raise SlimtuneError(f"{path}: no tensor {key}")
-                getattr(module, attr).weight.copy_(tensors[key])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -513,9 +604,9 @@ def _chunk_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(logits.float().reshape(-1, vocab), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def evaluate(model: nn.Module, examples: list, batch_size: int, pad_id: int, device: torch.device, ranks: Ranks) -> dict:
-    """Token-mean loss and perplexity over the held-out examples: dropout off, no gradient, and the RNG
-    state forked around it, so training continues exactly as without evaluation. Each rank evaluates its
+def _evaluate(model: nn.Module, examples: list, batch_size: int, pad_id: int, device: torch.device, ranks: Ranks) -> dict:
+    """Token-mean loss and perplexity over ``examples``: dropout off, no gradient, and the RNG state
+    forked around it, so training continues exactly as without evaluation. Each rank evaluates its
     slice of every batch (``rank_batch``: every rank runs each forward FSDP2 needs); sums are all-reduced."""
     was_training = model.training
     model.eval()
@@ -537,15 +628,14 @@ def evaluate(model: nn.Module, examples: list, batch_size: int, pad_id: int, dev
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)), "eval_tokens": count}
 
 
-def sample_generations(model: nn.Module, tokenizer, prompts: list[str], prompt_format: str, cfg: Config, device: torch.device) -> list:
+def _sample_generations(run: Run) -> list:
     """training.sample_prompts, generated greedily in the prompt format training used (RNG untouched)."""
-    from slimtune.generate import Loaded, SamplingOptions, generate, prompt_ids
-
+    model, cfg = run.model, run.cfg
     was_training = model.training
     model.eval()
-    loaded = Loaded(model, tokenizer, "adapter", prompt_format, device)
+    loaded = Loaded(model, run.tokenizer, "adapter", prompt_format_of(run.data.shapes), run.device)
     options = SamplingOptions(max_new_tokens=cfg.training.sample_max_new_tokens, temperature=0.0)
-    samples = [{"prompt": p, "text": generate(loaded, prompt_ids(loaded, prompt=p), options)} for p in prompts]
+    samples = [{"prompt": p, "text": generate(loaded, prompt_ids(loaded, prompt=p), options)} for p in cfg.training.sample_prompts]
     reshard(model)
     model.train(was_training)
     return samples
@@ -557,7 +647,7 @@ class CheckpointDocs:
     model card (README.md, at the root and in adapter/) and slimtune_format.json (the prompt format).
     Staged in a temporary directory and copied in by the save, under its manifest."""
 
-    def __init__(self, tokenizer, cfg: Config, data, hf_config, base_dtype: torch.dtype, nf4: dict):
+    def __init__(self, tokenizer, cfg: Config, data, hf_config, merged_dtype: torch.dtype, nf4: dict):
         self._tmp = tempfile.TemporaryDirectory(prefix="slimtune-docs-")
         self.root = Path(self._tmp.name)
         self.tokenizer_dir = self.root / "tokenizer"
@@ -578,7 +668,7 @@ class CheckpointDocs:
             files=data.files,
             shapes=dict(data.shapes),
             prompt_format=self.record["prompt_format"],
-            merged_dtype=str(base_dtype).removeprefix("torch."),
+            merged_dtype=str(merged_dtype).removeprefix("torch."),
             nf4=nf4,
         )
 

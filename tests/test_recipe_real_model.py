@@ -48,8 +48,10 @@ STEPS = 20  # the slimtune run
 PEFT_STEPS = 10  # PEFT's side of the step-loss comparison: its first 10 steps
 # Step losses, slimtune vs PEFT: the two differ only in bf16 rounding order (slimtune adds the fp32 LoRA term
 # to the bf16 base output after rounding it to bf16, PEFT adds in fp32 and rounds once; the token-loss sums are
-# chunked differently). Losses are ~3.5 nats; bf16 keeps 8 significant bits (2^-8 relative = 0.014 nats at 3.5).
-STEP_LOSS_BOUND = 0.02
+# chunked differently). Losses are ~3 nats; bf16 keeps 8 significant bits (2^-8 relative = 0.012 nats at 3).
+# Measured (loaded machine, 12:38-13:00 UTC 2026-12-01): step 1 equal to 1e-5, max |diff| 0.0178 over 10 steps.
+STEP_LOSS_BOUND = 0.035
+FIRST_STEP_BOUND = 2e-3  # before any update only the forward's rounding order differs
 LOGITS_BOUND = 0.25  # max |logit difference| of PEFT's adapter form vs slimtune's (logits ~ +-30: a few bf16 ulps)
 EXPECTED_NF4 = {"256": 90, "216": 120}  # SmolLM2-135M: MLP 576 x 1536 (13,824 blocks), attention 576-wide (5,184 / 1,728 blocks)
 
@@ -135,7 +137,8 @@ def test_peft_applies_the_adapter_with_slimtune_logits(run):
 
 def test_step_losses_equal_peft_on_the_nf4_round_tripped_base(run):
     """PEFT LoRA on dequant(NF4(W)) from slimtune's initial adapters, same batches, loss, AdamW, schedule and
-    clipping: the step losses agree within STEP_LOSS_BOUND. PEFT on the original bf16 base does not (NF4's cost)."""
+    clipping: the step losses agree within STEP_LOSS_BOUND (step 1 within FIRST_STEP_BOUND). The original bf16
+    base's step-1 loss does not (NF4's cost)."""
     ours = [r["loss"] for r in run.metrics[:PEFT_STEPS]]
     adapters = initial_adapters(run.base)
     model = peft_lora_model(run.round_trip, adapters)
@@ -147,13 +150,14 @@ def test_step_losses_equal_peft_on_the_nf4_round_tripped_base(run):
     ours_tok_s = sum(r["tokens_per_s"] * r["step_s"] for r in run.metrics[1:]) / sum(r["step_s"] for r in run.metrics[1:])
     print(f"tokens/s (steps after the first): slimtune NF4 {ours_tok_s:.1f}, PEFT on bf16 weights {peft_tok_s:.1f}")
     assert max(diffs) <= STEP_LOSS_BOUND, diffs
+    assert diffs[0] <= FIRST_STEP_BOUND, diffs
     assert ours[-1] < ours[0] - 0.3  # the comparison covers real training, not a flat curve
     # the bound separates: on the original base (not NF4-round-tripped) the first step's loss (B = 0: the base's
     # loss on the step's batch) already differs by far more
     first = epoch_steps(epoch_order(len(run.data.train), SETTINGS["seed"], 0, True), SETTINGS["batch_size"], 1)[0][0]
     on_original = eval_loss(_hf_model(run.base), [run.data.train[i] for i in first], run.pad_id)
     print(f"step 1: the original bf16 base {on_original:.4f}, slimtune {ours[0]:.4f}, PEFT {theirs[0]:.4f}")
-    assert abs(on_original - ours[0]) >= 2 * STEP_LOSS_BOUND
+    assert abs(on_original - ours[0]) >= 10 * FIRST_STEP_BOUND
 
 
 def test_verify_passes_and_offline_merge_is_byte_identical(run):

@@ -143,20 +143,26 @@ print(json.dumps({"merge_s": time.perf_counter() - t0, "stages_s": {k: round(v, 
 """
 
 
+def _synthetic_base_and_adapter(preset: str, out: Path, layers: int | None) -> tuple[str, Path, Path]:
+    """The preset's synthetic base and adapter under ``out`` (written once, reused while complete)."""
+    config = preset_config(preset, **({"num_hidden_layers": layers} if layers else {}))
+    tag = preset + (f"-{layers}l" if layers else "")
+    base, adapter = out / f"base-{tag}", out / f"adapter-{tag}"
+    if not is_complete_checkpoint(base):
+        write_synthetic_base(config, base)
+    if not is_complete_checkpoint(adapter):
+        write_synthetic_adapter(config, adapter)
+    return tag, base, adapter
+
+
 def bench_merge(preset: str, out: Path, layers: int | None = None, device: str = "cpu") -> dict:
     """Synthetic base + adapter on disk (made once, reused), then the merge in a fresh child process,
     which reports its own peak RSS (VmHWM of its whole life: interpreter, imports, merge), the figure
     /usr/bin/time -v reports. (The parent's ru_maxrss for children is not used: the kernel folds the
     parent's own high-water mark into it when the child is started with vfork.)"""
 
-    overrides = {"num_hidden_layers": layers} if layers else {}
-    config = preset_config(preset, **overrides)
-    tag = preset + (f"-{layers}l" if layers else "")
-    base, adapter, merged = out / f"base-{tag}", out / f"adapter-{tag}", out / f"merged-{tag}"
-    if not is_complete_checkpoint(base):
-        write_synthetic_base(config, base)
-    if not is_complete_checkpoint(adapter):
-        write_synthetic_adapter(config, adapter)
+    tag, base, adapter = _synthetic_base_and_adapter(preset, out, layers)
+    merged = out / f"merged-{tag}"
     base_bytes = sum(p.stat().st_size for p in base.glob("*.safetensors"))
     disk = disk_write_mb_s(out, min(base_bytes, 2 * 1024**3))
     child = subprocess.run(
@@ -573,15 +579,8 @@ def bench_gguf(preset: str, out: Path, qtype: str, layers: int | None = None, to
     import subprocess
     import sys
 
-    from slimtune.checkpoint.atomic import is_complete_checkpoint
-
-    config = preset_config(preset, **({"num_hidden_layers": layers} if layers else {}))
-    tag = preset + (f"-{layers}l" if layers else "")
-    base, adapter, target = out / f"base-{tag}", out / f"adapter-{tag}", out / f"{tag}-{qtype}.gguf"
-    if not is_complete_checkpoint(base):
-        write_synthetic_base(config, base)
-    if not is_complete_checkpoint(adapter):
-        write_synthetic_adapter(config, adapter)
+    tag, base, adapter = _synthetic_base_and_adapter(preset, out, layers)
+    target = out / f"{tag}-{qtype}.gguf"
     tokenizer = tokenizer or _default_gguf_tokenizer()
     base_bytes = sum(p.stat().st_size for p in base.glob("*.safetensors"))
     disk = disk_write_mb_s(out, min(base_bytes, 2 * 1024**3))

@@ -61,7 +61,9 @@ def colab(out: Path, smoke: bool) -> int:
     data = _text_rows(out / "colab.jsonl", rows=40, words=64 if smoke else 2048)
     run_dir = out / "colab-run"
     overrides = [f"output_dir={run_dir}", "overwrite=true", f"model.path={base}", f"dataset.path={data}", f"device={device}"]
-    overrides += ["training.max_steps=2", "checkpoint.merged=final", "logging.progress_bar=false"]
+    # the save measured in the trainer (its seconds vs the disk, the host's peak RSS with it): synchronous;
+    # background saves are the train-save bench's (a writer process would hold its own host copy of NF4)
+    overrides += ["training.max_steps=2", "checkpoint.merged=final", "checkpoint.async=false", "logging.progress_bar=false"]
     if smoke:
         overrides += ["training.gradient_accumulation_steps=2", "dataset.max_seq_len=64"]
     t0 = time.perf_counter()

@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -640,9 +641,17 @@ class CheckpointDocs:
         self._tmp = tempfile.TemporaryDirectory(prefix="slimtune-docs-")
         self.root = Path(self._tmp.name)
         self.tokenizer_dir = self.root / "tokenizer"
-        tokenizer.save_pretrained(str(self.tokenizer_dir))
-        if not getattr(tokenizer, "chat_template", None):  # the saved copy gets the template training rendered chat rows with
+        base_files = tokenizer_files(Path(cfg.model.path))
+        if getattr(tokenizer, "chat_template", None) and base_files:  # the base's files as they are, as an offline merge
+            self.tokenizer_dir.mkdir()  # copies them (a save_pretrained would add its load arguments to tokenizer_config.json)
+            for src in base_files:
+                shutil.copyfile(src, self.tokenizer_dir / src.name)
+        else:  # the saved copy gets the template training rendered chat rows with
+            tokenizer.save_pretrained(str(self.tokenizer_dir))
             load_tokenizer(self.tokenizer_dir, chat_template=FALLBACK_CHAT_TEMPLATE).save_pretrained(str(self.tokenizer_dir))
+            generation = Path(cfg.model.path) / "generation_config.json"  # the base's, as an offline merge copies it
+            if generation.is_file():
+                shutil.copyfile(generation, self.tokenizer_dir / generation.name)
         self.record = {**format_record(data.shapes, getattr(tokenizer, "chat_template", None) or FALLBACK_CHAT_TEMPLATE), "nf4": nf4}
         self.common = dict(
             base=cfg.model.path,

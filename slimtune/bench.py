@@ -4,7 +4,7 @@ an FSDP2-sharded model next to the single-process save of the same model; torcht
 bench/peers/fsdp_gather_merge.py). This module is the measuring harness and its command line; new
 measurements are subcommands here: `train-step --peer peft [--model DIR]` (the recipe's training step
 against a PEFT loop, train_bench.py), `train-save` (training with no / synchronous / background saves),
-`gguf` (the streamed GGUF export).
+`gguf` (the streamed GGUF export; `--peer llama.cpp`: merge + llama.cpp's convert_hf_to_gguf.py beside it).
 
 The models are synthetic but of the real shape (``slimtune.synthetic``): random NF4 codes and scalers for
 every projection, random bf16 for embeddings and norms, LoRA r=8 on q_proj and v_proj. Figures are measured in this process:
@@ -143,16 +143,30 @@ print(json.dumps({"merge_s": time.perf_counter() - t0, "stages_s": {k: round(v, 
 """
 
 
-def _synthetic_base_and_adapter(preset: str, out: Path, layers: int | None) -> tuple[str, Path, Path]:
-    """The preset's synthetic base and adapter under ``out`` (written once, reused while complete)."""
-    config = preset_config(preset, **({"num_hidden_layers": layers} if layers else {}))
-    tag = preset + (f"-{layers}l" if layers else "")
+def _synthetic_base_and_adapter(preset: str, out: Path, layers: int | None, vocab: int | None = None) -> tuple[str, Path, Path]:
+    """The preset's synthetic base and adapter under ``out`` (written once, reused while complete); ``vocab``:
+    at least this many embedding rows (a tokenizer bigger than the preset's vocabulary, e.g. SmolLM2's for tiny)."""
+    fields = {"num_hidden_layers": layers} if layers else {}
+    if vocab is not None and vocab > preset_config(preset).vocab_size:
+        fields["vocab_size"] = vocab
+    config = preset_config(preset, **fields)
+    tag = preset + (f"-{layers}l" if layers else "") + (f"-v{vocab}" if "vocab_size" in fields else "")
     base, adapter = out / f"base-{tag}", out / f"adapter-{tag}"
     if not is_complete_checkpoint(base):
         write_synthetic_base(config, base)
     if not is_complete_checkpoint(adapter):
         write_synthetic_adapter(config, adapter)
     return tag, base, adapter
+
+
+def _merge_in_child(base: Path, adapter: Path, merged: Path, device: str = "cpu") -> dict:
+    """``slimtune merge``'s code path (merge_from_files) in a fresh child process: its figures (MERGE_CHILD)."""
+    child = subprocess.run(
+        [sys.executable, "-c", MERGE_CHILD, str(base), str(adapter), str(merged), device], stdout=subprocess.PIPE, text=True
+    )
+    if child.returncode:
+        raise SystemExit(f"merge failed with exit code {child.returncode}")
+    return json.loads(child.stdout.strip().splitlines()[-1])
 
 
 def bench_merge(preset: str, out: Path, layers: int | None = None, device: str = "cpu") -> dict:
@@ -165,12 +179,7 @@ def bench_merge(preset: str, out: Path, layers: int | None = None, device: str =
     merged = out / f"merged-{tag}"
     base_bytes = sum(p.stat().st_size for p in base.glob("*.safetensors"))
     disk = disk_write_mb_s(out, min(base_bytes, 2 * 1024**3))
-    child = subprocess.run(
-        [sys.executable, "-c", MERGE_CHILD, str(base), str(adapter), str(merged), device], stdout=subprocess.PIPE, text=True
-    )
-    if child.returncode:
-        raise SystemExit(f"merge failed with exit code {child.returncode}")
-    stats = json.loads(child.stdout.strip().splitlines()[-1])
+    stats = _merge_in_child(base, adapter, merged, device)
     write_mb_s = stats["bytes_written"] / stats["merge_s"] / 1e6
     shutil.rmtree(merged, ignore_errors=True)
     return {
@@ -570,33 +579,94 @@ print(json.dumps({"export_s": time.perf_counter() - t0, "bytes_written": bytes_w
 """
 
 
-def bench_gguf(preset: str, out: Path, qtype: str, layers: int | None = None, tokenizer: Path | None = None) -> dict:
+def _tokenizer_vocab(tokenizer: Path) -> int:
+    """One past the tokenizer's highest token id: the embedding rows the synthetic base needs."""
+    from transformers import AutoTokenizer  # heavy, and only the GGUF bench needs it
+
+    return max(AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True).get_vocab().values()) + 1
+
+
+def _gguf_in_child(base: Path, adapter: Path, target: Path, qtype: str) -> dict:
+    """slimtune's GGUF export in a fresh child process: its figures (GGUF_CHILD); the file stays."""
+    child = subprocess.run(
+        [sys.executable, "-c", GGUF_CHILD, str(base), str(adapter), str(target), qtype], stdout=subprocess.PIPE, text=True
+    )
+    if child.returncode:
+        raise SystemExit(f"GGUF export failed with exit code {child.returncode}")
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+LLAMA_CPP_PEER = Path(__file__).resolve().parent.parent / "bench" / "peers" / "llama_cpp_convert.sh"
+LLAMA_CPP_TYPES = ("f32", "f16", "bf16", "q8_0")  # what convert_hf_to_gguf.py writes
+
+
+def _check_llama_cpp_peer(peer: str, qtype: str) -> None:
+    """Before anything is written: the peer, its type and its script exist."""
+    if peer != "llama.cpp":
+        raise SystemExit(f"--peer {peer}: the one GGUF peer is llama.cpp")
+    if qtype not in LLAMA_CPP_TYPES:
+        raise SystemExit(f"--peer llama.cpp --type {qtype}: convert_hf_to_gguf.py writes {', '.join(LLAMA_CPP_TYPES)}")
+    if not LLAMA_CPP_PEER.is_file():
+        raise SystemExit(f"--peer llama.cpp: {LLAMA_CPP_PEER} is missing (it lives in the slimtune repository, not the package)")
+
+
+def _llama_cpp_peer(base: Path, adapter: Path, out: Path, tag: str, qtype: str) -> dict:
+    """The merge-then-convert path: ``slimtune merge`` of the same base + adapter (timed: the peer needs
+    it), then llama.cpp's convert_hf_to_gguf.py on the merged checkpoint (bench/peers/llama_cpp_convert.sh,
+    its own venv, lazy mode, /usr/bin/time -v). The merged checkpoint and the peer's file are removed."""
+    merged, target = out / f"merged-{tag}", out / f"{tag}-{qtype}-llama.cpp.gguf"
+    try:
+        merge = _merge_in_child(base, adapter, merged)
+        peer = subprocess.run(["bash", str(LLAMA_CPP_PEER), str(merged), str(target), qtype], stdout=subprocess.PIPE, text=True)
+        if peer.returncode:
+            raise SystemExit(f"{LLAMA_CPP_PEER.name} failed with exit code {peer.returncode}")
+        stats = json.loads(peer.stdout.strip().splitlines()[-1])
+    finally:
+        shutil.rmtree(merged, ignore_errors=True)
+        target.unlink(missing_ok=True)
+    return {
+        "merge_s": round(merge["merge_s"], 2),
+        "merge_peak_rss_mb": round(merge["peak_rss_mb"], 1),
+        "merged_bytes": merge["output_bytes"],
+        "peer": stats["peer"],
+        "peer_llama_cpp_commit": stats["llama_cpp_commit"],
+        "peer_lazy": stats["lazy"],
+        "peer_s": stats["seconds"],
+        "peer_peak_rss_mb": stats["peak_rss_mb"],
+        "peer_file_bytes": stats["file_bytes"],
+        "merge_plus_peer_s": round(merge["merge_s"] + stats["seconds"], 2),
+    }
+
+
+def bench_gguf(
+    preset: str, out: Path, qtype: str, layers: int | None = None, tokenizer: Path | None = None, peer: str | None = None
+) -> dict:
     """GGUF export of a synthetic base + adapter (made once under ``out``, reused), merged on the fly, in a
     fresh child process that reports its peak RSS over its own baseline (RSS after imports, peak reset
     with clear_refs), the bytes it wrote and the file's size; the disk's sequential write speed is
     measured in the same run. ``tokenizer``: a directory whose tokenizer files the base gets (the GGUF
-    needs a vocabulary; SmolLM2's by default)."""
-    import subprocess
-    import sys
+    needs a vocabulary; SmolLM2's by default). ``peer="llama.cpp"``: then the merge + llama.cpp converter
+    path on the same base + adapter (``_llama_cpp_peer``), its figures added.
 
-    tag, base, adapter = _synthetic_base_and_adapter(preset, out, layers)
-    target = out / f"{tag}-{qtype}.gguf"
+    Example: ``bench_gguf("tiny", Path("bench-out"), "q8_0", peer="llama.cpp")``"""
+    if peer is not None:
+        _check_llama_cpp_peer(peer, qtype)
     tokenizer = tokenizer or _default_gguf_tokenizer()
+    tag, base, adapter = _synthetic_base_and_adapter(preset, out, layers, _tokenizer_vocab(tokenizer))
+    target = out / f"{tag}-{qtype}.gguf"
+    if peer is not None and not json.loads((base / "config.json").read_text()).get("architectures"):  # the converter needs it
+        raise SystemExit(f"{base}/config.json names no architectures (a synthetic base from before they were written): remove {base}")
     base_bytes = sum(p.stat().st_size for p in base.glob("*.safetensors"))
     disk = disk_write_mb_s(out, min(base_bytes, 2 * 1024**3))
     copied = [Path(shutil.copy(f, base / f.name)) for f in tokenizer.glob("*token*") if not (base / f.name).exists()]
     try:  # the base is reused only while its manifest lists every file: the tokenizer goes back out
-        child = subprocess.run(
-            [sys.executable, "-c", GGUF_CHILD, str(base), str(adapter), str(target), qtype], stdout=subprocess.PIPE, text=True
-        )
+        stats = _gguf_in_child(base, adapter, target, qtype)
+        size = target.stat().st_size
+        target.unlink()
+        peer_stats = _llama_cpp_peer(base, adapter, out, tag, qtype) if peer else {}  # the merge copies the tokenizer
     finally:
         for f in copied:
             f.unlink()
-    if child.returncode:
-        raise SystemExit(f"GGUF export failed with exit code {child.returncode}")
-    stats = json.loads(child.stdout.strip().splitlines()[-1])
-    size = target.stat().st_size
-    target.unlink()
     for extra in out.glob("Modelfile"):
         extra.unlink()
     write_mb_s = size / stats["export_s"] / 1e6
@@ -616,7 +686,7 @@ def bench_gguf(preset: str, out: Path, qtype: str, layers: int | None = None, to
         "peak_rss_mb": round(stats["peak_rss_mb"], 1),
         "overhead_mb": round(stats["peak_rss_mb"] - stats["rss_before_mb"], 1),
         "peak_reset": stats["peak_reset"],
-    }
+    } | peer_stats
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -670,6 +740,7 @@ def main(argv: list[str] | None = None) -> None:
     gg.add_argument("--out", type=Path, default=Path("bench-out"))
     gg.add_argument("--layers", type=int, default=None, help="override the number of layers")
     gg.add_argument("--tokenizer", type=Path, default=None, help="tokenizer files for the base (default: SmolLM2's)")
+    gg.add_argument("--peer", choices=["llama.cpp"], help="also slimtune merge + llama.cpp's convert_hf_to_gguf.py on it")
     args = parser.parse_args(argv)
     quiet_library_logs()
     if args.command == "train-step":
@@ -682,7 +753,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(result))
     if args.command == "gguf":
         args.out.mkdir(parents=True, exist_ok=True)
-        print(json.dumps(bench_gguf(args.preset, args.out, args.type, args.layers, args.tokenizer)))
+        print(json.dumps(bench_gguf(args.preset, args.out, args.type, args.layers, args.tokenizer, args.peer)))
     if args.command == "dist-save":
         print(json.dumps(bench_dist_save(args.preset, args.out, args.nproc, args.layers)))
     if args.command == "load-moe":

@@ -44,6 +44,7 @@ def preset_config(name: str, **overrides) -> LlamaConfig:
     Example: ``preset_config("llama3-8b", num_hidden_layers=4)``"""
     if name not in PRESETS:
         raise SystemExit(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
+    overrides = {"architectures": ["LlamaForCausalLM"], **overrides}  # as a real checkpoint names it (llama.cpp's converter reads it)
     if name == "tiny":
         return tiny_config(**overrides)
     return LlamaConfig(

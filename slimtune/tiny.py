@@ -34,9 +34,9 @@ def tiny_config(**overrides) -> LlamaConfig:
     """The embedded tiny Llama: the Llama family's test config (``families.tiny_config``: 128 wide,
     2 layers, 4 heads, byte vocabulary + pad/bos/eos) with a 512-wide MLP, untied; every projection
     (128x128, 512x128, 128x512) divides into NF4 blocks."""
-    values = dict(intermediate_size=512, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    values = dict(intermediate_size=512, rms_norm_eps=1e-5, tie_word_embeddings=False, vocab_size=256 + len(SPECIAL_TOKENS))
     values.update(overrides)
-    return family_tiny_config(family_of("llama"), vocab_size=256 + len(SPECIAL_TOKENS), **values)
+    return family_tiny_config(family_of("llama"), **values)
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:

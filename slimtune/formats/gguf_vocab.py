@@ -81,7 +81,7 @@ def vocab_fields(model_dir: str | Path, hf_config, chat_template: str | None) ->
 def pre_tokenizer_name(model_dir: str | Path) -> str:
     """The name llama.cpp gives the byte-level BPE pre-tokenizer of the tokenizer in ``model_dir``.
 
-    Example: ``pre_tokenizer_name("/work/cache/smollm2-hf") == "smollm"``"""
+    Example: ``pre_tokenizer_name(".cache/real-model/SmolLM2-135M-Instruct") == "smollm"``"""
     path = Path(model_dir) / "tokenizer.json"
     spec = load_json(path, expect=dict, max_bytes=TOKENIZER_JSON_BYTES, what="the tokenizer")
     return _pre_tokenizer_name(_load_tokenizer(Path(model_dir)), spec, path)

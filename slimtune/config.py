@@ -265,7 +265,7 @@ SCHEMA: tuple[Key, ...] = (
         "bool",
         True,
         "Save in the background: training blocks only to snapshot the adapters and training state, a writer process writes the "
-        "checkpoint (one process; under torchrun saves are synchronous).",
+        "checkpoint (under torchrun one writer per rank, each writing that rank's part of the cooperative save).",
     ),
     Key(
         "checkpoint.gguf",

@@ -86,16 +86,21 @@ class Ranks:
             raise error
         for r, status in enumerate(statuses):
             if status is not None:
-                raise SlimtuneError(f"rank {r} failed during {what}: {status}")
+                raise PeerFailure(f"rank {r} failed during {what}: {status}")
 
 
 SINGLE = Ranks()
 
 
+class PeerFailure(SlimtuneError):
+    """Raised on a rank for another rank's failure (``Ranks.agree``) or a peer lost mid-collective: the
+    cause lies elsewhere, so a caller choosing which of several ranks' errors to report prefers others."""
+
+
 def _lost(rank: int, what: str, e: BaseException) -> SlimtuneError:
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     first = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0]  # gloo's source location and advice off
-    return SlimtuneError(f"rank {rank}: lost contact with the other ranks during {what} (did one die?): {first}")
+    return PeerFailure(f"rank {rank}: lost contact with the other ranks during {what} (did one die?): {first}")
 
 
 def launched_by_torchrun() -> bool:
@@ -250,12 +255,9 @@ def shard_model(model: torch.nn.Module, ranks: Ranks, keep_whole: set[torch.nn.P
     if not (dist.is_available() and dist.is_initialized()):
         return model
     # FSDP2 and device meshes only under a process group: a one-process run or merge never loads them
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    if "mesh" not in _CONTROL:
-        _CONTROL["mesh"] = init_device_mesh(ranks.device_type, (ranks.world_size,))
-    mesh = _CONTROL["mesh"]
+    mesh = device_mesh(ranks)
     layers = decoder_layers(model)
     if not layers:
         raise SlimtuneError(f"{type(model).__name__}: no decoder layers found to shard")
@@ -267,6 +269,17 @@ def shard_model(model: torch.nn.Module, ranks: Ranks, keep_whole: set[torch.nn.P
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
     return model
+
+
+def device_mesh(ranks: Ranks) -> Any:
+    """The one-dimensional device mesh over the job's ranks that FSDP2 shards on, made once per process.
+
+    Example: ``DTensor.from_local(local, device_mesh(ranks), [Shard(0)], run_check=False)``"""
+    if "mesh" not in _CONTROL:
+        from torch.distributed.device_mesh import init_device_mesh  # only under a process group (see shard_model)
+
+        _CONTROL["mesh"] = init_device_mesh(ranks.device_type, (ranks.world_size,))
+    return _CONTROL["mesh"]
 
 
 def reshard(model: torch.nn.Module) -> None:

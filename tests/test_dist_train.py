@@ -1,8 +1,9 @@
 """FSDP2 QLoRA training on 2 ranks (gloo, CPU) through the one recipe: the same curve as one process,
 training state through DCP (resume 2 -> 2 bit-exact, 2 -> 1 and 1 -> 2 through resharding), the
-cooperative export of a training checkpoint, and a rank killed mid-export.
+cooperative export of a training checkpoint, a rank killed mid-export, and background saves
+(checkpoint.async, the default: a writer per rank) equal to synchronous ones, a writer's failure one line.
 
-The runs are shared by the tests of this module (each 2-rank run is ~15 s here). Every run trains the
+The runs are shared by the tests of this module (each 2-rank run is ~15-25 s here). Every run trains the
 tiny config for 6 steps (4 per epoch, a quarter of the data held out: checkpoints, evaluation and
 greedy samples at steps 3, 4 and 6) in bf16, with 1 MB shards."""
 
@@ -20,7 +21,7 @@ import torch
 
 from slimtune.checkpoint.atomic import MANIFEST_NAME, is_complete_checkpoint, read_manifest
 from slimtune.checkpoint.writer import WriteOptions
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, assert_same_checkpoint, run_cli
 
 pytestmark = pytest.mark.multiprocess
 
@@ -64,10 +65,15 @@ def assert_close_curves(a: dict[int, float], b: dict[int, float], steps: frozens
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
+    """The runs save in the background (checkpoint.async, the default); "two-sync" is "two" saved
+    synchronously, on the same base and data files (the model card names them)."""
     root = tmp_path_factory.mktemp("dist-train")
+    two = trained(root / "two", 2)
+    shared = [f"model.path={two / 'base'}", f"dataset.path={two / 'data' / 'tiny.jsonl'}"]
     return {
         "one": trained(root / "one", 1),
-        "two": trained(root / "two", 2),
+        "two": two,
+        "two-sync": trained(root / "two-sync", 2, "checkpoint.async=false", *shared),
         "two-stopped": trained(root / "two-stopped", 2, "training.stop_after_steps=3"),
     }
 
@@ -166,7 +172,7 @@ def test_sigkill_of_one_rank_mid_export_keeps_the_earlier_checkpoint_and_resumes
     shutil.copytree(runs["two-stopped"], run)
     before = {p.relative_to(run): p.read_bytes() for p in (run / "step-000003").rglob("*") if p.is_file()}
     killer = {"PYTHONPATH": f"{ROOT / 'tests' / 'killer'}{os.pathsep}{ROOT}", "SLIMTUNE_KILL_RANK": "1", "SLIMTUNE_KILL_AT": "3"}
-    proc = train(run, 2, "resume=true", env=killer)  # rank 1 dies in its rows of step-000004's shards
+    proc = train(run, 2, "resume=true", "checkpoint.async=false", env=killer)  # rank 1 dies in its rows of step-000004's shards
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("slimtune finetune: error:")]
     assert len(errors) == 1, proc.stderr[-3000:]
@@ -180,3 +186,72 @@ def test_sigkill_of_one_rank_mid_export_keeps_the_earlier_checkpoint_and_resumes
     assert again.returncode == 0, again.stderr[-3000:]
     assert losses(run) == losses(runs["two"])
     assert is_complete_checkpoint(run / "step-000006")
+
+
+# --- checkpoint.async under torchrun: a writer process per rank, the writers' own process group ---
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def without_run_facts(state: dict) -> dict:
+    """A recipe state without what differs between the two runs: step timings, the stall, and the
+    config's output_dir, checkpoint.async and the paths (the same files, named from another output_dir)."""
+    record = {k: v for k, v in state["metrics"].items() if k not in ("tokens_per_s", "step_s", "checkpoint_stall_s")}
+    config = {k: v for k, v in state["config"].items() if k not in ("output_dir", "checkpoint.async", "model.path", "dataset.path")}
+    return {**state, "metrics": record, "config": config}
+
+
+def test_background_saves_under_torchrun_equal_the_synchronous_ones(runs):
+    """Each rank's writer process writes its part of the same cooperative save (its rows of the merged
+    shards, its DCP shard of the training state) while the ranks train on: every file of every checkpoint
+    equals the synchronous run's (DCP's .metadata and recipe_state.pt by content)."""
+    two, sync = runs["two"], runs["two-sync"]
+    assert losses(two) == losses(sync)
+    for step in (3, 4, 6):
+        a, b = two / f"step-{step:06d}", sync / f"step-{step:06d}"
+        assert_same_checkpoint(a, b, also=frozenset({"recipe_state.pt"}))
+        states = [without_run_facts(torch.load(p / "recipe_state.pt", weights_only=True)) for p in (a, b)]
+        assert states[0] == states[1]
+        assert {"train_state/__0_0.distcp", "train_state/__1_0.distcp"} <= files(a).keys()
+        assert sum(p.startswith("model-") for p in files(a)) >= 2  # merged shards, rows written by both writers
+
+    rows = metrics(two)
+    saves = {r["step"]: r for r in rows if "checkpoint" in r}
+    assert sorted(saves) == [3, 4, 6]
+    assert all(r["checkpoint_stall_s"] >= 0 and r["checkpoint_snapshot_bytes"] > 0 for r in saves.values())
+    # each save is reported once every rank's writer finished it, the last one at the run's end
+    finished = [a for r in rows for a in [*r.get("checkpoint_also_saved", []), r] if "checkpoint_saved" in a]
+    assert [a["checkpoint_saved"] for a in finished] == ["step-000003", "step-000004", "step-000006"]
+    for a in finished:
+        sizes = sum(f["size"] for f in read_manifest(two / a["checkpoint_saved"])["files"])
+        assert a["checkpoint_save_s"] > 0 and a["checkpoint_bytes"] == sizes and a["checkpoint_peak_rss_mb"] > 0
+    assert [r["checkpoint_in_flight"] for r in rows[:5]] == [False, False, False, True, True]
+    assert all("checkpoint_in_flight" not in r for r in metrics(sync))  # the synchronous run: no writer
+    assert all(r["checkpoint_stall_s"] == r["checkpoint_save_s"] for r in metrics(sync) if "checkpoint" in r)
+
+
+STEP4_ADAPTER = r"/\.step-000004\.tmp-[0-9a-f]+/adapter/adapter_model\.safetensors$"
+
+
+def test_a_background_writer_failure_under_torchrun_is_one_line(runs, tmp_path):
+    """A full disk under the writers (injected at their fsync of step-000004's adapter): every rank stops
+    at the same step, rank 0 prints one line, exit status 2; step-000003 is untouched and no temporary
+    directory is left."""
+    run = tmp_path / "run"
+    shutil.copytree(runs["two-stopped"], run)
+    before = {p.relative_to(run): p.read_bytes() for p in (run / "step-000003").rglob("*") if p.is_file()}
+    fault = {
+        "PYTHONPATH": f"{ROOT / 'tests' / 'writer_fault'}{os.pathsep}{ROOT}",
+        "SLIMTUNE_WRITER_FAULT": f"enospc:0:{STEP4_ADAPTER}",
+        "SLIMTUNE_WRITER_MARKER": str(tmp_path / "unused"),
+    }
+    proc = train(run, 2, "resume=true", env=fault)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("slimtune finetune: error:")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
+    assert f"cannot write {run / 'step-000004'}: no space left on device" in errors[0]
+    assert "Traceback" not in proc.stderr
+    assert {p.relative_to(run): p.read_bytes() for p in (run / "step-000003").rglob("*") if p.is_file()} == before
+    assert [p.name for p in run.iterdir() if p.name.startswith("step-")] == ["step-000003"]
+    assert not [p.name for p in run.iterdir() if p.name.startswith(".")]  # no temporary directory left

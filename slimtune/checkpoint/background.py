@@ -8,12 +8,23 @@ base files with the trainer's own ``load_qlora_model`` arguments (deterministic:
 the CPU, and for each save copies the snapshot's adapters into it. So an asynchronous checkpoint is the
 synchronous one, byte for byte (tested), and the trainer's memory grows only by the snapshot. The
 comparison behind the choice (a thread instead of a process: the same code in the trainer's process)
-is in docs/benchmarks.md; ``SLIMTUNE_ASYNC_WRITER=thread`` selects it, for that measurement only.
+is in docs/benchmarks.md; ``SLIMTUNE_ASYNC_WRITER=thread`` selects it, for that measurement only (one
+process).
+
+Under torchrun (FSDP2) every rank starts its own writer, and the writers form a gloo process group of
+their own (they are no ranks of the job: they meet at a store the coordinator holds, ``WriterGroup``),
+with the job's ranks and world size. Each writer loads the model FSDP2-sharded as its trainer did, so
+it holds the same rows; each trainer snapshots its local shards (a DTensor travels as its local shard,
+``_Shard``, and is rebuilt on the writers' mesh); the writers then run the synchronous cooperative save
+itself among themselves (their rows of the merged shards, their DCP shards of the training state, the
+coordinator's small files, manifest and rename). The trainers learn together that a save is over or
+failed: while one is in flight, each step exchanges every rank's writer's answer (one small gather), so
+every rank finishes it, or raises the same line, at the same step.
 
 Rules: at most one save in flight (a save point reached while the previous save runs waits for it,
 and the wait is stall); the run's end waits for the last save; ``keep_last_n`` prunes after a save is
-complete. A failure in the writer (a full disk, a read-only file system, a killed writer) is raised
-as one ``SlimtuneError`` line at the trainer's next step, after the writer's temporary directory is
+complete. A failure in a writer (a full disk, a read-only file system, a killed writer) is raised
+as one ``SlimtuneError`` line at the trainers' next step, after the writers' temporary directory is
 gone. The writer dies with the trainer (``PR_SET_PDEATHSIG``: SIGTERM, on which it removes its
 temporary directory); a temporary directory left anyway is reclaimed by its lock (``atomic.py``).
 Where the base files changed since the run started (size or mtime) a save point falls back to the
@@ -32,6 +43,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import datetime
 import io
 import logging
 import os
@@ -48,10 +60,11 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from slimtune.checkpoint.manager import CheckpointManager
 from slimtune.checkpoint.save import SaveOptions
-from slimtune.distributed import raise_on_sigterm
+from slimtune.distributed import SINGLE, PeerFailure, Ranks, current_ranks, device_mesh, is_dtensor, raise_on_sigterm, shutdown
 from slimtune.errors import SlimtuneError
 from slimtune.lora import LoRAConfig
 from slimtune.memory import peak_rss_mb, reset_peak_rss
@@ -60,16 +73,40 @@ from slimtune.runtime import usable_cores
 
 MECHANISM_ENV = "SLIMTUNE_ASYNC_WRITER"  # "process" (the default) or "thread": for the measurement only
 _PR_SET_PDEATHSIG = 1
+_GROUP_TIMEOUT = datetime.timedelta(seconds=1800)  # the writers' collectives, as the trainers' (init_distributed)
+
+
+@dataclass(frozen=True)
+class WriterGroup:
+    """Where the writer of a job's rank joins the writers' own gloo process group: the address and port
+    of the store the coordinator holds, its rank (the trainer's) and the world size (the job's)."""
+
+    host: str
+    port: int
+    rank: int
+    world_size: int
 
 
 @dataclass(frozen=True)
 class WriterSpec:
-    """What the writer rebuilds the frozen model from: the trainer's ``load_qlora_model`` arguments."""
+    """What the writer rebuilds the frozen model from: the trainer's ``load_qlora_model`` arguments, and
+    under a process group the writers' own group (``WriterGroup``, filled in by ``BackgroundSaver``)."""
 
     model_dir: Path
     lora: LoRAConfig
     seed: int = 0
     dtype: torch.dtype | None = None
+    group: WriterGroup | None = None
+
+
+@dataclass(frozen=True)
+class _Shard:
+    """A DTensor in a snapshot: this rank's local shard and what rebuilds it on the writers' mesh."""
+
+    local: torch.Tensor
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    placements: tuple
 
 
 def base_fingerprint(model_dir: Path) -> dict[str, tuple[int, int]]:
@@ -90,13 +127,23 @@ class _InFlight:
 
 
 class BackgroundSaver:
-    """The trainer's side of the writer (module docstring). One per run, on one process."""
+    """The trainer's side of the writer (module docstring). One per run on each rank; under a process
+    group (``ranks``) every rank calls each method at the same steps, and the ranks decide together
+    when a save is over (or failed)."""
 
-    def __init__(self, spec: WriterSpec, manager: CheckpointManager, log: Callable[[str], None], mechanism: str | None = None):
-        self.spec, self.manager, self.log = spec, manager, log
+    def __init__(
+        self,
+        spec: WriterSpec,
+        manager: CheckpointManager,
+        log: Callable[[str], None],
+        mechanism: str | None = None,
+        ranks: Ranks = SINGLE,
+    ):
+        self.spec, self.manager, self.log, self.ranks = spec, manager, log, ranks
         self.fingerprint = base_fingerprint(spec.model_dir)
-        self.mechanism = mechanism or os.environ.get(MECHANISM_ENV, "process")
+        self.mechanism = "process" if ranks.distributed else mechanism or os.environ.get(MECHANISM_ENV, "process")
         self.in_flight: _InFlight | None = None
+        self.outcome: tuple | None = None  # this rank's writer's answer for the save in flight
         self.unusable: str | None = None  # why saves are synchronous from now on
         self.ready = False
         self.finished: list[tuple[_InFlight, dict]] = []  # saves finished since the last annotate
@@ -105,6 +152,7 @@ class BackgroundSaver:
         self.said = False
         self.snapshot_bytes: int | None = None
         self.ready_wait_s = 0.0
+        self.store, group = _writer_group(ranks)  # the writers' own process group, through a store on the coordinator
         ours, theirs = socket.socketpair()
         self.conn = Connection(ours.detach())
         self.proc: subprocess.Popen | None = None
@@ -114,14 +162,15 @@ class BackgroundSaver:
             self.thread.start()
         else:
             self.proc = _start_process(theirs)
-        self.conn.send((spec, manager.out))
+        self.conn.send((dataclasses.replace(spec, group=group), manager.out))
 
     # --- the save point ---------------------------------------------------------------------------
 
     def available(self, step: int) -> bool:
         """Whether the save at ``step`` can go to the writer: it loaded the same base (waits for it to be
-        ready: that wait is stall), and the base files are unchanged since the run started. The first
-        time not, one log line; from then on every save is synchronous."""
+        ready: that wait is stall), and the base files are unchanged since the run started; under a
+        process group, on every rank. The first time not, one log line; from then on every save is
+        synchronous."""
         if self.unusable is None and base_fingerprint(self.spec.model_dir) != self.fingerprint:
             self.unusable = f"the base files in {self.spec.model_dir} changed since the run started"
         if self.unusable is None and not self.ready:
@@ -132,6 +181,9 @@ class BackgroundSaver:
                 self.ready = True
             else:
                 self.unusable = message[1]
+        if not self.said and self.ranks.world_size > 1:  # every rank saves the same way
+            reasons = self.ranks.gather(self.unusable, f"starting the background save of step-{step:06d}")
+            self.unusable = next((f"rank {r}: {why}" for r, why in enumerate(reasons) if why is not None), None)
         if self.unusable is not None and not self.said:
             self.log(f"checkpoint.async: {self.unusable}; saving synchronously from step {step} on")
             self.said = True
@@ -140,13 +192,13 @@ class BackgroundSaver:
 
     def submit(self, step: int, state: dict, options: SaveOptions, train_state: dict) -> float:
         """Wait for the save in flight (if any), snapshot ``train_state`` (its tensors copied to host
-        memory: pinned buffers from a GPU), the recipe state and the small files of ``options``, and hand
-        them to the writer. Returns the seconds the caller was blocked (with any wait for the writer to
-        be ready in ``available``)."""
+        memory: pinned buffers from a GPU; of a DTensor, this rank's shard), the recipe state and the
+        small files of ``options``, and hand them to the writer. Returns the seconds the caller was
+        blocked (with any wait for the writer to be ready in ``available``)."""
         started = time.perf_counter() - self.ready_wait_s
         self.ready_wait_s = 0.0
         if self.in_flight is not None:
-            self._wait()
+            self._settle(block=True)
         extra = {name: Path(path).read_bytes() for name, path in (options.extra_files or {}).items()}
         request = {"step": step, "state": state, "options": dataclasses.replace(options, extra_files=None), "extra": extra}
         request["train_state"] = _to_host(train_state)
@@ -154,11 +206,11 @@ class BackgroundSaver:
         torch.save(request, buffer)
         del request
         self.snapshot_bytes = buffer.getbuffer().nbytes
+        self.in_flight = _InFlight(step, self.manager.step_path(step).name, time.perf_counter())
         try:
             self.conn.send_bytes(buffer.getbuffer())
         except OSError:
-            self._writer_lost(step)
-        self.in_flight = _InFlight(step, self.manager.step_path(step).name, time.perf_counter())
+            self.outcome = self._writer_lost(f"writing {self.in_flight.name}")  # the ranks learn of it together
         return time.perf_counter() - started
 
     # --- every step ---------------------------------------------------------------------------------
@@ -166,20 +218,21 @@ class BackgroundSaver:
     def annotate(self, record: dict, last: bool = False) -> None:
         """Fill a step's metrics record: ``checkpoint_in_flight`` (a save ran during the step), and for a
         save that finished, ``checkpoint_saved``, ``checkpoint_save_s`` (its background duration),
-        ``checkpoint_bytes``, ``checkpoint_peak_rss_mb`` (the writer's), ``checkpoint_snapshot_bytes`` (on
-        the save point's step), ``tokens_per_s_during_save`` and
+        ``checkpoint_bytes``, ``checkpoint_peak_rss_mb`` (the writer's; under a process group the largest
+        writer's), ``checkpoint_snapshot_bytes`` (on the save point's step), ``tokens_per_s_during_save`` and
         ``tokens_per_s_outside_save`` (mean throughput of the steps that ran during it, and of the steps
         so far that ran during no save). ``last``: the run ends here; wait for the save in flight
         (``checkpoint_final_wait_s``); where two saves finish in one step, the earlier one's figures go
-        to ``checkpoint_also_saved``. Raises the writer's failure as one line."""
+        to ``checkpoint_also_saved``. Raises the writer's failure as one line (any rank's writer's, on
+        every rank at the same step)."""
         busy = self.busy  # the save in flight when this step began
         if record.get("tokens_per_s") is not None:
             (busy.step_rates if busy is not None else self.outside_rates).append(record["tokens_per_s"])
-        if self.in_flight is not None and self.conn.poll():
-            self._finish(self._receive(f"writing {self.in_flight.name}"))
+        if self.in_flight is not None:
+            self._settle(block=False)
         if last and self.in_flight is not None:
             started = time.perf_counter()
-            self._wait()
+            self._settle(block=True)
             record["checkpoint_final_wait_s"] = time.perf_counter() - started
         record["checkpoint_in_flight"] = busy is not None
         if self.snapshot_bytes is not None:  # this step's save point: the serialized snapshot's size
@@ -198,22 +251,36 @@ class BackgroundSaver:
     def close(self) -> None:
         """Wait for the save in flight, then stop the writer."""
         if self.in_flight is not None:
-            self._wait()
+            self._settle(block=True)
         if not self.said:
             self._stop_writer()
 
     # --- internals ----------------------------------------------------------------------------------
 
-    def _wait(self) -> None:
-        self._finish(self._receive(f"writing {self.in_flight.name}"))
+    def _settle(self, block: bool) -> None:
+        """This rank's writer's answer for the save in flight (waited for with ``block``, else taken if
+        there), exchanged between the ranks: the save is over when every writer answered, and failed
+        when any writer did; every rank takes the same decision at the same step."""
+        if self.outcome is None and (block or self.conn.poll()):
+            self.outcome = self._receive(f"writing {self.in_flight.name}")
+        answers = self.ranks.gather(self.outcome, f"checking the background save of {self.in_flight.name}")
+        failed = [a for a in answers if a is not None and a[0] != "done"]
+        if failed:
+            if self.outcome is None:  # this rank's writer stops too (its peer failed): wait for it
+                self._receive(f"writing {self.in_flight.name}")
+            self.in_flight, self.outcome = None, None
+            if self.ranks.is_coordinator:
+                self._reclaim()
+            self.ranks.gather(None, "cleaning up after a failed background save")  # no rank ends before the clean-up
+            raise SlimtuneError(next((a[1] for a in failed if a[2]), failed[0][1]))
+        if all(a is not None for a in answers):
+            self._finish(answers)
 
-    def _finish(self, message: tuple) -> None:
-        flight, self.in_flight = self.in_flight, None
-        if message[0] != "done":
-            self._reclaim()
-            raise SlimtuneError(message[1])
-        _, seconds, nbytes, writer_peak = message
-        removed = self.manager.prune()
+    def _finish(self, answers: list[tuple]) -> None:
+        flight, self.in_flight, self.outcome = self.in_flight, None, None
+        seconds = max(a[1] for a in answers)
+        nbytes, writer_peak = answers[0][2], max(a[3] for a in answers)  # the coordinator's writer lists every file
+        removed = self.manager.prune() if self.ranks.is_coordinator else []
         figures = {"checkpoint_saved": flight.name, "checkpoint_save_s": seconds, "checkpoint_bytes": nbytes}
         figures["checkpoint_peak_rss_mb"] = writer_peak
         self.finished.append((flight, figures))
@@ -223,29 +290,28 @@ class BackgroundSaver:
         )
 
     def _receive(self, what: str) -> tuple:
-        """The writer's next message; a writer that died is one line (its temporary directory reclaimed)."""
+        """The writer's next message; a writer that died is an ("error", one line, True) answer."""
         while not self.conn.poll(0.2):
             if not self._writer_alive():
                 break
         try:
             return self.conn.recv()
         except (EOFError, OSError):
-            self._writer_lost(None, what)
+            return self._writer_lost(what)
 
     def _writer_alive(self) -> bool:
         return self.thread.is_alive() if self.thread is not None else self.proc.poll() is None
 
-    def _writer_lost(self, step: int | None, what: str | None = None) -> None:
-        what = what or f"writing step-{step:06d}"
+    def _writer_lost(self, what: str) -> tuple:
         if self.proc is not None:
             self.proc.wait()
             code = self.proc.returncode
             how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
         else:
             how = "its thread ended"
-        self.in_flight = None
-        self._reclaim()  # its temporary directory: the lock died with it
-        raise SlimtuneError(f"the checkpoint writer died ({how}) while {what}; {self.manager.out} holds the checkpoints before it")
+        whose = f" of rank {self.ranks.rank}" if self.ranks.world_size > 1 else ""
+        line = f"the checkpoint writer{whose} died ({how}) while {what}; {self.manager.out} holds the checkpoints before it"
+        return ("error", line, True)
 
     def _reclaim(self) -> None:
         if self.manager.out.is_dir():
@@ -267,24 +333,31 @@ class BackgroundSaver:
         if self.thread is not None:
             self.thread.join()
         self.conn.close()
+        self.store = None  # the writers' store (coordinator): their group is gone
 
 
 def _to_host(tree: object) -> object:
     """The tensors of ``tree`` copied off a GPU into pinned host buffers (asynchronously, then one
-    synchronisation); CPU tensors as they are (serialising copies them)."""
+    synchronisation); CPU tensors as they are (serialising copies them); a DTensor as its local shard
+    (``_Shard``), which the writer rebuilds on its own mesh (``_rebuild``)."""
     copies = []
+
+    def host(x: torch.Tensor) -> torch.Tensor:
+        if type(x) is not torch.Tensor:
+            raise SlimtuneError(f"checkpoint.async: a {type(x).__name__} in the training state (expected tensors and DTensors)")
+        if not x.is_cuda:
+            return x
+        out = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        out.copy_(x, non_blocking=True)
+        copies.append(x.device)
+        return out
 
     def walk(x: object) -> object:
         if isinstance(x, torch.Tensor):
             x = x.detach()
-            if type(x) is not torch.Tensor:
-                raise SlimtuneError(f"checkpoint.async: a {type(x).__name__} in the training state (background saves are for one process)")
-            if x.is_cuda:
-                host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-                host.copy_(x, non_blocking=True)
-                copies.append(x.device)
-                return host
-            return x
+            if is_dtensor(x):
+                return _Shard(host(x.to_local()), tuple(x.shape), tuple(x.stride()), tuple(x.placements))
+            return host(x)
         if isinstance(x, dict):
             return {k: walk(v) for k, v in x.items()}
         if isinstance(x, (list, tuple)):
@@ -297,6 +370,42 @@ def _to_host(tree: object) -> object:
     return out
 
 
+def _rebuild(tree: object, ranks: Ranks) -> object:
+    """A snapshot's ``_Shard`` entries as DTensors again, on the writers' mesh (the same shapes and
+    placements: DCP writes them as the trainers' would)."""
+    if isinstance(tree, _Shard):
+        from torch.distributed.tensor import DTensor  # a snapshot with shards comes from a process group
+
+        return DTensor.from_local(tree.local, device_mesh(ranks), tree.placements, run_check=False, shape=tree.shape, stride=tree.stride)
+    if isinstance(tree, dict):
+        return {k: _rebuild(v, ranks) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_rebuild(v, ranks) for v in tree)
+    return tree
+
+
+def _writer_group(ranks: Ranks) -> tuple[object, WriterGroup | None]:
+    """Under a process group: a store on the coordinator (a free port) for the writers to meet at, its
+    port sent to every rank. Returns (the store, held by the coordinator; this rank's ``WriterGroup``)."""
+    if not ranks.distributed:
+        return None, None
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    store = None
+    if ranks.is_coordinator:
+        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=_GROUP_TIMEOUT)
+    port = ranks.broadcast(store.port if store is not None else None, "starting the checkpoint writers")
+    return store, WriterGroup(host, port, ranks.rank, ranks.world_size)
+
+
+def _join_writers(group: WriterGroup | None) -> Ranks:
+    """The writer's place among the writers: their own gloo group (alone: ``SINGLE``)."""
+    if group is None:
+        return SINGLE
+    store = dist.TCPStore(group.host, group.port, is_master=False, timeout=_GROUP_TIMEOUT)
+    dist.init_process_group("gloo", store=store, rank=group.rank, world_size=group.world_size, timeout=_GROUP_TIMEOUT)
+    return current_ranks()
+
+
 def _start_process(end: socket.socket) -> subprocess.Popen:
     """The writer: ``python -c`` running ``writer_main`` on its end of the socket pair."""
     fd = end.detach()
@@ -304,7 +413,10 @@ def _start_process(end: socket.socket) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in [package_root, os.environ.get("PYTHONPATH", "")] if p)}
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         env.pop(name, None)  # the writer is no rank of a job
-    code = "import sys; from slimtune.checkpoint.background import writer_main; writer_main(int(sys.argv[1]), int(sys.argv[2]))"
+    code = (  # logging off before the imports: the trainer has said everything importing and loading say (torchao's notes)
+        "import logging, sys; logging.disable(logging.WARNING); "
+        "from slimtune.checkpoint.background import writer_main; writer_main(int(sys.argv[1]), int(sys.argv[2]))"
+    )
     try:
         return subprocess.Popen([sys.executable, "-c", code, str(fd), str(os.getpid())], pass_fds=[fd], env=env, stdin=subprocess.DEVNULL)
     finally:
@@ -321,7 +433,7 @@ def writer_main(fd: int, parent: int) -> None:
     if os.getppid() != parent:
         return  # the trainer died before the line above
     raise_on_sigterm("the checkpoint writer was stopped by SIGTERM (its trainer ended)")
-    logging.disable(logging.WARNING)  # the trainer has said everything loading says
+    logging.disable(logging.WARNING)  # the trainer has said everything loading says (also set by _start_process's code)
     torch.set_num_threads(max(1, usable_cores() // 2))
     try:
         _serve(Connection(fd))
@@ -330,46 +442,66 @@ def writer_main(fd: int, parent: int) -> None:
 
 
 def _serve(conn: Connection) -> None:
-    """Load the model as the trainer did, say ready, then write each request's checkpoint."""
+    """Join the writers' group (under a process group), load the model as the trainer did, say ready,
+    then write each request's checkpoint."""
+    spec = None
     try:
         spec, out = conn.recv()
-        before = base_fingerprint(spec.model_dir)
         try:
-            model = load_qlora_model(spec.model_dir, spec.lora, seed=spec.seed, progress=False, dtype=spec.dtype)
-        except Exception as e:  # noqa: BLE001 - the trainer saves synchronously instead
-            conn.send(("failed", f"the checkpoint writer cannot load {spec.model_dir} ({type(e).__name__}: {e})"))
-            return
-        if base_fingerprint(spec.model_dir) != before:
-            conn.send(("failed", f"the base files in {spec.model_dir} changed while the checkpoint writer loaded them"))
+            ranks = _join_writers(spec.group)
+            model = _load(spec, ranks)
+        except Exception as e:  # noqa: BLE001 - the trainers save synchronously instead
+            conn.send(("failed", str(e)))
             return
         conn.send(("ready",))
         params = dict(model.named_parameters())
         manager = CheckpointManager(out, log=lambda message: print(message, flush=True))
         while data := conn.recv_bytes():
-            conn.send(_write(model, params, manager, torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)))
+            conn.send(_write(model, params, manager, torch.load(io.BytesIO(data), map_location="cpu", weights_only=False), ranks))
     except EOFError:
         return
     finally:
         conn.close()
+        if spec is not None and spec.group is not None:
+            shutdown()
 
 
-def _write(model: torch.nn.Module, params: dict, manager: CheckpointManager, request: dict) -> tuple:
-    """One checkpoint from one snapshot: ("done", seconds, bytes, peak RSS MB) or ("error", one line)."""
+def _load(spec: WriterSpec, ranks: Ranks) -> torch.nn.Module:
+    """The trainer's model, frozen weights and all (this rank's shards of them under a process group);
+    any writer's failure fails every writer (one line)."""
+    before = base_fingerprint(spec.model_dir)
+    model, error = None, None
+    try:
+        model = load_qlora_model(spec.model_dir, spec.lora, seed=spec.seed, progress=False, ranks=ranks, dtype=spec.dtype)
+        if base_fingerprint(spec.model_dir) != before:
+            error = SlimtuneError(f"the base files in {spec.model_dir} changed while the checkpoint writer loaded them")
+    except Exception as e:  # noqa: BLE001 - one line for the trainer
+        error = SlimtuneError(f"the checkpoint writer cannot load {spec.model_dir} ({type(e).__name__}: {e})")
+    ranks.agree(error, "loading the checkpoint writers' model")
+    return model
+
+
+def _write(model: torch.nn.Module, params: dict, manager: CheckpointManager, request: dict, ranks: Ranks) -> tuple:
+    """One checkpoint from one snapshot, by the one save path (every writer its part under a process
+    group): ("done", seconds, bytes, peak RSS MB) or ("error", one line, whether the cause is this
+    writer's own rather than a peer's)."""
     started = time.perf_counter()
     reset_peak_rss()
     try:
         with torch.no_grad():
             for name, value in request["train_state"]["adapter"].items():
-                params[name].copy_(value)
+                target = params[name].to_local() if is_dtensor(params[name]) else params[name]
+                target.copy_(value.local if isinstance(value, _Shard) else value)
+        train_state = _rebuild(request["train_state"], ranks)
         with tempfile.TemporaryDirectory(prefix="slimtune-async-") as tmp:
             extra = {}
             for i, (name, data) in enumerate(request["extra"].items()):
                 extra[name] = Path(tmp) / f"{i}-{Path(name).name}"
                 extra[name].write_bytes(data)
             options = dataclasses.replace(request["options"], extra_files=extra)
-            result = manager.save(model, request["step"], request["state"], options, request["train_state"])
+            result = manager.save(model, request["step"], request["state"], options, train_state, ranks)
     except SlimtuneError as e:
-        return ("error", str(e))
+        return ("error", str(e), not isinstance(e, PeerFailure))
     except Exception as e:  # noqa: BLE001 - one line for the trainer
-        return ("error", f"the checkpoint writer failed writing step-{request['step']:06d}: {type(e).__name__}: {e}")
+        return ("error", f"the checkpoint writer failed writing step-{request['step']:06d}: {type(e).__name__}: {e}", True)
     return ("done", time.perf_counter() - started, result.total_bytes, peak_rss_mb())

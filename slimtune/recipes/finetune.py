@@ -277,10 +277,9 @@ def restore(run: Run) -> None:
         last_record = run.resume.state.get("metrics") if run.resume is not None else None
         run.metrics = MetricsLog(run.manager.metrics_path, keep_through_step=run.global_step, last_record=last_record)
         run.trackers = Trackers.from_config(cfg, run.manager.out, resume_step=run.global_step)
-    if cfg.values["checkpoint.async"] and not ranks.distributed:  # a writer process rebuilds the frozen model now
-        run.saver = BackgroundSaver(WriterSpec(Path(cfg.model.path), _lora_config(cfg), cfg.seed, run.dtype), run.manager, say)
-    elif cfg.values["checkpoint.async"] and ranks.is_coordinator:
-        say("checkpoint.async: under torchrun the saves are synchronous (the background writer is for one process)")
+    if cfg.values["checkpoint.async"]:  # a writer process per rank rebuilds the frozen model (its shards) now
+        spec = WriterSpec(Path(cfg.model.path), _lora_config(cfg), cfg.seed, run.dtype)
+        run.saver = BackgroundSaver(spec, run.manager, say, ranks=ranks)
     run.memory = PeakMemory(run.device)
     run.result = FinetuneResult(run.model, run.tokenizer, run.manager.out, run.global_step, metrics_path=run.manager.metrics_path)
     if run.global_step >= run.stop_at:
@@ -333,8 +332,9 @@ def checkpoint(run: Run) -> SaveResult | None:
     """Samples (training.sample_prompts) into the step's record, then ``step-N`` through the manager,
     written by every rank: the merged model (unless checkpoint.merged says adapter only), the adapter,
     tokenizer, model card, recipe state and training state; then pruning (keep_last_n). With
-    checkpoint.async (one process) the background writer writes it: this step blocks only for the
-    snapshot (``checkpoint_stall_s``) and returns None; ``log_step`` reports the save when it finishes."""
+    checkpoint.async the background writers write it (one per rank, the same cooperative save): this
+    step blocks only for the snapshot (``checkpoint_stall_s``) and returns None; ``log_step`` reports the
+    save when every rank's writer has finished it."""
     cfg, ranks, record, step = run.cfg, run.ranks, run.record, run.global_step
     if cfg.training.sample_prompts:
         record["samples"] = _sample_generations(run)

@@ -73,6 +73,9 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.merged_weight is not None:
             return self._merged_forward(x)
+        if self.lora_a is not None and _fused_applies(self, x):
+            out = _FusedLoRALinear.apply(x, self.weight, self.lora_a.weight, self.lora_b.weight, self.scaling)
+            return out if self.bias is None else out + self.bias.to(out.dtype)
         if self.fan_in_fan_out:
             out = _FanInFanOutNF4.apply(x, self.weight) if is_nf4(self.weight) else x @ self.weight.to(x.dtype)
         elif is_nf4(self.weight):
@@ -103,6 +106,84 @@ class LoRALinear(nn.Module):
         kind = "nf4" if is_nf4(self.weight) else str(self.weight.dtype)
         layout = ", fan_in_fan_out" if self.fan_in_fan_out else ""
         return f"in={self.in_features}, out={self.out_features}, rank={self.rank}, alpha={self.alpha}, base={kind}{layout}"
+
+
+def _fused_applies(layer: LoRALinear, x: torch.Tensor) -> bool:
+    """The fused base + adapter product (``_FusedLoRALinear``) runs for a bf16 input on the CPU, in eager
+    mode, for a frozen bf16 (or NF4 of bf16) [out, in] weight with fp32 adapters and no dropout; the
+    composed path (its own ops, torchao's ``linear_nf4`` under torch.compile) runs otherwise."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.bfloat16
+        and layer.weight.dtype == torch.bfloat16
+        and layer.lora_a.weight.dtype == torch.float32
+        and not layer.fan_in_fan_out
+        and isinstance(layer.dropout, nn.Identity)
+        and not torch.compiler.is_compiling()
+    )
+
+
+def _hi_lo(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An fp32 tensor as the sum of two bf16 tensors (hi + lo equals it to about 2**-16 relative)."""
+    hi = t.to(torch.bfloat16)
+    return hi, (t - hi.float()).to(torch.bfloat16)
+
+
+def _frozen_into(weight: torch.Tensor, out: torch.Tensor) -> None:
+    """The frozen weight's values (NF4 dequantized bit for bit as torchao does) written into ``out``."""
+    if is_nf4(weight):
+        from slimtune.quant.nf4 import dequantize_nf4_into  # an NF4 weight exists: torchao is loaded already
+
+        dequantize_nf4_into(weight, out)
+    else:
+        out.copy_(weight)
+
+
+class _FusedLoRALinear(torch.autograd.Function):
+    """y = x W^T + s (x A^T) B^T for a bf16 x, frozen W (NF4 or bf16), fp32 A and B, each way in one bf16
+    matrix product with fp32 accumulation: the adapter's factors join the product's inner dimension
+    split in bf16 pairs, [x, h, h, h'] [W, B, B', B]^T with h + h' = s x A^T and B + B' = B in fp32 (to
+    about 2**-16), so y is rounded to bf16 once (PEFT rounds x W^T, then the sum) and no fp32 [tokens,
+    out] tensor is made, cast or added. The backward does the same for x's gradient, [g, e, e, e']
+    [W; A; A'; A] with e + e' = s g B, and computes A's and B's gradients in fp32 as PEFT does. It saves
+    x in bf16 and the [tokens, rank] product, not an fp32 copy of x; W is dequantized again, not saved."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float):
+        rows, cols = weight.shape
+        x2 = x.reshape(-1, cols)
+        hs = F.linear(x2.float(), a).mul_(scaling)  # [tokens, rank], fp32
+        h_hi, h_lo = _hi_lo(hs)
+        b_hi, b_lo = _hi_lo(b)
+        rank = hs.shape[1]
+        w = torch.empty(rows, cols + 3 * rank, dtype=torch.bfloat16)
+        _frozen_into(weight, w[:, :cols])
+        w[:, cols:].copy_(torch.cat([b_hi, b_lo, b_hi], dim=1))
+        y = F.linear(torch.cat([x2, h_hi, h_hi, h_lo], dim=1), w)
+        ctx.weight, ctx.scaling = weight, scaling
+        ctx.save_for_backward(x, hs, a, b)
+        return y.view(*x.shape[:-1], rows)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, hs, a, b = ctx.saved_tensors
+        rows, cols = ctx.weight.shape
+        rank = hs.shape[1]
+        g = grad.reshape(-1, rows)
+        g32 = g.float()
+        grad_b = g32.t() @ hs if ctx.needs_input_grad[3] else None
+        e = (g32 @ b).mul_(ctx.scaling)  # [tokens, rank], fp32
+        x2 = x.reshape(-1, cols)
+        grad_a = e.t() @ x2.float() if ctx.needs_input_grad[2] else None
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            e_hi, e_lo = _hi_lo(e)
+            a_hi, a_lo = _hi_lo(a)
+            w = torch.empty(rows + 3 * rank, cols, dtype=torch.bfloat16)
+            _frozen_into(ctx.weight, w[:rows])
+            w[rows:].copy_(torch.cat([a_hi, a_lo, a_hi]))
+            grad_x = (torch.cat([g, e_hi, e_hi, e_lo], dim=1) @ w).view_as(x)
+        return grad_x, None, grad_a, grad_b, None
 
 
 class _FanInFanOutNF4(torch.autograd.Function):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import random
+import os
 import shutil
 import statistics
 import time
@@ -53,6 +54,7 @@ def bench_train_step(model_dir: Path, out: Path, shape: dict, rounds: int = 2, c
     peer: list[float] = []
     our_s: list[float] = []
     peer_s: list[float] = []
+    load_before = os.getloadavg()[0]  # the machine's load from others: the figures say what they ran beside
     for _ in range(rounds):
         records = _slimtune_steps(cfg)
         ours += [r["tokens_per_s"] for r in records[2:]]
@@ -79,7 +81,8 @@ def bench_train_step(model_dir: Path, out: Path, shape: dict, rounds: int = 2, c
         "ratio": round(statistics.median(ours) / statistics.median(peer), 3),
         "slimtune_tok_s_all": [round(x, 1) for x in ours],
         "peft_tok_s_all": [round(x, 1) for x in peer],
-        "machine": "shared 2-core CPU, loaded by other processes" if not torch.cuda.is_available() else torch.cuda.get_device_name(),
+        "machine": torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {os.cpu_count()} cores",
+        "load_average_1min_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
 
 

@@ -129,37 +129,35 @@ def _hi_lo(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return hi, (t - hi.float()).to(torch.bfloat16)
 
 
-def _frozen_into(weight: torch.Tensor, out: torch.Tensor) -> None:
-    """The frozen weight's values (NF4 dequantized bit for bit as torchao does) written into ``out``."""
+def _frozen(weight: torch.Tensor) -> torch.Tensor:
+    """The frozen weight's values: NF4 dequantized bit for bit as torchao does, a bf16 weight as it is."""
     if is_nf4(weight):
-        from slimtune.quant.nf4 import dequantize_nf4_into  # an NF4 weight exists: torchao is loaded already
+        from slimtune.quant.nf4 import dequantize_nf4_rows  # an NF4 weight exists: torchao is loaded already
 
-        dequantize_nf4_into(weight, out)
-    else:
-        out.copy_(weight)
+        return dequantize_nf4_rows(weight, 0, weight.shape[0])
+    return weight
 
 
 class _FusedLoRALinear(torch.autograd.Function):
-    """y = x W^T + s (x A^T) B^T for a bf16 x, frozen W (NF4 or bf16), fp32 A and B, each way in one bf16
-    matrix product with fp32 accumulation: the adapter's factors join the product's inner dimension
-    split in bf16 pairs, [x, h, h, h'] [W, B, B', B]^T with h + h' = s x A^T and B + B' = B in fp32 (to
-    about 2**-16), so y is rounded to bf16 once (PEFT rounds x W^T, then the sum) and no fp32 [tokens,
-    out] tensor is made, cast or added. The backward does the same for x's gradient, [g, e, e, e']
-    [W; A; A'; A] with e + e' = s g B, and computes A's and B's gradients in fp32 as PEFT does. It saves
-    x in bf16 and the [tokens, rank] product, not an fp32 copy of x; W is dequantized again, not saved."""
+    """y = x W^T + s (x A^T) B^T for a bf16 x, frozen W (NF4 or bf16) and fp32 A and B, with the values of
+    the composed path (x W^T as ``nf4_linear`` makes it, plus the adapter term rounded to bf16) but no fp32
+    [tokens, out] tensor made, scaled, cast or added: the adapter term is one bf16 matrix product with
+    fp32 accumulation whose inner dimension holds each fp32 factor split in a bf16 pair,
+    [h, h, h'] [B, B', B]^T with h + h' = s x A^T and B + B' = B (equal to the fp32 product to about
+    2**-16, then rounded once), added in place. The backward does the same for x's gradient
+    (g W + [e, e, e'] [A; A'; A] with e + e' = s g B) and computes A's and B's gradients in fp32, as
+    PEFT does. It saves x in bf16 and the [tokens, rank] product, not an fp32 copy of x; W is
+    dequantized again in the backward, not saved."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float):
         rows, cols = weight.shape
         x2 = x.reshape(-1, cols)
+        y = F.linear(x2, _frozen(weight))
         hs = F.linear(x2.float(), a).mul_(scaling)  # [tokens, rank], fp32
         h_hi, h_lo = _hi_lo(hs)
         b_hi, b_lo = _hi_lo(b)
-        rank = hs.shape[1]
-        w = torch.empty(rows, cols + 3 * rank, dtype=torch.bfloat16)
-        _frozen_into(weight, w[:, :cols])
-        w[:, cols:].copy_(torch.cat([b_hi, b_lo, b_hi], dim=1))
-        y = F.linear(torch.cat([x2, h_hi, h_hi, h_lo], dim=1), w)
+        y.add_(F.linear(torch.cat([h_hi, h_hi, h_lo], dim=1), torch.cat([b_hi, b_lo, b_hi], dim=1)))
         ctx.weight, ctx.scaling = weight, scaling
         ctx.save_for_backward(x, hs, a, b)
         return y.view(*x.shape[:-1], rows)
@@ -168,21 +166,17 @@ class _FusedLoRALinear(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         x, hs, a, b = ctx.saved_tensors
         rows, cols = ctx.weight.shape
-        rank = hs.shape[1]
         g = grad.reshape(-1, rows)
         g32 = g.float()
         grad_b = g32.t() @ hs if ctx.needs_input_grad[3] else None
         e = (g32 @ b).mul_(ctx.scaling)  # [tokens, rank], fp32
-        x2 = x.reshape(-1, cols)
-        grad_a = e.t() @ x2.float() if ctx.needs_input_grad[2] else None
+        grad_a = e.t() @ x.reshape(-1, cols).float() if ctx.needs_input_grad[2] else None
         grad_x = None
         if ctx.needs_input_grad[0]:
             e_hi, e_lo = _hi_lo(e)
             a_hi, a_lo = _hi_lo(a)
-            w = torch.empty(rows + 3 * rank, cols, dtype=torch.bfloat16)
-            _frozen_into(ctx.weight, w[:rows])
-            w[rows:].copy_(torch.cat([a_hi, a_lo, a_hi]))
-            grad_x = (torch.cat([g, e_hi, e_hi, e_lo], dim=1) @ w).view_as(x)
+            grad_x = (g @ _frozen(ctx.weight)).add_(torch.cat([e_hi, e_hi, e_lo], dim=1) @ torch.cat([a_hi, a_lo, a_hi]))
+            grad_x = grad_x.view_as(x)
         return grad_x, None, grad_a, grad_b, None
 
 

@@ -152,6 +152,7 @@ class BackgroundSaver:
         self.said = False
         self.snapshot_bytes: int | None = None
         self.ready_wait_s = 0.0
+        self.trainer_threads = torch.get_num_threads()  # restored whenever the writer is idle
         self.store, group = _writer_group(ranks)  # the writers' own process group, through a store on the coordinator
         ours, theirs = socket.socketpair()
         self.conn = Connection(ours.detach())
@@ -163,6 +164,7 @@ class BackgroundSaver:
         else:
             self.proc = _start_process(theirs)
         self.conn.send((dataclasses.replace(spec, group=group), manager.out))
+        self._share_cores(True)  # the writer is loading the base
 
     # --- the save point ---------------------------------------------------------------------------
 
@@ -177,10 +179,7 @@ class BackgroundSaver:
             started = time.perf_counter()
             message = self._receive(f"starting the checkpoint writer for step-{step:06d}")
             self.ready_wait_s = time.perf_counter() - started  # stall too: submit adds it
-            if message[0] == "ready":
-                self.ready = True
-            else:
-                self.unusable = message[1]
+            self._on_start(message)
         if not self.said and self.ranks.world_size > 1:  # every rank saves the same way
             reasons = self.ranks.gather(self.unusable, f"starting the background save of step-{step:06d}")
             self.unusable = next((f"rank {r}: {why}" for r, why in enumerate(reasons) if why is not None), None)
@@ -207,6 +206,7 @@ class BackgroundSaver:
         del request
         self.snapshot_bytes = buffer.getbuffer().nbytes
         self.in_flight = _InFlight(step, self.manager.step_path(step).name, time.perf_counter())
+        self._share_cores(True)
         try:
             self.conn.send_bytes(buffer.getbuffer())
         except OSError:
@@ -228,6 +228,8 @@ class BackgroundSaver:
         busy = self.busy  # the save in flight when this step began
         if record.get("tokens_per_s") is not None:
             (busy.step_rates if busy is not None else self.outside_rates).append(record["tokens_per_s"])
+        if not self.ready and self.unusable is None and self.conn.poll():  # the writer loaded the base
+            self._on_start(self._receive("starting the checkpoint writer"))
         if self.in_flight is not None:
             self._settle(block=False)
         if last and self.in_flight is not None:
@@ -269,6 +271,7 @@ class BackgroundSaver:
             if self.outcome is None:  # this rank's writer stops too (its peer failed): wait for it
                 self._receive(f"writing {self.in_flight.name}")
             self.in_flight, self.outcome = None, None
+            self._share_cores(False)
             if self.ranks.is_coordinator:
                 self._reclaim()
             self.ranks.gather(None, "cleaning up after a failed background save")  # no rank ends before the clean-up
@@ -276,8 +279,27 @@ class BackgroundSaver:
         if all(a is not None for a in answers):
             self._finish(answers)
 
+    def _on_start(self, message: tuple) -> None:
+        """The writer's first message: ready (it loaded the base), or why it cannot save."""
+        if message[0] == "ready":
+            self.ready = True
+        else:
+            self.unusable = message[1]
+        self._share_cores(False)
+
+    def _share_cores(self, writer_busy: bool) -> None:
+        """While the writer process works (loading the base, writing a save), the trainer's intra-op
+        threads leave it the cores it uses (``writer_main``: half of them), so that the two processes
+        do not oversubscribe the cores; when it is idle the trainer has its threads back. A thread
+        writer shares the trainer's pool: nothing to split."""
+        if self.proc is None:
+            return
+        writer = _writer_threads()
+        torch.set_num_threads(max(1, self.trainer_threads - writer) if writer_busy else self.trainer_threads)
+
     def _finish(self, answers: list[tuple]) -> None:
         flight, self.in_flight, self.outcome = self.in_flight, None, None
+        self._share_cores(False)
         seconds = max(a[1] for a in answers)
         nbytes, writer_peak = answers[0][2], max(a[3] for a in answers)  # the coordinator's writer lists every file
         removed = self.manager.prune() if self.ranks.is_coordinator else []
@@ -318,6 +340,7 @@ class BackgroundSaver:
             self.manager.remove_leftovers()
 
     def _stop_writer(self) -> None:
+        self._share_cores(False)
         if self.conn.closed:
             return
         try:
@@ -406,6 +429,11 @@ def _join_writers(group: WriterGroup | None) -> Ranks:
     return current_ranks()
 
 
+def _writer_threads() -> int:
+    """The writer process's intra-op threads: half the cores this process may use (at least one)."""
+    return max(1, usable_cores() // 2)
+
+
 def _start_process(end: socket.socket) -> subprocess.Popen:
     """The writer: ``python -c`` running ``writer_main`` on its end of the socket pair."""
     fd = end.detach()
@@ -434,7 +462,7 @@ def writer_main(fd: int, parent: int) -> None:
         return  # the trainer died before the line above
     raise_on_sigterm("the checkpoint writer was stopped by SIGTERM (its trainer ended)")
     logging.disable(logging.WARNING)  # the trainer has said everything loading says (also set by _start_process's code)
-    torch.set_num_threads(max(1, usable_cores() // 2))
+    torch.set_num_threads(_writer_threads())
     try:
         _serve(Connection(fd))
     except (SlimtuneError, KeyboardInterrupt):

@@ -29,7 +29,6 @@ __all__ = [
     "can_quantize",
     "scaler_block_size",
     "dequantize_nf4_rows",
-    "dequantize_nf4_into",
     "nf4_from_parts",
     "nf4_linear",
 ]
@@ -112,26 +111,6 @@ def dequantize_nf4_rows(w: NF4Tensor, start: int, end: int) -> torch.Tensor:
         values = table.index_select(0, data).view(-1)
     values = values.view(b1 - b0, bs) * scalers.unsqueeze(-1)
     return values.view(-1)[e0 - b0 * bs : e1 - b0 * bs].view(end - start, cols)
-
-
-def dequantize_nf4_into(w: NF4Tensor, out: torch.Tensor) -> torch.Tensor:
-    """The whole weight, as ``dequantize_nf4_rows(w, 0, rows)`` makes it (the same bits), written into ``out``
-    (a [rows, cols] tensor of w's dtype, rows of it strided allowed: a slice of a wider buffer): for rows
-    of whole 64-element blocks the last multiply writes there directly, otherwise the rows are copied.
-
-    Example: ``buf = torch.empty(rows, cols + 8, dtype=torch.bfloat16); dequantize_nf4_into(w, buf[:, :cols])``"""
-    rows, cols = w.shape
-    bs = w.block_size
-    if cols % bs or out.stride(1) != 1:
-        return out.copy_(dequantize_nf4_rows(w, 0, rows))
-    sbs = w.scaler_block_size
-    nb = rows * cols // bs
-    scalers = (w.quantized_scalers.view(-1, sbs) / w.quantization_factor.unsqueeze(-1)).view(-1).to(w.dtype) + w.scaler_mean
-    table = _byte_pair_table(w)
-    data = w.quantized_data.to(torch.int32)
-    values = table.index_select(0, data).view(w.dtype) if table.dim() == 1 else table.index_select(0, data).view(-1)
-    torch.mul(values.view(rows, cols // bs, bs), scalers[:nb].view(rows, cols // bs, 1), out=out.view(rows, cols // bs, bs))
-    return out
 
 
 def nf4_linear(x: torch.Tensor, weight: NF4Tensor) -> torch.Tensor:

@@ -553,11 +553,14 @@ def bench_train_save(preset: str, out: Path, steps: int, save_every: int, layers
     return result
 
 
+def _real_model_dir() -> Path:
+    return Path(os.environ.get("SLIMTUNE_REAL_MODEL", ".cache/real-model/SmolLM2-135M-Instruct"))
+
+
 def _default_gguf_tokenizer() -> Path:
     """SmolLM2's tokenizer from the real model's cache (`make real-model`), else the byte-level tokenizer."""
-    real = Path(os.environ.get("SLIMTUNE_REAL_MODEL", ".cache/real-model/SmolLM2-135M-Instruct"))
-    if (real / "tokenizer.json").is_file():
-        return real
+    if (_real_model_dir() / "tokenizer.json").is_file():
+        return _real_model_dir()
     fallback = Path(tempfile.mkdtemp(prefix="slimtune-bench-tok-"))
     byte_tokenizer().save_pretrained(str(fallback))
     return fallback
@@ -651,6 +654,11 @@ def bench_gguf(
     Example: ``bench_gguf("tiny", Path("bench-out"), "q8_0", peer="llama.cpp")``"""
     if peer is not None:
         _check_llama_cpp_peer(peer, qtype)
+        if tokenizer is None and not (_real_model_dir() / "tokenizer.json").is_file():  # before anything is written
+            raise SystemExit(
+                f"--peer llama.cpp: {_real_model_dir()} has no tokenizer.json (run `make real-model` or pass --tokenizer): "
+                "convert_hf_to_gguf.py cannot identify the byte-level fallback tokenizer's pre-tokenizer"
+            )
     tokenizer = tokenizer or _default_gguf_tokenizer()
     tag, base, adapter = _synthetic_base_and_adapter(preset, out, layers, _tokenizer_vocab(tokenizer))
     target = out / f"{tag}-{qtype}.gguf"

@@ -139,15 +139,15 @@ def _frozen(weight: torch.Tensor) -> torch.Tensor:
 
 
 class _FusedLoRALinear(torch.autograd.Function):
-    """y = x W^T + s (x A^T) B^T for a bf16 x, frozen W (NF4 or bf16) and fp32 A and B, with the values of
-    the composed path (x W^T as ``nf4_linear`` makes it, plus the adapter term rounded to bf16) but no fp32
-    [tokens, out] tensor made, scaled, cast or added: the adapter term is one bf16 matrix product with
-    fp32 accumulation whose inner dimension holds each fp32 factor split in a bf16 pair,
-    [h, h, h'] [B, B', B]^T with h + h' = s x A^T and B + B' = B (equal to the fp32 product to about
-    2**-16, then rounded once), added in place. The backward does the same for x's gradient
-    (g W + [e, e, e'] [A; A'; A] with e + e' = s g B) and computes A's and B's gradients in fp32, as
-    PEFT does. It saves x in bf16 and the [tokens, rank] product, not an fp32 copy of x; W is
-    dequantized again in the backward, not saved."""
+    """y = x W^T + s (x A^T) B^T for a bf16 x, frozen W (NF4 or bf16) and fp32 A and B, with PEFT's values
+    (x W^T rounded to bf16 as ``nf4_linear`` makes it, plus the adapter term in fp32, rounded once) but no
+    fp32 [tokens, out] tensor made, scaled, cast or added: the adapter term is accumulated onto x W^T by
+    one bf16 matrix product (``addmm_``, fp32 accumulation, one rounding) whose inner dimension holds each
+    fp32 factor split in a bf16 pair, [h, h, h'] [B, B', B]^T with h + h' = s x A^T and B + B' = B (equal
+    to the fp32 product to about 2**-16). The backward gives x's gradient as PEFT's autograd does,
+    round(g W) + round(s g B A) with the same split product, and A's and B's gradients in fp32. It saves
+    x in bf16 and the [tokens, rank] product, not an fp32 copy of x; W is dequantized again in the
+    backward, not saved."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float):
@@ -157,7 +157,7 @@ class _FusedLoRALinear(torch.autograd.Function):
         hs = F.linear(x2.float(), a).mul_(scaling)  # [tokens, rank], fp32
         h_hi, h_lo = _hi_lo(hs)
         b_hi, b_lo = _hi_lo(b)
-        y.add_(F.linear(torch.cat([h_hi, h_hi, h_lo], dim=1), torch.cat([b_hi, b_lo, b_hi], dim=1)))
+        y.addmm_(torch.cat([h_hi, h_hi, h_lo], dim=1), torch.cat([b_hi, b_lo, b_hi], dim=1).t())
         ctx.weight, ctx.scaling = weight, scaling
         ctx.save_for_backward(x, hs, a, b)
         return y.view(*x.shape[:-1], rows)

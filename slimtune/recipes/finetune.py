@@ -277,7 +277,7 @@ def restore(run: Run) -> None:
         last_record = run.resume.state.get("metrics") if run.resume is not None else None
         run.metrics = MetricsLog(run.manager.metrics_path, keep_through_step=run.global_step, last_record=last_record)
         run.trackers = Trackers.from_config(cfg, run.manager.out, resume_step=run.global_step)
-    if cfg.values["checkpoint.async"]:  # a writer process per rank rebuilds the frozen model (its shards) now
+    if cfg.values["checkpoint.async"] and _saves_before_the_end(run):  # a writer per rank rebuilds the frozen model (its shards) now
         spec = WriterSpec(Path(cfg.model.path), _lora_config(cfg), cfg.seed, run.dtype)
         run.saver = BackgroundSaver(spec, run.manager, say, ranks=ranks)
     run.memory = PeakMemory(run.device)
@@ -440,6 +440,15 @@ def _merged_dtype(run: Run) -> torch.dtype | None:
 
 def _every(step: int, n: int | None) -> bool:
     return n is not None and step % n == 0
+
+
+def _saves_before_the_end(run: Run) -> bool:
+    """Whether this invocation reaches a save point before its last step (an epoch end, a multiple of
+    checkpoint.save_every_n_steps): only then is there training for a background save to overlap. A run
+    whose one save is its last saves synchronously and starts no writer beside its steps."""
+    cfg = run.cfg
+    per_epoch = len(epoch_steps(list(range(len(run.data.train))), cfg.training.batch_size, cfg.training.gradient_accumulation_steps))
+    return any(_every(s, per_epoch) or _every(s, cfg.checkpoint.save_every_n_steps) for s in range(run.global_step + 1, run.stop_at))
 
 
 def _read_data(cfg: Config, ranks: Ranks, resume: ResumePoint | None) -> tuple[object, object, Data, list[dict] | None]:

@@ -477,18 +477,39 @@ def test_background_failures_stop_the_run_with_one_line(settings, tmp_path):
     only_the_first_checkpoint(killed)
 
 
+HOLD_S = 2.0  # how long the test keeps the writer held once the trainer waits for it
+
+
 def test_a_save_point_reached_during_a_save_waits_and_counts_as_stall(settings, tmp_path):
-    out = tmp_path / "run"
+    """The writer is held inside step-000001's save until the trainer has reached step 2's save point and
+    has waited there HOLD_S: step 2's save point waits for the save in flight, and that wait is stall."""
+    out, marker = tmp_path / "run", tmp_path / "m"
     step1 = r"/\.step-000001\.tmp-[0-9a-f]+/adapter/adapter_model\.safetensors$"
     child = finetune_process(
-        out, [*settings, "checkpoint.merged=never", "training.stop_after_steps=3"], writer_fault(f"stall:45:{step1}", tmp_path / "m")
+        out, [*settings, "checkpoint.merged=never", "training.stop_after_steps=3"], writer_fault(f"hold:600:{step1}", marker)
     )
-    stdout, stderr = child.communicate(timeout=300)
+    try:
+        stalled_writer(child, marker)  # the writer is inside step-000001's save ...
+        waiting = marker.with_name(marker.name + ".trainer-waiting")
+        deadline = time.monotonic() + 240
+        while not waiting.exists():  # ... and the trainer reached step 2's save point and waits for it
+            assert child.poll() is None, child.communicate()
+            assert time.monotonic() < deadline, "the trainer never waited for the writer"
+            time.sleep(0.02)
+        seen = time.perf_counter()
+        time.sleep(HOLD_S)
+        held = time.perf_counter() - seen  # a lower bound of both the save's time and step 2's wait
+        marker.with_name(marker.name + ".release").write_text("")
+        stdout, stderr = child.communicate(timeout=300)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.communicate()
     assert child.returncode == 0, stdout + stderr
     first, second, third = metrics(out)
     assert first["checkpoint"] == "step-000001" and not first["checkpoint_in_flight"]
     assert second["checkpoint_in_flight"] and second["checkpoint_saved"] == "step-000001"
-    assert second["checkpoint_save_s"] > 44  # the writer slept 45 s inside step-000001's save ...
-    assert second["checkpoint_stall_s"] > 10  # ... and step 2's save point waited for it (step 2 took 11 s on a loaded machine)
+    assert second["checkpoint_save_s"] > held  # the writer was held inside step-000001's save ...
+    assert second["checkpoint_stall_s"] > held  # ... and step 2's save point waited for it: stall
     assert third["checkpoint_also_saved"][0]["checkpoint_saved"] == "step-000002" and third["checkpoint_saved"] == "step-000003"
     assert "checkpoint_final_wait_s" in third and sorted(p.name for p in out.glob("step-*")) == [f"step-00000{i}" for i in (1, 2, 3)]

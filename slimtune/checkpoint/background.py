@@ -152,7 +152,6 @@ class BackgroundSaver:
         self.said = False
         self.snapshot_bytes: int | None = None
         self.ready_wait_s = 0.0
-        self.trainer_threads = torch.get_num_threads()  # restored whenever the writer is idle
         self.store, group = _writer_group(ranks)  # the writers' own process group, through a store on the coordinator
         ours, theirs = socket.socketpair()
         self.conn = Connection(ours.detach())
@@ -164,7 +163,6 @@ class BackgroundSaver:
         else:
             self.proc = _start_process(theirs)
         self.conn.send((dataclasses.replace(spec, group=group), manager.out))
-        self._share_cores(True)  # the writer is loading the base
 
     # --- the save point ---------------------------------------------------------------------------
 
@@ -206,7 +204,6 @@ class BackgroundSaver:
         del request
         self.snapshot_bytes = buffer.getbuffer().nbytes
         self.in_flight = _InFlight(step, self.manager.step_path(step).name, time.perf_counter())
-        self._share_cores(True)
         try:
             self.conn.send_bytes(buffer.getbuffer())
         except OSError:
@@ -271,7 +268,6 @@ class BackgroundSaver:
             if self.outcome is None:  # this rank's writer stops too (its peer failed): wait for it
                 self._receive(f"writing {self.in_flight.name}")
             self.in_flight, self.outcome = None, None
-            self._share_cores(False)
             if self.ranks.is_coordinator:
                 self._reclaim()
             self.ranks.gather(None, "cleaning up after a failed background save")  # no rank ends before the clean-up
@@ -285,21 +281,9 @@ class BackgroundSaver:
             self.ready = True
         else:
             self.unusable = message[1]
-        self._share_cores(False)
-
-    def _share_cores(self, writer_busy: bool) -> None:
-        """While the writer process works (loading the base, writing a save), the trainer's intra-op
-        threads leave it the cores it uses (``writer_main``: half of them), so that the two processes
-        do not oversubscribe the cores; when it is idle the trainer has its threads back. A thread
-        writer shares the trainer's pool: nothing to split."""
-        if self.proc is None:
-            return
-        writer = _writer_threads()
-        torch.set_num_threads(max(1, self.trainer_threads - writer) if writer_busy else self.trainer_threads)
 
     def _finish(self, answers: list[tuple]) -> None:
         flight, self.in_flight, self.outcome = self.in_flight, None, None
-        self._share_cores(False)
         seconds = max(a[1] for a in answers)
         nbytes, writer_peak = answers[0][2], max(a[3] for a in answers)  # the coordinator's writer lists every file
         removed = self.manager.prune() if self.ranks.is_coordinator else []
@@ -340,7 +324,6 @@ class BackgroundSaver:
             self.manager.remove_leftovers()
 
     def _stop_writer(self) -> None:
-        self._share_cores(False)
         if self.conn.closed:
             return
         try:

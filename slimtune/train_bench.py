@@ -18,8 +18,8 @@ tokens (every row the full length)."""
 from __future__ import annotations
 
 import json
-import random
 import os
+import random
 import shutil
 import statistics
 import time

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from slimtune.checkpoint.stages import stage
-from slimtune.quant import is_nf4
+from slimtune.quant import base_rows, is_nf4
 
 ALL_LINEAR = "all-linear"  # PEFT's convention: every linear layer except the output head, resolved per family
 DEFAULT_TARGETS = (ALL_LINEAR,)
@@ -129,15 +129,6 @@ def _hi_lo(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return hi, (t - hi.float()).to(torch.bfloat16)
 
 
-def _frozen(weight: torch.Tensor) -> torch.Tensor:
-    """The frozen weight's values: NF4 dequantized bit for bit as torchao does, a bf16 weight as it is."""
-    if is_nf4(weight):
-        from slimtune.quant.nf4 import dequantize_nf4_rows  # an NF4 weight exists: torchao is loaded already
-
-        return dequantize_nf4_rows(weight, 0, weight.shape[0])
-    return weight
-
-
 class _FusedLoRALinear(torch.autograd.Function):
     """y = x W^T + s (x A^T) B^T for a bf16 x, frozen W (NF4 or bf16) and fp32 A and B, with PEFT's values
     (x W^T rounded to bf16 as ``nf4_linear`` makes it, plus the adapter term in fp32, rounded once) but no
@@ -153,7 +144,7 @@ class _FusedLoRALinear(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float):
         rows, cols = weight.shape
         x2 = x.reshape(-1, cols)
-        y = F.linear(x2, _frozen(weight))
+        y = F.linear(x2, base_rows(weight, 0, rows))
         hs = F.linear(x2.float(), a).mul_(scaling)  # [tokens, rank], fp32
         h_hi, h_lo = _hi_lo(hs)
         b_hi, b_lo = _hi_lo(b)
@@ -175,7 +166,7 @@ class _FusedLoRALinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             e_hi, e_lo = _hi_lo(e)
             a_hi, a_lo = _hi_lo(a)
-            grad_x = (g @ _frozen(ctx.weight)).add_(torch.cat([e_hi, e_hi, e_lo], dim=1) @ torch.cat([a_hi, a_lo, a_hi]))
+            grad_x = (g @ base_rows(ctx.weight, 0, rows)).add_(torch.cat([e_hi, e_hi, e_lo], dim=1) @ torch.cat([a_hi, a_lo, a_hi]))
             grad_x = grad_x.view_as(x)
         return grad_x, None, grad_a, grad_b, None
 

@@ -177,7 +177,10 @@ class BackgroundSaver:
             started = time.perf_counter()
             message = self._receive(f"starting the checkpoint writer for step-{step:06d}")
             self.ready_wait_s = time.perf_counter() - started  # stall too: submit adds it
-            self._on_start(message)
+            if message[0] == "ready":
+                self.ready = True
+            else:
+                self.unusable = message[1]
         if not self.said and self.ranks.world_size > 1:  # every rank saves the same way
             reasons = self.ranks.gather(self.unusable, f"starting the background save of step-{step:06d}")
             self.unusable = next((f"rank {r}: {why}" for r, why in enumerate(reasons) if why is not None), None)
@@ -225,8 +228,6 @@ class BackgroundSaver:
         busy = self.busy  # the save in flight when this step began
         if record.get("tokens_per_s") is not None:
             (busy.step_rates if busy is not None else self.outside_rates).append(record["tokens_per_s"])
-        if not self.ready and self.unusable is None and self.conn.poll():  # the writer loaded the base
-            self._on_start(self._receive("starting the checkpoint writer"))
         if self.in_flight is not None:
             self._settle(block=False)
         if last and self.in_flight is not None:
@@ -274,13 +275,6 @@ class BackgroundSaver:
             raise SlimtuneError(next((a[1] for a in failed if a[2]), failed[0][1]))
         if all(a is not None for a in answers):
             self._finish(answers)
-
-    def _on_start(self, message: tuple) -> None:
-        """The writer's first message: ready (it loaded the base), or why it cannot save."""
-        if message[0] == "ready":
-            self.ready = True
-        else:
-            self.unusable = message[1]
 
     def _finish(self, answers: list[tuple]) -> None:
         flight, self.in_flight, self.outcome = self.in_flight, None, None
@@ -412,11 +406,6 @@ def _join_writers(group: WriterGroup | None) -> Ranks:
     return current_ranks()
 
 
-def _writer_threads() -> int:
-    """The writer process's intra-op threads: half the cores this process may use (at least one)."""
-    return max(1, usable_cores() // 2)
-
-
 def _start_process(end: socket.socket) -> subprocess.Popen:
     """The writer: ``python -c`` running ``writer_main`` on its end of the socket pair."""
     fd = end.detach()
@@ -445,7 +434,7 @@ def writer_main(fd: int, parent: int) -> None:
         return  # the trainer died before the line above
     raise_on_sigterm("the checkpoint writer was stopped by SIGTERM (its trainer ended)")
     logging.disable(logging.WARNING)  # the trainer has said everything loading says (also set by _start_process's code)
-    torch.set_num_threads(_writer_threads())
+    torch.set_num_threads(max(1, usable_cores() // 2))
     try:
         _serve(Connection(fd))
     except (SlimtuneError, KeyboardInterrupt):

@@ -129,6 +129,7 @@ class Run:
     pad_id: int
     total_steps: int
     stop_at: int  # where this invocation stops (training.stop_after_steps)
+    steps_per_epoch: int
     global_step: int = 0
     epoch: int = 0  # 0-based
     step_in_epoch: int = 0  # the next step of the epoch, 0-based
@@ -247,6 +248,7 @@ def setup(cfg: Config, ranks: Ranks = SINGLE) -> Run:
         pad_id=pad_id,
         total_steps=total_steps,
         stop_at=stop_at,
+        steps_per_epoch=steps_per_epoch,
     )
 
 
@@ -446,9 +448,8 @@ def _saves_before_the_end(run: Run) -> bool:
     """Whether this invocation reaches a save point before its last step (an epoch end, a multiple of
     checkpoint.save_every_n_steps): only then is there training for a background save to overlap. A run
     whose one save is its last saves synchronously and starts no writer beside its steps."""
-    cfg = run.cfg
-    per_epoch = len(epoch_steps(list(range(len(run.data.train))), cfg.training.batch_size, cfg.training.gradient_accumulation_steps))
-    return any(_every(s, per_epoch) or _every(s, cfg.checkpoint.save_every_n_steps) for s in range(run.global_step + 1, run.stop_at))
+    every = run.cfg.checkpoint.save_every_n_steps
+    return any(_every(s, run.steps_per_epoch) or _every(s, every) for s in range(run.global_step + 1, run.stop_at))
 
 
 def _read_data(cfg: Config, ranks: Ranks, resume: ResumePoint | None) -> tuple[object, object, Data, list[dict] | None]:

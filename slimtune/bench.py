@@ -34,6 +34,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from transformers import MixtralConfig
 
 from slimtune.checkpoint.atomic import is_complete_checkpoint
+from slimtune.checkpoint.background import MECHANISM_ENV
 from slimtune.checkpoint.save import save_checkpoint
 from slimtune.checkpoint.stages import timing_stages
 from slimtune.checkpoint.writer import WriteOptions
@@ -445,20 +446,24 @@ def _train_step(args: argparse.Namespace) -> None:
     print_row(bench_train_step(model_dir, args.out, shape, rounds=args.rounds, compile=args.compile, threads=args.threads))
 
 
-TRAIN_SAVE_MODES = ("nosave", "sync", "async", "thread")  # thread: the same writer in the trainer's process (GIL)
+TRAIN_SAVE_MODES = ("nosave", "sync", "async", "process", "thread")
+# async: checkpoint.async as it is (on the CPU a writer forked at each save point); process: the writer
+# process that rebuilds the model from the base files (what a GPU run uses); thread: the rebuilding
+# writer in the trainer's process (GIL). The last two for the comparison of mechanisms.
+_BACKGROUND = ("async", "process", "thread")
 
 
 def _train_save_run(base: Path, data: Path, out: Path, mode: str, steps: int, save_every: int, device: str) -> list[dict]:
     """One recipe run in its own process (its own peak RSS); its metrics records. ``nosave`` saves only
     where the run stops (adapter only, not counted)."""
-    saves = [f"checkpoint.save_every_n_steps={save_every}", f"checkpoint.async={mode in ('async', 'thread')}"]
+    saves = [f"checkpoint.save_every_n_steps={save_every}", f"checkpoint.async={mode in _BACKGROUND}"]
     if mode == "nosave":
         saves = ["checkpoint.save_every_n_steps=null", "checkpoint.merged=never", "checkpoint.async=false"]
     args = ["finetune", "--config", "tiny", f"output_dir={out}", f"model.path={base}", "model.create_tiny=false"]
     args += [f"dataset.path={data}", "dataset.create_builtin=false", "dataset.max_seq_len=64", "training.batch_size=1"]
     args += [f"training.max_steps={steps}", "training.total_epochs=1", "checkpoint.keep_last_n=null", "checkpoint.max_shard_size=2GB"]
     args += [f"device={device}", "logging.progress_bar=false", *saves]
-    env = {**os.environ, "SLIMTUNE_ASYNC_WRITER": "thread" if mode == "thread" else "process"}
+    env = {k: v for k, v in os.environ.items() if k != MECHANISM_ENV} | ({MECHANISM_ENV: mode} if mode in ("process", "thread") else {})
     proc = subprocess.run([sys.executable, "-m", "slimtune", *args], capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"train-save {mode}: {proc.stderr.strip()[-2000:]}")
@@ -480,7 +485,8 @@ def _run_figures(rows: list[dict], mode: str) -> dict:
     figures = {"run_s": round(run_s, 2), "blocked_s": round(blocked_s, 2), "peak_rss_mb": round(rows[-1]["peak_rss_mb"], 1)}
     if mode != "nosave":
         figures.update(stall_s=[round(s, 3) for s in stalls], save_s=[round(s, 2) for s in saves])
-    if mode in ("async", "thread"):
+    if mode in _BACKGROUND:
+        figures["writer_private_mb"] = round(max(r["checkpoint_writer_private_mb"] for r in rows if "checkpoint_writer_private_mb" in r), 1)
         figures["writer_peak_rss_mb"] = round(max(r["checkpoint_peak_rss_mb"] for r in rows if "checkpoint_peak_rss_mb" in r), 1)
         figures["snapshot_mb"] = round(max(r.get("checkpoint_snapshot_bytes", 0) for r in rows) / 2**20, 1)
         figures["tokens_per_s_during_save"] = round(statistics.mean(during), 1) if during else None
@@ -513,9 +519,11 @@ def _same_checkpoints(a: Path, b: Path) -> bool:
 
 
 def bench_train_save(preset: str, out: Path, steps: int, save_every: int, layers: int = 2, device: str = "cpu") -> dict:
-    """Train a synthetic model of the preset's shape (``layers`` decoder layers) through the recipe four
-    times: no saves, synchronous merged saves, background merged saves (writer process) and the same
-    writer as a thread of the trainer (the mechanism comparison); one JSON-able dict of figures."""
+    """Train a synthetic model of the preset's shape (``layers`` decoder layers) through the recipe five
+    times: no saves, synchronous merged saves, background merged saves (``checkpoint.async`` as a run
+    gets it: on the CPU a writer forked at each save point), and for the comparison of mechanisms the
+    writer process that rebuilds the model from the base files and the same writer as a thread of the
+    trainer; one JSON-able dict of figures."""
     config = preset_config(preset, num_hidden_layers=layers)
     base, data = out / f"base-{preset}-{layers}l", out / "train.jsonl"
     if not (base / "config.json").is_file():
@@ -523,11 +531,12 @@ def bench_train_save(preset: str, out: Path, steps: int, save_every: int, layers
         byte_tokenizer().save_pretrained(str(base))
     write_jsonl(data, [{"text": f"record {i}: checkpoints stream while training goes on."} for i in range(steps + 1)])
     figures, runs = {}, {}
-    for mode in TRAIN_SAVE_MODES:
+    modes = [m for m in TRAIN_SAVE_MODES if device == "cpu" or m != "process"]  # off the CPU "async" is that process
+    for mode in modes:
         runs[mode] = out / f"run-{mode}"
         shutil.rmtree(runs[mode], ignore_errors=True)
         figures[mode] = _run_figures(_train_save_run(base, data, runs[mode], mode, steps, save_every, device), mode)
-    sync, asyn, thread = figures["sync"], figures["async"], figures["thread"]
+    sync, asyn = figures["sync"], figures["async"]
     result = {
         "preset": f"{preset}[{layers} layers]",
         "device": device,
@@ -542,14 +551,18 @@ def bench_train_save(preset: str, out: Path, steps: int, save_every: int, layers
         "run_s_async": asyn["run_s"],
         "tokens_per_s_during_save": asyn["tokens_per_s_during_save"],
         "tokens_per_s_outside_save": asyn["tokens_per_s_outside_save"],
-        "blocked_s": {mode: figures[mode]["blocked_s"] for mode in TRAIN_SAVE_MODES if mode != "nosave"},
-        "peak_rss_mb": {mode: figures[mode]["peak_rss_mb"] for mode in TRAIN_SAVE_MODES},
+        "blocked_s": {mode: figures[mode]["blocked_s"] for mode in modes if mode != "nosave"},
+        "peak_rss_mb": {mode: figures[mode]["peak_rss_mb"] for mode in modes},
         "writer_peak_rss_mb": asyn["writer_peak_rss_mb"],
+        "writer_private_mb": asyn["writer_private_mb"],
         "snapshot_mb": asyn["snapshot_mb"],
-        "identical": _same_checkpoints(runs["sync"], runs["async"]) and _same_checkpoints(runs["sync"], runs["thread"]),
-        "thread": {k: thread[k] for k in ("run_s", "tokens_per_s_during_save", "tokens_per_s_outside_save")}
-        | {"stall_s_median": statistics.median(thread["stall_s"]), "save_s_median": statistics.median(thread["save_s"])},
+        "identical": all(_same_checkpoints(runs["sync"], runs[mode]) for mode in _BACKGROUND if mode in runs),
     }
+    for mode in [m for m in ("process", "thread") if m in modes]:
+        other = figures[mode]
+        keys = ("run_s", "tokens_per_s_during_save", "tokens_per_s_outside_save") + (("writer_private_mb",) if mode == "process" else ())
+        result[mode] = {k: other[k] for k in keys}  # a thread's "private" memory would be the trainer's
+        result[mode].update(stall_s_median=statistics.median(other["stall_s"]), save_s_median=statistics.median(other["save_s"]))
     return result
 
 

@@ -265,8 +265,9 @@ SCHEMA: tuple[Key, ...] = (
         "bool",
         True,
         "Save in the background: training blocks only to snapshot the adapters and training state, a writer process writes the "
-        "checkpoint (under torchrun one writer per rank, each writing that rank's part of the cooperative save); started only when "
-        "a save point comes before the run's last step.",
+        "checkpoint (on the CPU forked at each save point, sharing the trainer's memory; with a GPU or under torchrun one writer per "
+        "rank, started with the run, each writing that rank's part of the cooperative save); only when a save point comes before "
+        "the run's last step.",
     ),
     Key(
         "checkpoint.gguf",

@@ -3,13 +3,17 @@ synchronous save of the same state, file for file; the writer's failures reach t
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 import torch
 
-from slimtune.checkpoint.background import BackgroundSaver, WriterSpec, base_fingerprint
+from slimtune.checkpoint.background import BackgroundSaver, WriterSpec, _mechanism, base_fingerprint
 from slimtune.checkpoint.manager import CheckpointManager
 from slimtune.checkpoint.save import SaveOptions
 from slimtune.checkpoint.writer import WriteOptions
+from slimtune.distributed import SINGLE
 from slimtune.errors import SlimtuneError
 from slimtune.lora import LoRAConfig
 from slimtune.model import load_qlora_model
@@ -30,7 +34,10 @@ def snapshot(tiny_base):
     return model, {"format": "test", "global_step": 1}, train_state
 
 
-def test_background_checkpoint_equals_the_synchronous_save(tiny_base, snapshot, tmp_path):
+@pytest.mark.parametrize("mechanism", ["fork", "process"])
+def test_background_checkpoint_equals_the_synchronous_save(tiny_base, snapshot, tmp_path, mechanism):
+    """The writer forked with the trainer's model (its memory, copy-on-write, is the snapshot), and the
+    process that rebuilds the model from the base files: both write the synchronous save's files."""
     model, state, train_state = snapshot
     card = tmp_path / "card.md"
     card.write_text("# card\n")
@@ -38,13 +45,17 @@ def test_background_checkpoint_equals_the_synchronous_save(tiny_base, snapshot, 
     CheckpointManager(tmp_path / "sync").save(model, 1, state, options, train_state)
 
     logged = []
-    saver = BackgroundSaver(WriterSpec(tiny_base, LORA, seed=5), CheckpointManager(tmp_path / "async"), logged.append)
-    assert saver.available(1)
+    shared = model if mechanism == "fork" else None  # the process writer knows nothing of the trainer's model
+    saver = BackgroundSaver(WriterSpec(tiny_base, LORA, seed=5), CheckpointManager(tmp_path / "async"), logged.append, model=shared)
+    assert saver.mechanism == mechanism and saver.available(1)
     stall = saver.submit(1, state, options, train_state)
     card.write_text("# changed after the save point\n")  # the snapshot holds the bytes of the save point
-    with torch.no_grad():  # training goes on: the writer has its own copy
+    with torch.no_grad():  # training goes on: the writer has its own copy (the forked one: its pages as they were)
         for p in train_state["adapter"].values():
             p.add_(1.0)
+        for name, p in model.named_parameters():
+            if "norm" in name or "embed" in name:
+                p.zero_()  # even a frozen tensor changed in the trainer leaves the forked writer's copy alone
     record = {"step": 2, "tokens_per_s": 100.0}
     saver.close()
     saver.annotate(record)
@@ -52,6 +63,7 @@ def test_background_checkpoint_equals_the_synchronous_save(tiny_base, snapshot, 
     assert len([p for p in (tmp_path / "sync" / "step-000001").iterdir() if p.name.startswith("model-")]) >= 2
     assert_same_checkpoint(tmp_path / "sync" / "step-000001", tmp_path / "async" / "step-000001")
     assert saver.proc.returncode == 0
+    assert record["checkpoint_writer_private_mb"] > 0 and record["checkpoint_peak_rss_mb"] > 0
 
 
 def test_changed_base_files_fall_back_to_the_synchronous_save(tiny_base, tmp_path):
@@ -78,3 +90,24 @@ def test_a_dead_writer_is_one_line(tiny_base, snapshot, tmp_path):
     with pytest.raises(SlimtuneError, match=r"^the checkpoint writer died \(killed by SIGKILL\) while writing step-000001; "):
         saver.submit(1, state, SaveOptions(WriteOptions(adapter_only=True)), train_state)
         saver.close()
+
+
+def test_a_killed_forked_writer_is_one_line_and_leaves_no_temporary(tiny_base, snapshot, tmp_path):
+    model, state, train_state = snapshot
+    manager = CheckpointManager(tmp_path / "run")
+    saver = BackgroundSaver(WriterSpec(tiny_base, LORA), manager, print, model=model)
+    saver.submit(1, state, SaveOptions(WriteOptions("300KB")), train_state)
+    os.kill(saver.proc.pid, signal.SIGKILL)
+    with pytest.raises(SlimtuneError, match=r"^the checkpoint writer died \(killed by SIGKILL\) while writing step-000001; "):
+        saver.close()
+    assert not list((tmp_path / "run").glob("*"))  # a temporary directory it made reclaimed (its lock was free)
+
+
+def test_the_mechanism_follows_where_the_model_lives(tiny_base, snapshot, tmp_path):
+    model = snapshot[0]
+    spec, manager = WriterSpec(tiny_base, LORA), CheckpointManager(tmp_path / "run")
+    assert _mechanism("fork", SINGLE, model) == "fork"
+    assert _mechanism("fork", SINGLE, None) == "process"  # no model to share: rebuilt from the base files
+    assert _mechanism("thread", SINGLE, model) == "thread"
+    with pytest.raises(SlimtuneError, match=r"^SLIMTUNE_ASYNC_WRITER='threads': expected one of fork, process, thread$"):
+        BackgroundSaver(spec, manager, print, mechanism="threads", model=model)

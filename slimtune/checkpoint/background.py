@@ -1,15 +1,26 @@
 """Zero-stall checkpoints (``checkpoint.async``): at a save point the training loop only snapshots what
 changes (adapters, optimizer, scheduler, loss scaler, RNG, data position: ``train_state``, the recipe
-state and the small documents) and hands it to a writer process, which writes the whole checkpoint
-through the one writer (``CheckpointManager.save`` -> ``write_checkpoint``) while training goes on.
+state and the small documents) and hands it to a writer, which writes the whole checkpoint through the
+one writer (``CheckpointManager.save`` -> ``write_checkpoint``) while training goes on.
 
-The writer is a process of its own, started with the run: it rebuilds the frozen NF4 model from the
-base files with the trainer's own ``load_qlora_model`` arguments (deterministic: the same bytes), on
-the CPU, and for each save copies the snapshot's adapters into it. So an asynchronous checkpoint is the
-synchronous one, byte for byte (tested), and the trainer's memory grows only by the snapshot. The
-comparison behind the choice (a thread instead of a process: the same code in the trainer's process)
-is in docs/benchmarks.md; ``SLIMTUNE_ASYNC_WRITER=thread`` selects it, for that measurement only (one
-process).
+Two mechanisms, chosen by where the model lives (the figures behind the choice: docs/benchmarks.md):
+
+- **fork** (a model in host memory, one process, Linux): at each save point the trainer forks a writer
+  (``_fork_writer``). Its memory is the trainer's at that instant, copy-on-write: the frozen NF4 model,
+  the adapters and the training state's tensors are the snapshot, nothing is copied or rebuilt, and it
+  runs the synchronous save itself, then exits. It runs at nice 19: it takes the CPU training leaves,
+  and all of it while training waits for it (a save point during a save, the run's end). What it holds
+  beyond the trainer's pages is its chunks plus the pages the trainer rewrites while it runs
+  (``checkpoint_writer_private_mb``).
+- **process** (a model on a GPU, or under torchrun): a writer process started with the run rebuilds the
+  frozen NF4 model from the base files with the trainer's own ``load_qlora_model`` arguments
+  (deterministic: the same bytes), on the CPU, and for each save copies the snapshot's adapters (from
+  a GPU through pinned host buffers) into it. Where the base files changed since the run started (size
+  or mtime) a save point falls back to the synchronous save, with one log line.
+
+Either way an asynchronous checkpoint is the synchronous one, byte for byte (tested). A thread in the
+trainer's process running the rebuilding writer (``SLIMTUNE_ASYNC_WRITER=thread``, as ``process`` and
+``fork`` select those) is there for the comparison only.
 
 Under torchrun (FSDP2) every rank starts its own writer, and the writers form a gloo process group of
 their own (they are no ranks of the job: they meet at a store the coordinator holds, ``WriterGroup``),
@@ -25,14 +36,13 @@ Rules: at most one save in flight (a save point reached while the previous save 
 and the wait is stall); the run's end waits for the last save; ``keep_last_n`` prunes after a save is
 complete. A failure in a writer (a full disk, a read-only file system, a killed writer) is raised
 as one ``SlimtuneError`` line at the trainers' next step, after the writers' temporary directory is
-gone. The writer dies with the trainer (``PR_SET_PDEATHSIG``: SIGTERM, on which it removes its
-temporary directory); a temporary directory left anyway is reclaimed by its lock (``atomic.py``).
-Where the base files changed since the run started (size or mtime) a save point falls back to the
-synchronous save, with one log line.
+gone. A writer dies with the trainer (``PR_SET_PDEATHSIG``: SIGTERM, on which it removes its temporary
+directory); a temporary directory left anyway is reclaimed by its lock (``atomic.py``). Writers are
+named ``slimtune-ckpt`` (ps, top).
 
 Example::
 
-    saver = BackgroundSaver(WriterSpec(model_dir, lora, seed=0, dtype=torch.bfloat16), manager, say)
+    saver = BackgroundSaver(WriterSpec(model_dir, lora, seed=0, dtype=torch.bfloat16), manager, say, model=model)
     if saver.available(step):
         stall_s = saver.submit(step, state, options, train_state)   # returns once the snapshot is sent
     saver.annotate(record)        # every step: in-flight flag, a finished save's figures; raises a failure
@@ -44,6 +54,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import datetime
+import gc
 import io
 import logging
 import os
@@ -61,18 +72,22 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from slimtune.checkpoint.manager import CheckpointManager
 from slimtune.checkpoint.save import SaveOptions
 from slimtune.distributed import SINGLE, PeerFailure, Ranks, current_ranks, device_mesh, is_dtensor, raise_on_sigterm, shutdown
 from slimtune.errors import SlimtuneError
 from slimtune.lora import LoRAConfig
-from slimtune.memory import peak_rss_mb, reset_peak_rss
+from slimtune.memory import peak_rss_mb, private_mb, reset_peak_rss
 from slimtune.model import load_qlora_model
 from slimtune.runtime import usable_cores
 
-MECHANISM_ENV = "SLIMTUNE_ASYNC_WRITER"  # "process" (the default) or "thread": for the measurement only
-_PR_SET_PDEATHSIG = 1
+MECHANISM_ENV = "SLIMTUNE_ASYNC_WRITER"  # "fork", "process" or "thread": for the measurement only
+MECHANISMS = ("fork", "process", "thread")
+WRITER_NAME = b"slimtune-ckpt"  # the writer's process name (ps, top)
+FORKED_WRITER_NICE = 19  # the forked writer takes the CPU training leaves (all of it while training waits for it)
+_PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15
 _GROUP_TIMEOUT = datetime.timedelta(seconds=1800)  # the writers' collectives, as the trainers' (init_distributed)
 
 
@@ -138,10 +153,11 @@ class BackgroundSaver:
         log: Callable[[str], None],
         mechanism: str | None = None,
         ranks: Ranks = SINGLE,
+        model: nn.Module | None = None,
     ):
-        self.spec, self.manager, self.log, self.ranks = spec, manager, log, ranks
+        self.spec, self.manager, self.log, self.ranks, self.model = spec, manager, log, ranks, model
         self.fingerprint = base_fingerprint(spec.model_dir)
-        self.mechanism = "process" if ranks.distributed else mechanism or os.environ.get(MECHANISM_ENV, "process")
+        self.mechanism = _mechanism(mechanism or os.environ.get(MECHANISM_ENV) or "fork", ranks, model)
         self.in_flight: _InFlight | None = None
         self.outcome: tuple | None = None  # this rank's writer's answer for the save in flight
         self.unusable: str | None = None  # why saves are synchronous from now on
@@ -152,11 +168,13 @@ class BackgroundSaver:
         self.said = False
         self.snapshot_bytes: int | None = None
         self.ready_wait_s = 0.0
+        self.store, self.conn, self.proc, self.thread = None, None, None, None
+        if self.mechanism == "fork":  # a writer forked at each save point: nothing to start
+            self.ready = True
+            return
         self.store, group = _writer_group(ranks)  # the writers' own process group, through a store on the coordinator
         ours, theirs = socket.socketpair()
         self.conn = Connection(ours.detach())
-        self.proc: subprocess.Popen | None = None
-        self.thread: threading.Thread | None = None
         if self.mechanism == "thread":
             self.thread = threading.Thread(target=_serve, args=(Connection(theirs.detach()),), name="slimtune-ckpt", daemon=True)
             self.thread.start()
@@ -171,7 +189,8 @@ class BackgroundSaver:
         ready: that wait is stall), and the base files are unchanged since the run started; under a
         process group, on every rank. The first time not, one log line; from then on every save is
         synchronous."""
-        if self.unusable is None and base_fingerprint(self.spec.model_dir) != self.fingerprint:
+        rebuilt = self.mechanism != "fork"  # a forked writer shares the trainer's model: no base files read
+        if rebuilt and self.unusable is None and base_fingerprint(self.spec.model_dir) != self.fingerprint:
             self.unusable = f"the base files in {self.spec.model_dir} changed since the run started"
         if self.unusable is None and not self.ready:
             started = time.perf_counter()
@@ -201,6 +220,12 @@ class BackgroundSaver:
             self._settle(block=True)
         extra = {name: Path(path).read_bytes() for name, path in (options.extra_files or {}).items()}
         request = {"step": step, "state": state, "options": dataclasses.replace(options, extra_files=None), "extra": extra}
+        if self.mechanism == "fork":  # the forked process's memory is the snapshot (copy-on-write)
+            request["train_state"] = train_state
+            self.snapshot_bytes = sum(len(data) for data in extra.values())
+            self.in_flight = _InFlight(step, self.manager.step_path(step).name, time.perf_counter())
+            self.proc, self.conn = _fork_writer(self.model, self.manager, request)
+            return time.perf_counter() - started
         request["train_state"] = _to_host(train_state)
         buffer = io.BytesIO()
         torch.save(request, buffer)
@@ -263,6 +288,9 @@ class BackgroundSaver:
         when any writer did; every rank takes the same decision at the same step."""
         if self.outcome is None and (block or self.conn.poll()):
             self.outcome = self._receive(f"writing {self.in_flight.name}")
+            if self.mechanism == "fork":  # its one save answered: the forked writer exits
+                self.proc.wait()
+                self.conn.close()
         answers = self.ranks.gather(self.outcome, f"checking the background save of {self.in_flight.name}")
         failed = [a for a in answers if a is not None and a[0] != "done"]
         if failed:
@@ -282,11 +310,12 @@ class BackgroundSaver:
         nbytes, writer_peak = answers[0][2], max(a[3] for a in answers)  # the coordinator's writer lists every file
         removed = self.manager.prune() if self.ranks.is_coordinator else []
         figures = {"checkpoint_saved": flight.name, "checkpoint_save_s": seconds, "checkpoint_bytes": nbytes}
-        figures["checkpoint_peak_rss_mb"] = writer_peak
+        figures.update(checkpoint_peak_rss_mb=writer_peak, checkpoint_writer_private_mb=max(a[4] for a in answers))
         self.finished.append((flight, figures))
+        own = figures["checkpoint_writer_private_mb"]
         self.log(
-            f"saved {flight.name} in the background ({nbytes:,} bytes, {seconds:.2f} s, writer peak RSS {writer_peak:.0f} MB)"
-            + (f"; removed {', '.join(removed)}" if removed else "")
+            f"saved {flight.name} in the background ({nbytes:,} bytes, {seconds:.2f} s, writer peak RSS {writer_peak:.0f} MB, "
+            f"{own:.0f} MB of it its own)" + (f"; removed {', '.join(removed)}" if removed else "")
         )
 
     def _receive(self, what: str) -> tuple:
@@ -318,7 +347,7 @@ class BackgroundSaver:
             self.manager.remove_leftovers()
 
     def _stop_writer(self) -> None:
-        if self.conn.closed:
+        if self.conn is None or self.conn.closed:
             return
         try:
             self.conn.send_bytes(b"")
@@ -384,6 +413,87 @@ def _rebuild(tree: object, ranks: Ranks) -> object:
     return tree
 
 
+def _mechanism(chosen: str, ranks: Ranks, model: nn.Module | None) -> str:
+    """The writer's mechanism: ``fork`` where the trainer's model lives in host memory in one process on
+    Linux (the forked writer shares it, copy-on-write); otherwise (under torchrun, a model on a GPU) the
+    process that rebuilds the model from the base files. ``thread`` only when asked for (one process)."""
+    if chosen not in MECHANISMS:
+        raise SlimtuneError(f"{MECHANISM_ENV}={chosen!r}: expected one of {', '.join(MECHANISMS)}")
+    if ranks.distributed:
+        return "process"
+    if chosen == "fork":
+        tensors = [] if model is None else [*model.parameters(), *model.buffers()]
+        on_host = bool(tensors) and all(t.device.type == "cpu" for t in tensors)
+        return "fork" if on_host and hasattr(os, "fork") and sys.platform == "linux" else "process"
+    return chosen
+
+
+class _ForkedWriter:
+    """A forked writer, as much of a ``subprocess.Popen`` as the saver uses: ``poll``, ``wait``,
+    ``returncode`` (negative: the signal that killed it)."""
+
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        return self.returncode
+
+
+def _fork_writer(model: nn.Module, manager: CheckpointManager, request: dict) -> tuple[_ForkedWriter, Connection]:
+    """Fork the writer of one save: its memory is the trainer's at this instant (the model, the training
+    state's tensors: copy-on-write, nothing copied now); it writes the checkpoint and exits."""
+    ours, theirs = socket.socketpair()
+    parent = os.getpid()
+    for stream in (sys.stdout, sys.stderr):  # nothing buffered before the fork is written twice
+        stream.flush()
+    pid = os.fork()
+    if pid == 0:
+        ours.close()
+        _forked_main(Connection(theirs.detach()), model, manager, request, parent)
+    theirs.close()
+    return _ForkedWriter(pid), Connection(ours.detach())
+
+
+def _forked_main(conn: Connection, model: nn.Module, manager: CheckpointManager, request: dict, parent: int) -> None:
+    """The forked writer: never returns into the trainer's code (``os._exit``)."""
+    code = 1
+    try:
+        gc.disable()  # the trainer's objects are the snapshot: no finalizer of theirs runs here
+        if _become_writer(parent):
+            os.nice(FORKED_WRITER_NICE)
+            conn.send(_write(model, manager, request, SINGLE))
+            code = 0
+    except BaseException:  # noqa: BLE001 - a lost writer is the trainer's one line (_writer_lost)
+        pass
+    finally:
+        os._exit(code)
+
+
+def _become_writer(parent: int) -> bool:
+    """Set up a writer process: it dies with its parent (SIGTERM, which removes its temporary directory),
+    is named ``slimtune-ckpt`` and computes on half the cores. False if the parent is already gone."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        libc.prctl(_PR_SET_NAME, ctypes.c_char_p(WRITER_NAME), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: a dead trainer's writer ends at its next read of the closed connection
+    if os.getppid() != parent:
+        return False  # the trainer died before the prctl above
+    raise_on_sigterm("the checkpoint writer was stopped by SIGTERM (its trainer ended)")
+    torch.set_num_threads(max(1, usable_cores() // 2))
+    return True
+
+
 def _writer_group(ranks: Ranks) -> tuple[object, WriterGroup | None]:
     """Under a process group: a store on the coordinator (a free port) for the writers to meet at, its
     port sent to every rank. Returns (the store, held by the coordinator; this rank's ``WriterGroup``)."""
@@ -426,15 +536,9 @@ def _start_process(end: socket.socket) -> subprocess.Popen:
 def writer_main(fd: int, parent: int) -> None:
     """The writer process: dies with its parent (SIGTERM, which removes its temporary directory),
     then serves save requests until the trainer closes the connection."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass  # not Linux: a dead trainer's writer ends at its next read of the closed connection
-    if os.getppid() != parent:
-        return  # the trainer died before the line above
-    raise_on_sigterm("the checkpoint writer was stopped by SIGTERM (its trainer ended)")
+    if not _become_writer(parent):
+        return
     logging.disable(logging.WARNING)  # the trainer has said everything loading says (also set by _start_process's code)
-    torch.set_num_threads(max(1, usable_cores() // 2))
     try:
         _serve(Connection(fd))
     except (SlimtuneError, KeyboardInterrupt):
@@ -457,7 +561,7 @@ def _serve(conn: Connection) -> None:
         params = dict(model.named_parameters())
         manager = CheckpointManager(out, log=lambda message: print(message, flush=True))
         while data := conn.recv_bytes():
-            conn.send(_write(model, params, manager, torch.load(io.BytesIO(data), map_location="cpu", weights_only=False), ranks))
+            conn.send(_write(model, manager, torch.load(io.BytesIO(data), map_location="cpu", weights_only=False), ranks, params))
     except EOFError:
         return
     finally:
@@ -466,7 +570,7 @@ def _serve(conn: Connection) -> None:
             shutdown()
 
 
-def _load(spec: WriterSpec, ranks: Ranks) -> torch.nn.Module:
+def _load(spec: WriterSpec, ranks: Ranks) -> nn.Module:
     """The trainer's model, frozen weights and all (this rank's shards of them under a process group);
     any writer's failure fails every writer (one line)."""
     before = base_fingerprint(spec.model_dir)
@@ -481,15 +585,16 @@ def _load(spec: WriterSpec, ranks: Ranks) -> torch.nn.Module:
     return model
 
 
-def _write(model: torch.nn.Module, params: dict, manager: CheckpointManager, request: dict, ranks: Ranks) -> tuple:
+def _write(model: nn.Module, manager: CheckpointManager, request: dict, ranks: Ranks, params: dict | None = None) -> tuple:
     """One checkpoint from one snapshot, by the one save path (every writer its part under a process
-    group): ("done", seconds, bytes, peak RSS MB) or ("error", one line, whether the cause is this
-    writer's own rather than a peer's)."""
+    group); ``params``: the writer's own model's parameters, into which the snapshot's adapters go
+    first (a forked writer's model is the trainer's). ("done", seconds, bytes, peak RSS MB, private MB)
+    or ("error", one line, whether the cause is this writer's own rather than a peer's)."""
     started = time.perf_counter()
     reset_peak_rss()
     try:
         with torch.no_grad():
-            for name, value in request["train_state"]["adapter"].items():
+            for name, value in request["train_state"]["adapter"].items() if params is not None else ():
                 target = params[name].to_local() if is_dtensor(params[name]) else params[name]
                 target.copy_(value.local if isinstance(value, _Shard) else value)
         train_state = _rebuild(request["train_state"], ranks)
@@ -504,4 +609,4 @@ def _write(model: torch.nn.Module, params: dict, manager: CheckpointManager, req
         return ("error", str(e), not isinstance(e, PeerFailure))
     except Exception as e:  # noqa: BLE001 - one line for the trainer
         return ("error", f"the checkpoint writer failed writing step-{request['step']:06d}: {type(e).__name__}: {e}", True)
-    return ("done", time.perf_counter() - started, result.total_bytes, peak_rss_mb())
+    return ("done", time.perf_counter() - started, result.total_bytes, peak_rss_mb(), private_mb())

@@ -281,7 +281,7 @@ def restore(run: Run) -> None:
         run.trackers = Trackers.from_config(cfg, run.manager.out, resume_step=run.global_step)
     if cfg.values["checkpoint.async"] and _saves_before_the_end(run):  # a writer per rank rebuilds the frozen model (its shards) now
         spec = WriterSpec(Path(cfg.model.path), _lora_config(cfg), cfg.seed, run.dtype)
-        run.saver = BackgroundSaver(spec, run.manager, say, ranks=ranks)
+        run.saver = BackgroundSaver(spec, run.manager, say, ranks=ranks, model=run.model)
     run.memory = PeakMemory(run.device)
     run.result = FinetuneResult(run.model, run.tokenizer, run.manager.out, run.global_step, metrics_path=run.manager.metrics_path)
     if run.global_step >= run.stop_at:

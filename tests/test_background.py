@@ -66,13 +66,16 @@ def test_background_checkpoint_equals_the_synchronous_save(tiny_base, snapshot, 
     assert record["checkpoint_writer_private_mb"] > 0 and record["checkpoint_peak_rss_mb"] > 0
 
 
-def test_changed_base_files_fall_back_to_the_synchronous_save(tiny_base, tmp_path):
+def test_changed_base_files_fall_back_to_the_synchronous_save(tiny_base, snapshot, tmp_path):
+    """The writer that rebuilds the model from the base files falls back (one line); a forked writer,
+    which reads no base file (the trainer's model is its snapshot), goes on in the background."""
     base = tmp_path / "base"
     base.mkdir()
     for p in tiny_base.iterdir():
         (base / p.name).write_bytes(p.read_bytes())
     logged = []
     saver = BackgroundSaver(WriterSpec(base, LORA), CheckpointManager(tmp_path / "run"), logged.append)
+    forked = BackgroundSaver(WriterSpec(base, LORA), CheckpointManager(tmp_path / "forked"), logged.append, model=snapshot[0])
     assert base_fingerprint(base) == saver.fingerprint
     config = base / "config.json"
     config.write_text(config.read_text() + " ")
@@ -80,6 +83,8 @@ def test_changed_base_files_fall_back_to_the_synchronous_save(tiny_base, tmp_pat
     assert logged == [f"checkpoint.async: the base files in {base} changed since the run started; saving synchronously from step 3 on"]
     saver.close()
     assert saver.proc.returncode is not None
+    assert forked.mechanism == "fork" and forked.available(3) and len(logged) == 1
+    forked.close()
 
 
 def test_a_dead_writer_is_one_line(tiny_base, snapshot, tmp_path):

@@ -512,5 +512,6 @@ def test_a_save_point_reached_during_a_save_waits_and_counts_as_stall(settings, 
     assert second["checkpoint_in_flight"] and second["checkpoint_saved"] == "step-000001"
     assert second["checkpoint_save_s"] > held  # the writer was held inside step-000001's save ...
     assert second["checkpoint_stall_s"] > held  # ... and step 2's save point waited for it: stall
+    assert "checkpoint.async: the save before step 2's was still running; the next writers run at nice 10" in stdout
     assert third["checkpoint_also_saved"][0]["checkpoint_saved"] == "step-000002" and third["checkpoint_saved"] == "step-000003"
     assert "checkpoint_final_wait_s" in third and sorted(p.name for p in out.glob("step-*")) == [f"step-00000{i}" for i in (1, 2, 3)]

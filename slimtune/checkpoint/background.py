@@ -9,7 +9,8 @@ Two mechanisms, chosen by where the model lives (the figures behind the choice: 
   (``_fork_writer``). Its memory is the trainer's at that instant, copy-on-write: the frozen NF4 model,
   the adapters and the training state's tensors are the snapshot, nothing is copied or rebuilt, and it
   runs the synchronous save itself, then exits. It runs at nice 19: it takes the CPU training leaves,
-  and all of it while training waits for it (a save point during a save, the run's end). What it holds
+  and all of it while training waits for it (a save point during a save, the run's end); a save point
+  that finds the previous save still running makes the next writers less nice (10, then 0). What it holds
   beyond the trainer's pages is its chunks plus the pages the trainer rewrites while it runs
   (``checkpoint_writer_private_mb``).
 - **process** (a model on a GPU, or under torchrun): a writer process started with the run rebuilds the
@@ -86,7 +87,9 @@ from slimtune.runtime import usable_cores
 MECHANISM_ENV = "SLIMTUNE_ASYNC_WRITER"  # "fork", "process" or "thread": for the measurement only
 MECHANISMS = ("fork", "process", "thread")
 WRITER_NAME = b"slimtune-ckpt"  # the writer's process name (ps, top)
-FORKED_WRITER_NICE = 19  # the forked writer takes the CPU training leaves (all of it while training waits for it)
+# The forked writer's nice values: it starts at 19 (it takes the CPU training leaves, and all of it while
+# training waits for it); each save point that finds the previous save still running moves it one down.
+FORKED_WRITER_NICE = (19, 10, 0)
 _PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15
 _GROUP_TIMEOUT = datetime.timedelta(seconds=1800)  # the writers' collectives, as the trainers' (init_distributed)
 
@@ -168,6 +171,7 @@ class BackgroundSaver:
         self.said = False
         self.snapshot_bytes: int | None = None
         self.ready_wait_s = 0.0
+        self.nice = FORKED_WRITER_NICE[0]  # the next forked writer's
         self.store, self.conn, self.proc, self.thread = None, None, None, None
         if self.mechanism == "fork":  # a writer forked at each save point: nothing to start
             self.ready = True
@@ -217,6 +221,8 @@ class BackgroundSaver:
         started = time.perf_counter() - self.ready_wait_s
         self.ready_wait_s = 0.0
         if self.in_flight is not None:
+            if self.mechanism == "fork" and self.outcome is None and not self.conn.poll():
+                self._less_nice(step)  # the previous writer is late: the next one yields less to training
             self._settle(block=True)
         extra = {name: Path(path).read_bytes() for name, path in (options.extra_files or {}).items()}
         request = {"step": step, "state": state, "options": dataclasses.replace(options, extra_files=None), "extra": extra}
@@ -224,7 +230,7 @@ class BackgroundSaver:
             request["train_state"] = train_state
             self.snapshot_bytes = sum(len(data) for data in extra.values())
             self.in_flight = _InFlight(step, self.manager.step_path(step).name, time.perf_counter())
-            self.proc, self.conn = _fork_writer(self.model, self.manager, request)
+            self.proc, self.conn = _fork_writer(self.model, self.manager, request, self.nice)
             return time.perf_counter() - started
         request["train_state"] = _to_host(train_state)
         buffer = io.BytesIO()
@@ -281,6 +287,12 @@ class BackgroundSaver:
             self._stop_writer()
 
     # --- internals ----------------------------------------------------------------------------------
+
+    def _less_nice(self, step: int) -> None:
+        lower = [n for n in FORKED_WRITER_NICE if n < self.nice]
+        if lower:
+            self.nice = lower[0]
+            self.log(f"checkpoint.async: the save before step {step}'s was still running; the next writers run at nice {self.nice}")
 
     def _settle(self, block: bool) -> None:
         """This rank's writer's answer for the save in flight (waited for with ``block``, else taken if
@@ -448,9 +460,9 @@ class _ForkedWriter:
         return self.returncode
 
 
-def _fork_writer(model: nn.Module, manager: CheckpointManager, request: dict) -> tuple[_ForkedWriter, Connection]:
-    """Fork the writer of one save: its memory is the trainer's at this instant (the model, the training
-    state's tensors: copy-on-write, nothing copied now); it writes the checkpoint and exits."""
+def _fork_writer(model: nn.Module, manager: CheckpointManager, request: dict, nice: int) -> tuple[_ForkedWriter, Connection]:
+    """Fork the writer of one save, at ``nice``: its memory is the trainer's at this instant (the model,
+    the training state's tensors: copy-on-write, nothing copied now); it writes the checkpoint and exits."""
     ours, theirs = socket.socketpair()
     parent = os.getpid()
     for stream in (sys.stdout, sys.stderr):  # nothing buffered before the fork is written twice
@@ -458,18 +470,18 @@ def _fork_writer(model: nn.Module, manager: CheckpointManager, request: dict) ->
     pid = os.fork()
     if pid == 0:
         ours.close()
-        _forked_main(Connection(theirs.detach()), model, manager, request, parent)
+        _forked_main(Connection(theirs.detach()), model, manager, request, parent, nice)
     theirs.close()
     return _ForkedWriter(pid), Connection(ours.detach())
 
 
-def _forked_main(conn: Connection, model: nn.Module, manager: CheckpointManager, request: dict, parent: int) -> None:
+def _forked_main(conn: Connection, model: nn.Module, manager: CheckpointManager, request: dict, parent: int, nice: int) -> None:
     """The forked writer: never returns into the trainer's code (``os._exit``)."""
     code = 1
     try:
         gc.disable()  # the trainer's objects are the snapshot: no finalizer of theirs runs here
         if _become_writer(parent):
-            os.nice(FORKED_WRITER_NICE)
+            os.nice(nice)
             conn.send(_write(model, manager, request, SINGLE))
             code = 0
     except BaseException:  # noqa: BLE001 - a lost writer is the trainer's one line (_writer_lost)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 import pytest
 import torch
 
+from slimtune.checkpoint import background
 from slimtune.checkpoint.background import BackgroundSaver, WriterSpec, _mechanism, base_fingerprint
 from slimtune.checkpoint.manager import CheckpointManager
 from slimtune.checkpoint.save import SaveOptions
@@ -35,10 +37,16 @@ def snapshot(tiny_base):
 
 
 @pytest.mark.parametrize("mechanism", ["fork", "process"])
-def test_background_checkpoint_equals_the_synchronous_save(tiny_base, snapshot, tmp_path, mechanism):
+def test_background_checkpoint_equals_the_synchronous_save(tiny_base, snapshot, tmp_path, mechanism, monkeypatch):
     """The writer forked with the trainer's model (its memory, copy-on-write, is the snapshot), and the
-    process that rebuilds the model from the base files: both write the synchronous save's files."""
+    process that rebuilds the model from the base files: both write the synchronous save's files. The
+    trainer here has used its OpenMP pool and the machine looks like 16 cores: a forked writer that
+    computed on several threads would hang (GNU OpenMP after fork), so a watchdog kills it after 120 s."""
     model, state, train_state = snapshot
+    monkeypatch.setattr(background, "usable_cores", lambda: 16)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    torch.randn(512, 512) @ torch.randn(512, 512)  # the trainer's pool is up before the fork
     card = tmp_path / "card.md"
     card.write_text("# card\n")
     options = SaveOptions(WriteOptions("300KB"), extra_files={"README.md": card, "adapter/README.md": card})
@@ -57,7 +65,13 @@ def test_background_checkpoint_equals_the_synchronous_save(tiny_base, snapshot, 
             if "norm" in name or "embed" in name:
                 p.zero_()  # even a frozen tensor changed in the trainer leaves the forked writer's copy alone
     record = {"step": 2, "tokens_per_s": 100.0}
-    saver.close()
+    watchdog = threading.Timer(120, lambda: saver.proc.poll() is None and os.kill(saver.proc.pid, signal.SIGKILL))
+    watchdog.start()
+    try:
+        saver.close()
+    finally:
+        watchdog.cancel()
+        torch.set_num_threads(threads)
     saver.annotate(record)
     assert stall >= 0 and record["checkpoint_saved"] == "step-000001" and record["checkpoint_save_s"] > 0
     assert len([p for p in (tmp_path / "sync" / "step-000001").iterdir() if p.name.startswith("model-")]) >= 2

@@ -8,7 +8,8 @@ Two mechanisms, chosen by where the model lives (the figures behind the choice: 
 - **fork** (a model in host memory, one process, Linux): at each save point the trainer forks a writer
   (``_fork_writer``). Its memory is the trainer's at that instant, copy-on-write: the frozen NF4 model,
   the adapters and the training state's tensors are the snapshot, nothing is copied or rebuilt, and it
-  runs the synchronous save itself, then exits. It runs at nice 19: it takes the CPU training leaves,
+  runs the synchronous save itself, on one thread (GNU OpenMP's thread pool does not survive a fork: a
+  forked process that computes on several threads hangs), then exits. It runs at nice 19: it takes the CPU training leaves,
   and all of it while training waits for it (a save point during a save, the run's end); a save point
   that finds the previous save still running makes the next writers less nice (10, then 0). What it holds
   beyond the trainer's pages is its chunks plus the pages the trainer rewrites while it runs
@@ -480,7 +481,7 @@ def _forked_main(conn: Connection, model: nn.Module, manager: CheckpointManager,
     code = 1
     try:
         gc.disable()  # the trainer's objects are the snapshot: no finalizer of theirs runs here
-        if _become_writer(parent):
+        if _become_writer(parent, threads=1):  # GNU OpenMP's pool does not survive a fork: more threads hang
             os.nice(nice)
             conn.send(_write(model, manager, request, SINGLE))
             code = 0
@@ -490,9 +491,9 @@ def _forked_main(conn: Connection, model: nn.Module, manager: CheckpointManager,
         os._exit(code)
 
 
-def _become_writer(parent: int) -> bool:
+def _become_writer(parent: int, threads: int) -> bool:
     """Set up a writer process: it dies with its parent (SIGTERM, which removes its temporary directory),
-    is named ``slimtune-ckpt`` and computes on half the cores. False if the parent is already gone."""
+    is named ``slimtune-ckpt`` and computes on ``threads`` threads. False if the parent is already gone."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
@@ -502,7 +503,7 @@ def _become_writer(parent: int) -> bool:
     if os.getppid() != parent:
         return False  # the trainer died before the prctl above
     raise_on_sigterm("the checkpoint writer was stopped by SIGTERM (its trainer ended)")
-    torch.set_num_threads(max(1, usable_cores() // 2))
+    torch.set_num_threads(threads)
     return True
 
 
@@ -548,7 +549,7 @@ def _start_process(end: socket.socket) -> subprocess.Popen:
 def writer_main(fd: int, parent: int) -> None:
     """The writer process: dies with its parent (SIGTERM, which removes its temporary directory),
     then serves save requests until the trainer closes the connection."""
-    if not _become_writer(parent):
+    if not _become_writer(parent, threads=max(1, usable_cores() // 2)):
         return
     logging.disable(logging.WARNING)  # the trainer has said everything loading says (also set by _start_process's code)
     try:

@@ -3,6 +3,7 @@ synchronous save of the same state, file for file; the writer's failures reach t
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import threading
@@ -130,3 +131,25 @@ def test_the_mechanism_follows_where_the_model_lives(tiny_base, snapshot, tmp_pa
     assert _mechanism("thread", SINGLE, model) == "thread"
     with pytest.raises(SlimtuneError, match=r"^SLIMTUNE_ASYNC_WRITER='threads': expected one of fork, process, thread$"):
         BackgroundSaver(spec, manager, print, mechanism="threads", model=model)
+
+
+def test_a_failed_fork_saves_in_the_trainer(tiny_base, snapshot, tmp_path, monkeypatch):
+    """fork() refused (ENOMEM, as under strict overcommit): that save is written by the trainer itself,
+    the same files, one log line, and its figures reach the step's record."""
+    model, state, train_state = snapshot
+    options = SaveOptions(WriteOptions("300KB"))
+    CheckpointManager(tmp_path / "sync").save(model, 1, state, options, train_state)
+
+    def refused():
+        raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+
+    monkeypatch.setattr(background.os, "fork", refused)
+    logged = []
+    saver = BackgroundSaver(WriterSpec(tiny_base, LORA), CheckpointManager(tmp_path / "async"), logged.append, model=model)
+    stall = saver.submit(1, state, options, train_state)
+    record = {"step": 1, "tokens_per_s": 100.0}
+    saver.annotate(record)
+    saver.close()
+    assert logged[0] == "checkpoint.async: cannot fork the checkpoint writer (Cannot allocate memory); saving step-000001 in the trainer"
+    assert record["checkpoint_saved"] == "step-000001" and stall >= record["checkpoint_save_s"] > 0
+    assert_same_checkpoint(tmp_path / "sync" / "step-000001", tmp_path / "async" / "step-000001")

@@ -11,7 +11,8 @@ Two mechanisms, chosen by where the model lives (the figures behind the choice: 
   runs the synchronous save itself, on one thread (GNU OpenMP's thread pool does not survive a fork: a
   forked process that computes on several threads hangs), then exits. It runs at nice 19: it takes the CPU training leaves,
   and all of it while training waits for it (a save point during a save, the run's end); a save point
-  that finds the previous save still running makes the next writers less nice (10, then 0). What it holds
+  that finds the previous save still running makes the next writers less nice (10, then 0); a fork that
+  fails (no memory or processes left) has the trainer write that save itself. What it holds
   beyond the trainer's pages is its chunks plus the pages the trainer rewrites while it runs
   (``checkpoint_writer_private_mb``).
 - **process** (a model on a GPU, or under torchrun): a writer process started with the run rebuilds the
@@ -231,7 +232,12 @@ class BackgroundSaver:
             request["train_state"] = train_state
             self.snapshot_bytes = sum(len(data) for data in extra.values())
             self.in_flight = _InFlight(step, self.manager.step_path(step).name, time.perf_counter())
-            self.proc, self.conn = _fork_writer(self.model, self.manager, request, self.nice)
+            try:
+                self.proc, self.conn = _fork_writer(self.model, self.manager, request, self.nice)
+            except OSError as e:  # no memory or processes left for a fork: this save in the trainer, as a synchronous one
+                self.log(f"checkpoint.async: cannot fork the checkpoint writer ({e.strerror}); saving {self.in_flight.name} in the trainer")
+                self.outcome = _write(self.model, self.manager, request, SINGLE, own_process=False)
+                self._settle(block=True)
             return time.perf_counter() - started
         request["train_state"] = _to_host(train_state)
         buffer = io.BytesIO()
@@ -598,13 +604,17 @@ def _load(spec: WriterSpec, ranks: Ranks) -> nn.Module:
     return model
 
 
-def _write(model: nn.Module, manager: CheckpointManager, request: dict, ranks: Ranks, params: dict | None = None) -> tuple:
+def _write(
+    model: nn.Module, manager: CheckpointManager, request: dict, ranks: Ranks, params: dict | None = None, own_process: bool = True
+) -> tuple:
     """One checkpoint from one snapshot, by the one save path (every writer its part under a process
     group); ``params``: the writer's own model's parameters, into which the snapshot's adapters go
     first (a forked writer's model is the trainer's). ("done", seconds, bytes, peak RSS MB, private MB)
-    or ("error", one line, whether the cause is this writer's own rather than a peer's)."""
+    or ("error", one line, whether the cause is this writer's own rather than a peer's). Not
+    ``own_process`` (in the trainer's): its peak RSS is not reset, and no memory is the writer's own."""
     started = time.perf_counter()
-    reset_peak_rss()
+    if own_process:
+        reset_peak_rss()
     try:
         with torch.no_grad():
             for name, value in request["train_state"]["adapter"].items() if params is not None else ():
@@ -622,4 +632,4 @@ def _write(model: nn.Module, manager: CheckpointManager, request: dict, ranks: R
         return ("error", str(e), not isinstance(e, PeerFailure))
     except Exception as e:  # noqa: BLE001 - one line for the trainer
         return ("error", f"the checkpoint writer failed writing step-{request['step']:06d}: {type(e).__name__}: {e}", True)
-    return ("done", time.perf_counter() - started, result.total_bytes, peak_rss_mb(), private_mb())
+    return ("done", time.perf_counter() - started, result.total_bytes, peak_rss_mb(), private_mb() if own_process else 0.0)

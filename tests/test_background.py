@@ -3,16 +3,21 @@ synchronous save of the same state, file for file; the writer's failures reach t
 
 from __future__ import annotations
 
+import datetime
 import errno
 import os
 import signal
+import socket
 import threading
+import time
+from multiprocessing.connection import Connection
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from slimtune.checkpoint import background
-from slimtune.checkpoint.background import BackgroundSaver, WriterSpec, _mechanism, base_fingerprint
+from slimtune.checkpoint.background import BackgroundSaver, WriterGroup, WriterSpec, _mechanism, base_fingerprint
 from slimtune.checkpoint.manager import CheckpointManager
 from slimtune.checkpoint.save import SaveOptions
 from slimtune.checkpoint.writer import WriteOptions
@@ -153,3 +158,21 @@ def test_a_failed_fork_saves_in_the_trainer(tiny_base, snapshot, tmp_path, monke
     assert logged[0] == "checkpoint.async: cannot fork the checkpoint writer (Cannot allocate memory); saving step-000001 in the trainer"
     assert record["checkpoint_saved"] == "step-000001" and stall >= record["checkpoint_save_s"] > 0
     assert_same_checkpoint(tmp_path / "sync" / "step-000001", tmp_path / "async" / "step-000001")
+
+
+def test_a_writer_whose_peers_never_join_answers_failed_within_the_join_timeout(tmp_path, monkeypatch):
+    """Under torchrun a writer joins the writers' group at the coordinator's store; where a peer never
+    comes, joining fails after the join timeout (2 s here, 120 s in a run; not the collectives' 1800 s)
+    and the writer answers ("failed", one line): the trainers then save synchronously (``available``)."""
+    monkeypatch.setattr(background, "_JOIN_TIMEOUT", datetime.timedelta(seconds=2))
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
+    ours, theirs = socket.socketpair()
+    trainer = Connection(ours.detach())
+    trainer.send((WriterSpec(tmp_path / "base", LORA, group=WriterGroup("127.0.0.1", store.port, 1, 2)), tmp_path / "run"))
+    started = time.monotonic()
+    background._serve(Connection(theirs.detach()))  # rank 1's writer; rank 0's never comes
+    took = time.monotonic() - started
+    answer = trainer.recv()
+    assert answer[0] == "failed" and answer[1].startswith("the checkpoint writers did not all join their group within 2 s ("), answer
+    assert "\n" not in answer[1] and 2 <= took < 15, took
+    assert not dist.is_initialized()

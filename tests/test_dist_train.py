@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -33,14 +35,18 @@ LOSS_RTOL = 1e-3
 
 def train(out: Path, nproc: int, *overrides: str, env: dict | None = None, torchrun: bool = False) -> subprocess.CompletedProcess:
     """``slimtune finetune --nproc N`` (or, with ``torchrun``, under torchrun's launcher with N processes)."""
+    cmd, environment = train_command(out, nproc, overrides, env, torchrun)
+    return subprocess.run(cmd, capture_output=True, text=True, env=environment, timeout=300)
+
+
+def train_command(out: Path, nproc: int, overrides: tuple[str, ...], env: dict | None, torchrun: bool = False) -> tuple[list[str], dict]:
     launch = ["--nproc", str(nproc)] if not torchrun else []
     args = ["finetune", "--config", "tiny", *launch, f"output_dir={out}", "logging.progress_bar=false"]
     args += ["training.max_steps=6", "checkpoint.save_every_n_steps=3", "checkpoint.max_shard_size=1MB", "checkpoint.keep_last_n=10"]
     args += ["dataset.eval_fraction=0.25", "training.sample_prompts=[Hello]", "training.sample_max_new_tokens=4"]  # FSDP2: all ranks
     environment = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if torchrun else []
-    cmd = [sys.executable, *launcher, "-m", "slimtune", *args, *overrides]
-    return subprocess.run(cmd, capture_output=True, text=True, env=environment, timeout=300)
+    return [sys.executable, *launcher, "-m", "slimtune", *args, *overrides], environment
 
 
 def trained(out: Path, nproc: int, *overrides: str) -> Path:
@@ -255,3 +261,97 @@ def test_a_background_writer_failure_under_torchrun_is_one_line(runs, tmp_path):
     assert {p.relative_to(run): p.read_bytes() for p in (run / "step-000003").rglob("*") if p.is_file()} == before
     assert [p.name for p in run.iterdir() if p.name.startswith("step-")] == ["step-000003"]
     assert not [p.name for p in run.iterdir() if p.name.startswith(".")]  # no temporary directory left
+
+
+STEP4_RANK1_STATE = r"/\.step-000004\.tmp-[0-9a-f]+/train_state/__1_0\.distcp$"  # only rank 1's writer writes it
+
+
+def processes_below(launcher: int) -> dict[int, tuple[int, str]]:
+    """The processes below ``launcher``: pid -> (parent pid, name)."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            found[int(stat.parent.name)] = (parent, (stat.parent / "comm").read_text().strip())
+        except (OSError, IndexError, ValueError):
+            continue
+
+    def below(pid: int) -> bool:
+        while pid > 1 and pid in found:
+            pid = found[pid][0]
+            if pid == launcher:
+                return True
+        return False
+
+    return {pid: found[pid] for pid in found if below(pid)}
+
+
+def rank_of(pid: int) -> int:
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return int(next(v for v in environ if v.startswith(b"RANK=")).split(b"=")[1])
+
+
+def gone(pid: int, seconds: float = 30) -> bool:
+    """``pid`` exits (or is a zombie) within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return True
+        except (OSError, IndexError):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("stalled", [STEP4_RANK1_STATE, STEP4_ADAPTER], ids=["one-writer-stalled", "both-writers-stalled"])
+def test_a_writer_killed_under_torchrun_stops_every_rank_promptly_with_one_line(runs, tmp_path, stalled):
+    """A rank's writer SIGKILLed while it writes step-000004 (stalled at an fsync: its own DCP shard, the
+    other writer then waits for it in a collective; or the adapter file, which both writers write, both
+    stalled): every rank stops with one line naming that writer, exit status 2, well before the writers'
+    group timeout; the other writer is stopped too, step-000003 is untouched and no temporary directory
+    is left."""
+    run, marker = tmp_path / "run", tmp_path / "writer-pid"
+    shutil.copytree(runs["two-stopped"], run)
+    before = {p.relative_to(run): p.read_bytes() for p in (run / "step-000003").rglob("*") if p.is_file()}
+    fault = {
+        "PYTHONPATH": f"{ROOT / 'tests' / 'writer_fault'}{os.pathsep}{ROOT}",
+        "SLIMTUNE_WRITER_FAULT": f"stall:600:{stalled}",
+        "SLIMTUNE_WRITER_MARKER": str(marker),
+    }
+    started = time.monotonic()
+    cmd, env = train_command(run, 2, ("resume=true",), fault)
+    child = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    processes = {}
+    try:
+        while not (marker.exists() and marker.read_text()):
+            assert child.poll() is None, child.communicate()
+            assert time.monotonic() - started < 150, "no writer reached the fault"
+            time.sleep(0.05)
+        time.sleep(1)  # the other writer reaches its wait (or its own stall)
+        killed, processes = int(marker.read_text()), processes_below(child.pid)
+        writers = [pid for pid, (_, name) in processes.items() if name == "slimtune-ckpt"]
+        assert killed in writers and len(writers) == 2, processes
+        rank = rank_of(processes[killed][0])
+        os.kill(killed, signal.SIGKILL)
+        killed_at = time.monotonic()
+        _, stderr = child.communicate(timeout=150)
+        took = time.monotonic() - killed_at
+    finally:
+        for pid in [child.pid, *processes]:  # nothing of a failed test stays behind
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    print(f"the run ended {took:.1f} s after the writer was killed")
+    errors = [line for line in stderr.splitlines() if line.startswith("slimtune finetune: error:")]
+    assert child.returncode == 2 and len(errors) == 1, stderr[-3000:]
+    expected = f"slimtune finetune: error: the checkpoint writer of rank {rank} died (killed by SIGKILL) while writing step-000004; "
+    assert errors[0].startswith(expected), errors[0]
+    assert "Traceback" not in stderr
+    assert took < 60, took  # not the writers' group timeout (1800 s)
+    assert all(gone(pid) for pid in writers), "a writer outlived the run"
+    assert {p.relative_to(run): p.read_bytes() for p in (run / "step-000003").rglob("*") if p.is_file()} == before
+    assert [p.name for p in run.iterdir() if p.name.startswith("step-")] == ["step-000003"]
+    assert not [p.name for p in run.iterdir() if p.name.startswith(".")]  # no temporary directory left
+    assert max(r["step"] for r in metrics(run)) < 6  # stopped where it learnt of the failure, not at the end

@@ -33,7 +33,10 @@ it holds the same rows; each trainer snapshots its local shards (a DTensor trave
 itself among themselves (their rows of the merged shards, their DCP shards of the training state, the
 coordinator's small files, manifest and rename). The trainers learn together that a save is over or
 failed: while one is in flight, each step exchanges every rank's writer's answer (one small gather), so
-every rank finishes it, or raises the same line, at the same step.
+every rank finishes it, or raises the same line, at the same step; a trainer waiting for its writer
+exchanges every ``_WAIT_POLL_S`` meanwhile. Where one writer failed or died, a writer still at work is
+stopped by its trainer (SIGTERM, then SIGKILL) before the coordinator reclaims the temporary directory.
+Joining the writers' group fails after ``_JOIN_TIMEOUT`` (every rank then saves synchronously).
 
 Rules: at most one save in flight (a save point reached while the previous save runs waits for it,
 and the wait is stall); the run's end waits for the last save; ``keep_last_n`` prunes after a save is
@@ -94,6 +97,15 @@ WRITER_NAME = b"slimtune-ckpt"  # the writer's process name (ps, top)
 FORKED_WRITER_NICE = (19, 10, 0)
 _PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15
 _GROUP_TIMEOUT = datetime.timedelta(seconds=1800)  # the writers' collectives, as the trainers' (init_distributed)
+# How long a writer waits for the others to join the writers' group. They start together (the trainers
+# start them after one collective) and join once Python and torch are imported (~4 s alone, more on a
+# busy host): 120 s is a wide margin, and a writer that cannot join costs its peers 120 s, not 1800 s.
+_JOIN_TIMEOUT = datetime.timedelta(seconds=120)
+# How long a writer stopped in a save its peer's writer failed has after SIGTERM (removing its temporary
+# directory: an rmtree), then after SIGKILL, before the trainers go on without it.
+_HALT_S = 30.0
+# A trainer waiting for its writer's answer exchanges answers with the other ranks this often meanwhile.
+_WAIT_POLL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -302,26 +314,40 @@ class BackgroundSaver:
             self.log(f"checkpoint.async: the save before step {step}'s was still running; the next writers run at nice {self.nice}")
 
     def _settle(self, block: bool) -> None:
-        """This rank's writer's answer for the save in flight (waited for with ``block``, else taken if
+        """This rank's writer's answer for the save in flight (with ``block`` waited for, else taken if
         there), exchanged between the ranks: the save is over when every writer answered, and failed
-        when any writer did; every rank takes the same decision at the same step."""
-        if self.outcome is None and (block or self.conn.poll()):
-            self.outcome = self._receive(f"writing {self.in_flight.name}")
-            if self.mechanism == "fork":  # its one save answered: the forked writer exits
-                self.proc.wait()
-                self.conn.close()
-        answers = self.ranks.gather(self.outcome, f"checking the background save of {self.in_flight.name}")
-        failed = [a for a in answers if a is not None and a[0] != "done"]
-        if failed:
-            if self.outcome is None:  # this rank's writer stops too (its peer failed): wait for it
-                self._receive(f"writing {self.in_flight.name}")
-            self.in_flight, self.outcome = None, None
-            if self.ranks.is_coordinator:
-                self._reclaim()
-            self.ranks.gather(None, "cleaning up after a failed background save")  # no rank ends before the clean-up
-            raise SlimtuneError(next((a[1] for a in failed if a[2]), failed[0][1]))
-        if all(a is not None for a in answers):
-            self._finish(answers)
+        when any writer did; every rank takes the same decision at the same step. A blocking wait
+        exchanges every ``_WAIT_POLL_S`` too, so a rank learns of a peer's failure while its own writer
+        still works (and stops it)."""
+        what = f"writing {self.in_flight.name}"
+        while True:
+            if self.outcome is None:
+                self.outcome = self._answer(what, _WAIT_POLL_S if block else 0.0)
+                if self.outcome is not None and self.mechanism == "fork":  # its one save answered: it exits
+                    self.proc.wait()
+                    self.conn.close()
+            answers = self.ranks.gather(self.outcome, f"checking the background save of {self.in_flight.name}")
+            failed = [a for a in answers if a is not None and a[0] != "done"]
+            if failed:
+                self._fail(failed, what)
+            if all(a is not None for a in answers):
+                self._finish(answers)
+                return
+            if not block:
+                return
+
+    def _fail(self, failed: list[tuple], what: str) -> None:
+        """A save failed on some rank: every writer stopped (this rank's, if still at it, by a signal),
+        the temporary directory reclaimed, then the one line (a writer's own failure before a peer's)."""
+        if self.outcome is None:  # a peer's writer failed (or died) while this rank's still writes
+            self._halt_writer(what)
+        self.in_flight, self.outcome = None, None
+        self._stop_writer()  # the writers' group lost a save, or a member: no more saves through it
+        self.ranks.gather(None, "stopping the checkpoint writers")  # none writes in the temporary directory now
+        if self.ranks.is_coordinator:
+            self._reclaim()
+        self.ranks.gather(None, "cleaning up after a failed background save")  # no rank ends before the clean-up
+        raise SlimtuneError(next((a[1] for a in failed if a[2]), failed[0][1]))
 
     def _finish(self, answers: list[tuple]) -> None:
         flight, self.in_flight, self.outcome = self.in_flight, None, None
@@ -337,6 +363,16 @@ class BackgroundSaver:
             f"{own:.0f} MB of it its own)" + (f"; removed {', '.join(removed)}" if removed else "")
         )
 
+    def _answer(self, what: str, timeout: float) -> tuple | None:
+        """The writer's next message if it comes (or the writer dies) within ``timeout`` seconds, else None."""
+        deadline = time.monotonic() + timeout
+        while not self.conn.poll(min(0.2, max(0.0, deadline - time.monotonic()))):
+            if not self._writer_alive():
+                break
+            if time.monotonic() >= deadline:
+                return None
+        return self._receive(what)
+
     def _receive(self, what: str) -> tuple:
         """The writer's next message; a writer that died is an ("error", one line, True) answer."""
         while not self.conn.poll(0.2):
@@ -346,6 +382,23 @@ class BackgroundSaver:
             return self.conn.recv()
         except (EOFError, OSError):
             return self._writer_lost(what)
+
+    def _halt_writer(self, what: str) -> None:
+        """Stop this rank's writer inside a save another rank's writer failed: it may be at its own work
+        (long writes, a slow disk) or wait in a collective for the failed one. SIGTERM (it removes its
+        temporary directory and answers), SIGKILL after ``_HALT_S`` without an answer (the coordinator
+        reclaims what it left); its answer is dropped (the failure is the peer's)."""
+        if self.thread is not None:  # one process only: no peer to fail
+            self._receive(what)
+            return
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            if self.proc.poll() is None:
+                os.kill(self.proc.pid, sig)
+            deadline = time.monotonic() + _HALT_S
+            while time.monotonic() < deadline:
+                if self.conn.poll(0.1) or self.proc.poll() is not None:
+                    return
+        self.log(f"checkpoint.async: the checkpoint writer (pid {self.proc.pid}) did not end on SIGKILL within {_HALT_S:.0f} s")
 
     def _writer_alive(self) -> bool:
         return self.thread.is_alive() if self.thread is not None else self.proc.poll() is None
@@ -527,10 +580,19 @@ def _writer_group(ranks: Ranks) -> tuple[object, WriterGroup | None]:
 
 
 def _join_writers(group: WriterGroup | None) -> Ranks:
-    """The writer's place among the writers: their own gloo group (alone: ``SINGLE``)."""
+    """The writer's place among the writers: their own gloo group (alone: ``SINGLE``). Joining fails
+    after ``_JOIN_TIMEOUT`` (a writer that never came); the group's collectives then wait ``_GROUP_TIMEOUT``."""
     if group is None:
         return SINGLE
-    store = dist.TCPStore(group.host, group.port, is_master=False, timeout=_GROUP_TIMEOUT)
+    try:  # every writer checks in at the store first: that wait is bounded, the group's own (init's) is not
+        store = dist.TCPStore(group.host, group.port, is_master=False, timeout=_JOIN_TIMEOUT)
+        store.set(f"slimtune-writer-{group.rank}", "here")
+        store.wait([f"slimtune-writer-{r}" for r in range(group.world_size)], _JOIN_TIMEOUT)
+    except (RuntimeError, ValueError) as e:  # DistStoreError is a RuntimeError
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        within = f"{_JOIN_TIMEOUT.total_seconds():.0f} s"
+        raise SlimtuneError(f"the checkpoint writers did not all join their group within {within} ({first})") from None
+    store.set_timeout(_GROUP_TIMEOUT)
     dist.init_process_group("gloo", store=store, rank=group.rank, world_size=group.world_size, timeout=_GROUP_TIMEOUT)
     return current_ranks()
 

@@ -7,6 +7,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -99,3 +100,16 @@ def smollm2_gguf(smollm2_dir) -> Path:
     from tests.real_model import real_model_gguf
 
     return real_model_gguf()
+
+
+def gone(pid: int, seconds: float = 30) -> bool:
+    """``pid`` exits (or is a zombie) within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return True
+        except (OSError, IndexError):
+            return True
+        time.sleep(0.1)
+    return False

@@ -23,7 +23,7 @@ import torch
 
 from slimtune.checkpoint.atomic import MANIFEST_NAME, is_complete_checkpoint, read_manifest
 from slimtune.checkpoint.writer import WriteOptions
-from tests.conftest import ROOT, assert_same_checkpoint, run_cli
+from tests.conftest import ROOT, assert_same_checkpoint, gone, run_cli
 
 pytestmark = pytest.mark.multiprocess
 
@@ -289,19 +289,6 @@ def processes_below(launcher: int) -> dict[int, tuple[int, str]]:
 def rank_of(pid: int) -> int:
     environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     return int(next(v for v in environ if v.startswith(b"RANK=")).split(b"=")[1])
-
-
-def gone(pid: int, seconds: float = 30) -> bool:
-    """``pid`` exits (or is a zombie) within ``seconds``."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                return True
-        except (OSError, IndexError):
-            return True
-        time.sleep(0.1)
-    return False
 
 
 @pytest.mark.parametrize("stalled", [STEP4_RANK1_STATE, STEP4_ADAPTER], ids=["one-writer-stalled", "both-writers-stalled"])

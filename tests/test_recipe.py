@@ -21,7 +21,7 @@ from slimtune.checkpoint.atomic import is_complete_checkpoint
 from slimtune.checkpoint.manager import checkpoint_problem
 from slimtune.cli import main
 from slimtune.tiny import DEMO_TEXTS, byte_tokenizer
-from tests.conftest import ROOT, assert_same_checkpoint, run_cli
+from tests.conftest import ROOT, assert_same_checkpoint, gone, run_cli
 
 TRAIN_LINES = [
     {"text": "alpha beta gamma delta"},
@@ -416,18 +416,6 @@ def stalled_writer(child: subprocess.Popen, marker: Path) -> int:
         assert time.monotonic() < deadline, "the writer never reached the fault"
         time.sleep(0.05)
     return int(marker.read_text())
-
-
-def gone(pid: int, seconds: float = 30) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                return True
-        except (OSError, IndexError):
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def only_the_first_checkpoint(out: Path) -> None:

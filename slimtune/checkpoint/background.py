@@ -228,10 +228,11 @@ class BackgroundSaver:
         return self.unusable is None
 
     def submit(self, step: int, state: dict, options: SaveOptions, train_state: dict) -> float:
-        """Wait for the save in flight (if any), snapshot ``train_state`` (its tensors copied to host
-        memory: pinned buffers from a GPU; of a DTensor, this rank's shard), the recipe state and the
-        small files of ``options``, and hand them to the writer. Returns the seconds the caller was
-        blocked (with any wait for the writer to be ready in ``available``)."""
+        """Wait for the save in flight (if any), snapshot ``train_state`` (the forked writer: the
+        trainer's memory itself, copy-on-write; else its tensors copied to host memory: pinned buffers
+        from a GPU; of a DTensor, this rank's shard), the recipe state and the small files of
+        ``options``, and hand them to the writer. Returns the seconds the caller was blocked (with any
+        wait for the writer to be ready in ``available``)."""
         started = time.perf_counter() - self.ready_wait_s
         self.ready_wait_s = 0.0
         if self.in_flight is not None:

@@ -63,6 +63,7 @@ import datetime
 import gc
 import io
 import logging
+import math
 import os
 import signal
 import socket
@@ -365,24 +366,22 @@ class BackgroundSaver:
         )
 
     def _answer(self, what: str, timeout: float) -> tuple | None:
-        """The writer's next message if it comes (or the writer dies) within ``timeout`` seconds, else None."""
+        """The writer's next message if it comes (or the writer dies) within ``timeout`` seconds, else
+        None; a writer that died is an ("error", one line, True) answer."""
         deadline = time.monotonic() + timeout
         while not self.conn.poll(min(0.2, max(0.0, deadline - time.monotonic()))):
             if not self._writer_alive():
                 break
             if time.monotonic() >= deadline:
                 return None
-        return self._receive(what)
-
-    def _receive(self, what: str) -> tuple:
-        """The writer's next message; a writer that died is an ("error", one line, True) answer."""
-        while not self.conn.poll(0.2):
-            if not self._writer_alive():
-                break
         try:
             return self.conn.recv()
         except (EOFError, OSError):
             return self._writer_lost(what)
+
+    def _receive(self, what: str) -> tuple:
+        """The writer's next message, however long it takes (``_answer`` without a deadline)."""
+        return self._answer(what, math.inf)
 
     def _halt_writer(self, what: str) -> None:
         """Stop this rank's writer inside a save another rank's writer failed: it may be at its own work
@@ -515,7 +514,7 @@ class _ForkedWriter:
                 self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
 
-    def wait(self, timeout: float | None = None) -> int:
+    def wait(self, timeout: float | None = None) -> int:  # timeout as Popen's: waited for once it answered or died
         if self.returncode is None:
             self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
         return self.returncode

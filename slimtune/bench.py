@@ -451,6 +451,7 @@ TRAIN_SAVE_MODES = ("nosave", "sync", "async", "process", "thread")
 # process that rebuilds the model from the base files (what a GPU run uses); thread: the rebuilding
 # writer in the trainer's process (GIL). The last two for the comparison of mechanisms.
 _BACKGROUND = ("async", "process", "thread")
+_THREAD_WRITER = Path(__file__).resolve().parent.parent / "bench" / "thread_writer.py"
 
 
 def _train_save_run(base: Path, data: Path, out: Path, mode: str, steps: int, save_every: int, device: str) -> list[dict]:
@@ -463,8 +464,9 @@ def _train_save_run(base: Path, data: Path, out: Path, mode: str, steps: int, sa
     args += [f"dataset.path={data}", "dataset.create_builtin=false", "dataset.max_seq_len=64", "training.batch_size=1"]
     args += [f"training.max_steps={steps}", "training.total_epochs=1", "checkpoint.keep_last_n=null", "checkpoint.max_shard_size=2GB"]
     args += [f"device={device}", "logging.progress_bar=false", *saves]
-    env = {k: v for k, v in os.environ.items() if k != MECHANISM_ENV} | ({MECHANISM_ENV: mode} if mode in ("process", "thread") else {})
-    proc = subprocess.run([sys.executable, "-m", "slimtune", *args], capture_output=True, text=True, env=env)
+    env = {k: v for k, v in os.environ.items() if k != MECHANISM_ENV} | ({MECHANISM_ENV: mode} if mode == "process" else {})
+    cli = [str(_THREAD_WRITER)] if mode == "thread" else ["-m", "slimtune"]  # thread: the bench's own writer
+    proc = subprocess.run([sys.executable, *cli, *args], capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"train-save {mode}: {proc.stderr.strip()[-2000:]}")
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

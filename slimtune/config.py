@@ -275,7 +275,7 @@ SCHEMA: tuple[Key, ...] = (
         None,
         "Also write model-TYPE.gguf (+ an Ollama Modelfile) beside the run's final checkpoint, for llama.cpp/Ollama (docs/gguf.md).",
         nullable=True,
-        choices=("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"),
+        choices=("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k_m", "q4_k_s", "q5_k_m", "q5_k_s", "q6_k"),
     ),
     Key(
         "logging.progress_bar",

@@ -32,8 +32,9 @@ from slimtune.families import family_of, tiny_config
 from slimtune.formats.gguf_arch import ARCHS, gguf_arch
 from slimtune.gguf_export import TYPES, gguf_tensors, open_source, tensor_type
 from slimtune.tiny import byte_tokenizer
+from tests.conftest import llama_cpp_oracle
 
-llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is in the dev extras (pip install -e .[dev])")
+llama_cpp = llama_cpp_oracle()
 
 LOGIT_BOUND = 0.03  # in units of std(transformers' logits); measured up to 0.005 (f16) on these models
 Q8_BOUND = 0.4  # q8_0 (llama.cpp also quantizes activations to 8 bits); measured 0.08-0.20 (tiny), 0.38 (SmolLM2)

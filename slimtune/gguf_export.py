@@ -38,7 +38,7 @@ from slimtune.formats.hf import load_config
 from slimtune.formats.layout import CheckpointLayout
 from slimtune.generate import read_format_record
 from slimtune.merge import BaseCheckpoint, MergeBase, merged_file_stream
-from slimtune.tensors import StreamTensor, row_chunks
+from slimtune.tensors import StreamTensor, row_chunks, scalar_source
 
 Q = gguf.GGMLQuantizationType
 TYPES = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q5_0": Q.Q5_0, "q5_1": Q.Q5_1}
@@ -268,7 +268,7 @@ def open_source(src: Path | None, base: Path | None, adapter: Path | None, merge
 def _plain(reader: BaseCheckpoint, key: str) -> StreamTensor:
     shape = tuple(reader.shape(key))
     if not shape:
-        return StreamTensor(key, (), torch.float32, lambda s, e: reader.rows(key, 0, None).float())
+        return scalar_source(key, torch.float32, lambda: reader.rows(key, 0, None))
     return StreamTensor(key, shape, torch.float32, lambda s, e: reader.rows(key, s, e).float())
 
 

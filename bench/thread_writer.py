@@ -2,7 +2,7 @@
 process instead of a process of its own (the GIL shared with training), for the comparison of writers
 only; slimtune itself writes through a forked writer or a writer process (slimtune/checkpoint/background).
 
-Run as the CLI is, with that writer::
+Run as the CLI is, with that writer (``python -m bench train-save`` does, for its ``thread`` mode)::
 
     python bench/thread_writer.py finetune --config tiny output_dir=out
 """

@@ -114,3 +114,13 @@ def gone(pid: int, seconds: float = 30) -> bool:
         if time.monotonic() >= deadline:
             return False
         time.sleep(min(0.1, seconds))
+
+
+def llama_cpp_oracle():
+    """llama-cpp-python, the GGUF tests' oracle (dev extras; the Makefile's install builds it). Where it is
+    missing the module is skipped, except in CI (``CI=true``), where its absence fails the module."""
+    if os.environ.get("CI") == "true":
+        import llama_cpp
+
+        return llama_cpp
+    return pytest.importorskip("llama_cpp", reason="llama-cpp-python is in the dev extras (pip install -e .[dev])")

@@ -1,13 +1,11 @@
-"""A checkpoint as an ordered stream of named tensors, each produced on demand, rows at a time.
+"""A live model as an ordered stream of named tensors (``tensors.StreamTensor``), each produced on demand,
+rows at a time: the merged weights in the family's published layout, and the adapters.
 
 Every writer in slimtune consumes this one type: the in-training save, the offline merge, verification.
 A StreamTensor knows its name, shape and dtype up front (so headers can be written first) and makes any
 row range of itself when asked, so memory holds one chunk, never the model."""
 
 from __future__ import annotations
-
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -18,52 +16,9 @@ from slimtune.errors import SlimtuneError
 from slimtune.facts import facts_of
 from slimtune.families import NF4Experts
 from slimtune.formats.peft import lora_key
-from slimtune.formats.safetensors import dtype_size
-from slimtune.lora import LoRALinear, lora_modules, merge_lora_rows, qlora_linears
+from slimtune.lora import LoRALinear, lora_modules, lora_row_merge, qlora_linears
 from slimtune.quant import base_rows
-
-
-@dataclass(frozen=True)
-class StreamTensor:
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    rows: Callable[[int, int], torch.Tensor]
-    """rows(start, end) -> contiguous CPU tensor of shape (end - start, *shape[1:]) in ``dtype``."""
-
-    @property
-    def num_rows(self) -> int:
-        return self.shape[0] if self.shape else 1
-
-    @property
-    def row_bytes(self) -> int:
-        n = dtype_size(self.dtype)
-        for d in self.shape[1:]:
-            n *= d
-        return n
-
-    @property
-    def nbytes(self) -> int:
-        return self.num_rows * self.row_bytes if self.shape else dtype_size(self.dtype)
-
-
-def row_chunks(t: StreamTensor, chunk_bytes: int, start: int = 0, end: int | None = None) -> Iterator[torch.Tensor]:
-    """Rows [start, end) of the tensor (all by default) in consecutive chunks of at most ``chunk_bytes``
-    (at least one row)."""
-    end = t.num_rows if end is None else end
-    if not t.shape:
-        if end > start:
-            yield t.rows(0, 1)
-        return
-    if t.row_bytes == 0:  # an empty tensor ([2**62, 0] is valid): one chunk, never 2**62 of them
-        yield t.rows(0, t.num_rows)
-        return
-    step = max(1, chunk_bytes // max(1, t.row_bytes))
-    for s in range(start, end, step):
-        yield t.rows(s, min(s + step, end))
-
-
-ToHost = Callable[[torch.Tensor, torch.dtype], torch.Tensor]
+from slimtune.tensors import StreamTensor, ToHost, scalar_source
 
 
 class LocalRows:
@@ -108,7 +63,7 @@ def tensor_source(name: str, tensor: torch.Tensor, dtype: torch.dtype | None = N
     out_dtype = dtype or tensor.dtype
     if tensor.dim() == 0:
         data = full_tensor(tensor)
-        return StreamTensor(name, (), out_dtype, lambda s, e: plain_to_host(data.reshape(1), out_dtype).reshape(()))
+        return scalar_source(name, out_dtype, lambda: data)
     local = LocalRows(name, tensor)
     return StreamTensor(name, local.shape, out_dtype, lambda s, e: to_host(local(s, e), out_dtype))
 
@@ -124,19 +79,9 @@ def merged_lora_source(name: str, module: LoRALinear, dtype: torch.dtype, to_hos
     if module.lora_a is None:
         return StreamTensor(name, shape, dtype, lambda s, e: to_host(weight(s, e), dtype))
     a = full_tensor(module.lora_a.weight)
-    if module.fan_in_fan_out:
-        bt = full_tensor(module.lora_b.weight).t().contiguous()
-
-        def rows_t(start: int, end: int) -> torch.Tensor:
-            return to_host(merge_lora_rows(weight(start, end), bt, a[:, start:end].t(), module.scaling), dtype)
-
-        return StreamTensor(name, shape, dtype, rows_t)
-    b = LocalRows(name + " lora_B", module.lora_b.weight)
-
-    def rows(start: int, end: int) -> torch.Tensor:
-        return to_host(merge_lora_rows(weight(start, end), a, b(start, end), module.scaling), dtype)
-
-    return StreamTensor(name, shape, dtype, rows)
+    b = full_tensor(module.lora_b.weight) if module.fan_in_fan_out else LocalRows(name + " lora_B", module.lora_b.weight)
+    merge = lora_row_merge(a, b, module.scaling, transposed=module.fan_in_fan_out)
+    return StreamTensor(name, shape, dtype, lambda s, e: to_host(merge(weight(s, e), s, e), dtype))
 
 
 def merged_tensor_stream(model: nn.Module, dtype: torch.dtype | None = None, to_host: ToHost = plain_to_host) -> list[StreamTensor]:
@@ -176,7 +121,7 @@ def _rows_of(src: StreamTensor, place) -> StreamTensor:
     """The rows of a parameter (``src``: its [-1, last dim] view) that one published tensor holds."""
     r0, tail = place.row0, tuple(place.shape[1:])
     if not place.shape:
-        return StreamTensor(place.key, (), src.dtype, lambda s, e: src.rows(r0, r0 + 1).reshape(()))
+        return scalar_source(place.key, src.dtype, lambda: src.rows(r0, r0 + 1))
     per = place.num_rows // place.shape[0]
     return StreamTensor(place.key, tuple(place.shape), src.dtype, lambda s, e: src.rows(r0 + s * per, r0 + e * per).reshape(e - s, *tail))
 

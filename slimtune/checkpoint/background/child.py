@@ -152,5 +152,3 @@ def become_writer(parent: int, threads: int) -> bool:
     raise_on_sigterm("the checkpoint writer was stopped by SIGTERM (its trainer ended)")
     torch.set_num_threads(threads)
     return True
-
-

@@ -29,13 +29,13 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
+from slimtune.checkpoint.docs import FORMAT_NAME
 from slimtune.data import FALLBACK_CHAT_TEMPLATE, alpaca_prompt, parse_json
 from slimtune.errors import SlimtuneError
 from slimtune.formats.peft import ADAPTER_WEIGHTS, read_adapter
 from slimtune.lora import LoRAConfig
 from slimtune.model import load_adapter_weights, load_qlora_model, load_tokenizer, pick_device, pick_dtype
 
-FORMAT_NAME = "slimtune_format.json"
 PROMPT_FORMATS = ("chat", "alpaca", "text")
 
 
@@ -58,25 +58,6 @@ class Loaded:
     form: str  # "merged" or "adapter"
     prompt_format: str  # chat, alpaca or text
     device: torch.device
-
-
-def prompt_format_of(shapes: dict[str, int]) -> str:
-    """The prompt format that matches training data of these row shapes (counts per shape)."""
-    if any(shapes.get(s) for s in ("chat", "sharegpt", "completion")):
-        return "chat"
-    return "alpaca" if shapes.get("alpaca") else "text"
-
-
-def format_record(shapes: dict[str, int], chat_template: str | None) -> dict:
-    """What ``slimtune_format.json`` holds: the training data's shapes, the prompt format, the chat
-    template training rendered conversations with, and the Alpaca prompt."""
-    return {
-        "format": "slimtune-format/1",
-        "prompt_format": prompt_format_of(shapes),
-        "shapes": dict(shapes),
-        "chat_template": chat_template or FALLBACK_CHAT_TEMPLATE,
-        "alpaca_prompt": alpaca_prompt("{instruction}"),
-    }
 
 
 def load_for_generation(

@@ -127,3 +127,12 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's generators (CUDA's too): the streams ``rng_state`` captures.
+
+    Example: ``seed_everything(cfg.seed + ranks.rank)``"""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

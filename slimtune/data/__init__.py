@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from slimtune.data.packing import collate, epoch_order, epoch_steps, model_inputs, pack
+from slimtune.data.packing import collate, epoch_order, epoch_steps, model_inputs, pack, rank_batch
 from slimtune.data.readers import (
     FILE_TYPES,
     MAX_LINE_BYTES,
@@ -71,6 +71,7 @@ __all__ = [
     "load_dataset",
     "model_inputs",
     "pack",
+    "rank_batch",
     "parse_json",
     "parse_json_object",
     "read_jsonl",

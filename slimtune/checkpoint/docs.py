@@ -24,9 +24,9 @@ import torch
 from slimtune.checkpoint.card import CardFacts, model_card
 from slimtune.checkpoint.save import ADAPTER_DIR
 from slimtune.config import Config
-from slimtune.data import FALLBACK_CHAT_TEMPLATE, alpaca_prompt
 from slimtune.formats.hf import tokenizer_files
 from slimtune.model import load_tokenizer
+from slimtune.prompts import FALLBACK_CHAT_TEMPLATE, alpaca_prompt
 
 FORMAT_NAME = "slimtune_format.json"
 

@@ -33,12 +33,11 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from slimtune.checkpoint.atomic import os_errors
 from slimtune.checkpoint.background import BackgroundSaver, WriterSpec
 from slimtune.checkpoint.docs import CheckpointDocs, prompt_format_of
 from slimtune.checkpoint.manager import CheckpointManager
 from slimtune.checkpoint.run_state import Optimization, ResumePoint, check_resumable, recipe_state, restore_training, training_state
-from slimtune.checkpoint.save import DTYPES, SaveOptions, SaveResult
+from slimtune.checkpoint.save import SaveOptions, SaveResult
 from slimtune.checkpoint.train_state import seed_everything
 from slimtune.checkpoint.writer import WriteOptions
 from slimtune.config import Config
@@ -46,6 +45,7 @@ from slimtune.data import Data, epoch_steps, write_jsonl
 from slimtune.distributed import Ranks, reshard
 from slimtune.errors import SlimtuneError
 from slimtune.facts import facts_of
+from slimtune.fileio import os_errors
 from slimtune.generate import Loaded, SamplingOptions, generate, prompt_ids
 from slimtune.gguf_export import export_checkpoint_gguf
 from slimtune.lora import LoRAConfig, lora_parameters
@@ -53,6 +53,7 @@ from slimtune.memory import PeakMemory
 from slimtune.model import config_dtype, load_qlora_model, load_tokenizer, nf4_report, nf4_summary_line, pick_device, pick_dtype
 from slimtune.runtime import choose_num_threads, compile_decoder_layers, enable_activation_checkpointing
 from slimtune.schedule import warmup_cosine
+from slimtune.tensors import DTYPES
 from slimtune.tiny import make_tiny_checkpoint
 from slimtune.tracking import MetricsLog, Trackers, plot_losses
 
@@ -300,7 +301,7 @@ def restore(run: Run) -> None:
         last_record = run.resume.state.get("metrics") if run.resume is not None else None
         run.sinks.metrics = MetricsLog(run.manager.metrics_path, keep_through_step=at.global_step, last_record=last_record)
         run.sinks.trackers = Trackers.from_config(cfg, run.manager.out, resume_step=at.global_step)
-    if cfg.values["checkpoint.async"] and _saves_before_the_end(run):  # on a GPU / under torchrun its writers load now
+    if cfg.checkpoint.async_ and _saves_before_the_end(run):  # on a GPU / under torchrun its writers load now
         spec = WriterSpec(Path(cfg.model.path), lora_config(cfg), cfg.seed, run.where.dtype)
         run.saver = BackgroundSaver(spec, run.manager, log.info, ranks=ranks, model=run.model)
     run.sinks.memory = PeakMemory(run.where.device)

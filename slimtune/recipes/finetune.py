@@ -4,7 +4,7 @@ Read top to bottom as named steps: ``run_finetune`` calls ``setup`` (checks, dat
 ``Run``), ``restore`` (a fresh output_dir, or the state of the checkpoint it resumes from), then for each
 optimizer step ``train_step``, ``evaluate`` when due and ``save_step`` when due, ``log_step``, and
 ``finish``. This file holds what is supervised fine-tuning's own (its data, its step, its evaluation);
-the steps any recipe shares are ``recipes/steps.py``'s.
+the steps any recipe shares are ``recipes/steps.py``'s, what a run holds ``recipes/run.py``'s.
 
 One process or many: under torchrun (``torchrun --nproc-per-node N -m slimtune finetune ...``, or
 ``slimtune finetune --nproc N``) every rank runs this same code. The model is loaded FSDP2-sharded
@@ -50,12 +50,8 @@ from slimtune.errors import SlimtuneError
 from slimtune.formats.hf import load_config as load_hf_config
 from slimtune.lora import lora_parameters
 from slimtune.model import load_tokenizer, pick_device
+from slimtune.recipes.run import FinetuneResult, Inputs, Placement, Run, Span
 from slimtune.recipes.steps import (
-    FinetuneResult,
-    Inputs,
-    Placement,
-    Run,
-    Span,
     adapter_only,
     every,
     finish,

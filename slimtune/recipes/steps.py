@@ -5,10 +5,7 @@ schedule (``make_optimization``), then ``restore`` (a fresh output_dir or the ch
 ``save_step`` (a checkpoint), ``log_step`` (a step's record to every sink) and ``finish``. A recipe's
 ``setup`` calls the set-up steps in order and builds its ``Run`` by keyword; its loop calls the rest.
 
-What a run holds between its steps is ``Run``; the parts that travel together are small objects of
-their own: ``Placement`` (ranks, device, dtype), ``Inputs`` (tokenizer, data), ``Span`` (how many steps),
-``Progress`` (where the run is), ``Optimization`` (``checkpoint/run_state.py``: optimizer, schedule,
-loss scaler) and ``Sinks`` (metrics.jsonl, trackers, memory figures, progress bar).
+What a run holds between its steps is ``Run`` (``recipes/run.py``).
 
 Example (a recipe's set-up)::
 
@@ -25,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -41,7 +37,7 @@ from slimtune.checkpoint.save import SaveOptions, SaveResult
 from slimtune.checkpoint.train_state import seed_everything
 from slimtune.checkpoint.writer import WriteOptions
 from slimtune.config import Config
-from slimtune.data import Data, epoch_steps, write_jsonl
+from slimtune.data import epoch_steps, write_jsonl
 from slimtune.distributed import Ranks, reshard
 from slimtune.errors import SlimtuneError
 from slimtune.facts import facts_of
@@ -50,7 +46,8 @@ from slimtune.generate import Loaded, SamplingOptions, generate, prompt_ids
 from slimtune.gguf_export import export_checkpoint_gguf
 from slimtune.lora import LoRAConfig, lora_parameters
 from slimtune.memory import PeakMemory
-from slimtune.model import config_dtype, load_qlora_model, load_tokenizer, nf4_report, nf4_summary_line, pick_device, pick_dtype
+from slimtune.model import load_qlora_model, load_tokenizer, nf4_report, nf4_summary_line, pick_device, pick_dtype
+from slimtune.recipes.run import FinetuneResult, Placement, Run, Span
 from slimtune.runtime import choose_num_threads, compile_decoder_layers, enable_activation_checkpointing
 from slimtune.schedule import warmup_cosine
 from slimtune.tensors import DTYPES
@@ -58,109 +55,6 @@ from slimtune.tiny import make_tiny_checkpoint
 from slimtune.tracking import MetricsLog, Trackers, plot_losses
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class FinetuneResult:
-    """What a run leaves behind, for the CLI summary and the demo's checks."""
-
-    model: nn.Module
-    tokenizer: object
-    output_dir: Path
-    global_step: int
-    losses: list[float] = field(default_factory=list)  # this invocation's steps
-    checkpoint: Path | None = None  # the newest checkpoint written by this invocation
-    last_save: SaveResult | None = None
-    rss_before_last_save_mb: float = 0.0
-    peak_rss_last_save_mb: float = 0.0
-    peak_rss_mb: float = 0.0  # the whole process, loading included
-    peak_gpu_mb: float | None = None
-    metrics_path: Path | None = None
-    plot_path: Path | None = None
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where the run computes: this process's ranks, the device, the compute dtype, the CPU threads."""
-
-    ranks: Ranks
-    device: torch.device
-    dtype: torch.dtype
-    threads: int
-
-
-@dataclass
-class Inputs:
-    """What the run reads before its model: the tokenizer, the base's HF config, the tokenized data and
-    the built-in rows ``restore`` writes (None when the data file exists)."""
-
-    tokenizer: object
-    hf_config: object
-    data: Data
-    builtin_rows: list[dict] | None = None
-
-    @property
-    def pad_id(self) -> int:
-        """What batches are padded with: the tokenizer's pad token, else its eos, else 0."""
-        return next(i for i in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0) if i is not None)
-
-
-@dataclass(frozen=True)
-class Span:
-    """The run's step arithmetic: optimizer steps per epoch, in all, and where this invocation stops."""
-
-    steps_per_epoch: int
-    total_steps: int
-    stop_at: int  # training.stop_after_steps, or total_steps
-
-
-@dataclass
-class Progress:
-    """Where the run is: the last optimizer step taken and the data position of the next one."""
-
-    global_step: int = 0
-    epoch: int = 0  # 0-based
-    step_in_epoch: int = 0  # the next step of the epoch, 0-based
-    position: tuple[int, int] = (0, 0)  # (epoch, step_in_epoch) after the step being taken
-    first_step: int = 1  # this invocation's first step
-
-
-@dataclass
-class Sinks:
-    """Where each step's record goes (the coordinator's metrics.jsonl, the trackers, the progress bar)
-    and the run's memory figures. Opened by ``restore``."""
-
-    metrics: MetricsLog | None = None
-    trackers: Trackers = field(default_factory=Trackers)
-    memory: PeakMemory | None = None
-    bar: tqdm | None = None
-
-
-@dataclass
-class Run:
-    """Everything a run holds between its steps: made by a recipe's ``setup`` (by keyword), advanced by
-    the other steps."""
-
-    cfg: Config
-    where: Placement
-    manager: CheckpointManager
-    resume: ResumePoint | None  # None: a fresh start
-    inputs: Inputs
-    model: nn.Module
-    optim: Optimization
-    span: Span
-    at: Progress = field(default_factory=Progress)
-    record: dict = field(default_factory=dict)  # the metrics record of the step being taken
-    last_eval: dict | None = None
-    docs: CheckpointDocs | None = None
-    sinks: Sinks = field(default_factory=Sinks)
-    result: FinetuneResult | None = None
-    saver: BackgroundSaver | None = None  # checkpoint.async: the background writer
-
-    @property
-    def base_dtype(self) -> torch.dtype:
-        """The base checkpoint's dtype: the merged model's."""
-        return config_dtype(self.model.config)
 
 
 # ---------------------------------------------------------------------------------------------------

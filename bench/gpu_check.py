@@ -1,7 +1,7 @@
 """The measurements of bench/gpu_check.sh (issue 17), one JSON line each; see that script.
 
-    python bench/gpu_check.py colab --out DIR [--smoke]       the seed's scenario: llama3-8b_qlora, 2 steps, merged save
-    python bench/gpu_check.py train --out DIR [--smoke]       tokens/s and peak VRAM: slimtune eager / compiled, PEFT+bnb, PEFT bf16
+    python -m bench.gpu_check colab --out DIR [--smoke]       the seed's scenario: llama3-8b_qlora, 2 steps, merged save
+    python -m bench.gpu_check train --out DIR [--smoke]       tokens/s and peak VRAM: slimtune eager / compiled, PEFT+bnb, PEFT bf16
 
 ``--smoke``: tiny shapes on the CPU (the dry run `make test` runs): the same code paths, figures meaningless.
 A variant that fails prints {"error": ...} and the command exits 1 after the others ran; with --smoke a
@@ -23,20 +23,10 @@ from pathlib import Path
 
 import torch
 
-from slimtune.bench import disk_write_mb_s, preset_config, synthetic_qlora_model, synthetic_train_base
+from bench.common import child_env, disk_write_mb_s, synthetic_train_base
 from slimtune.data import write_jsonl
 from slimtune.lora import LoRAConfig
-
-COLAB_CHILD = """
-import json, sys
-from slimtune.config import load_config
-from slimtune.recipes.finetune import run_finetune
-cfg = load_config("llama3-8b_qlora", sys.argv[1:])
-r = run_finetune(cfg)
-print("RESULT " + json.dumps({"steps": r.global_step, "losses": r.losses, "host_peak_rss_mb": r.peak_rss_mb,
-    "peak_vram_mb": r.peak_gpu_mb, "save_s": r.last_save.seconds, "save_bytes": r.last_save.total_bytes,
-    "peak_rss_during_save_mb": r.peak_rss_last_save_mb}))
-"""
+from slimtune.synthetic import preset_config, synthetic_qlora_model
 
 
 def emit(row: dict) -> None:
@@ -67,7 +57,7 @@ def colab(out: Path, smoke: bool) -> int:
     if smoke:
         overrides += ["training.gradient_accumulation_steps=2", "dataset.max_seq_len=64"]
     t0 = time.perf_counter()
-    child = subprocess.run([sys.executable, "-c", COLAB_CHILD, *overrides], stdout=subprocess.PIPE, text=True)
+    child = subprocess.run([sys.executable, "-m", "bench.colab_child", *overrides], stdout=subprocess.PIPE, text=True, env=child_env())
     wall = time.perf_counter() - t0
     lines = [line for line in child.stdout.splitlines() if line.startswith("RESULT ")]
     if child.returncode or not lines:
@@ -241,7 +231,7 @@ def train(out: Path, smoke: bool) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="bench/gpu_check.py")
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu_check")
     parser.add_argument("what", choices=["colab", "train"])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--smoke", action="store_true")

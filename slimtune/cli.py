@@ -2,7 +2,7 @@
 2 bad input or environment (one line naming the file, key or tensor), 3 internal error (one line; the
 traceback with SLIMTUNE_DEBUG=1).
 
-What a command reports as it works goes through the ``slimtune`` logger (``configure_logging``); what a
+What a command reports as it works goes through the ``slimtune`` logger (``logs.configure_logging``, called by ``main``); what a
 command answers (generated text, verify's report, inspect's listing, merge's and export's summaries, the
 error line) is printed here. Each command imports its modules inside its function, so `slimtune --help` and usage errors answer
 without loading torch or transformers (several seconds); the imports marked ``# lazy`` are those."""
@@ -19,51 +19,8 @@ from pathlib import Path
 
 from slimtune.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_OK, EXIT_PROBLEMS, REPORT_HINT, SlimtuneError
 from slimtune.formats.strict_json import safe_text
+from slimtune.logs import configure_logging
 from slimtune.memory import DEFAULT_SHARD_SIZE, parse_size
-
-
-class _ProgressSafeHandler(logging.Handler):
-    """The ``slimtune`` logger's lines as plain text that does not tear a tqdm progress bar
-    (``tqdm.write``): INFO and below on stdout, warnings and errors on stderr."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            from tqdm import tqdm  # lazy: --help does not need it
-
-            stream = sys.stdout if record.levelno < logging.WARNING else sys.stderr  # looked up now: pytest's capsys
-            tqdm.write(self.format(record), file=stream)
-            stream.flush()
-        except Exception:  # noqa: BLE001 - logging's own policy for a handler that fails
-            self.handleError(record)
-
-
-def _coordinator_speaks(record: logging.LogRecord) -> bool:
-    """Under torchrun only rank 0 says what the job does (every rank does the same); warnings and errors
-    come from every rank that has them."""
-    if record.levelno >= logging.WARNING:
-        return True
-    dist = sys.modules.get("torch.distributed")  # imported by then if a process group can be up
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return dist.get_rank() == 0
-    return os.environ.get("RANK", "0") == "0"
-
-
-def configure_logging(level: int | None = None) -> None:
-    """The application's choice for the ``slimtune`` logger, which every module logs under
-    (``logging.getLogger(__name__)``; the library itself adds no handler): the bare message, INFO by
-    default (DEBUG with SLIMTUNE_DEBUG=1), on stdout through the progress bar (warnings on stderr),
-    rank 0 only under torchrun. Safe to call again (one handler).
-
-    Example: ``configure_logging(); run_finetune(cfg)`` prints the recipe's lines as the CLI does"""
-    logger = logging.getLogger("slimtune")
-    if not any(isinstance(h, _ProgressSafeHandler) for h in logger.handlers):
-        handler = _ProgressSafeHandler()
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        handler.addFilter(_coordinator_speaks)
-        logger.addHandler(handler)
-    if level is None:
-        level = logging.DEBUG if os.environ.get("SLIMTUNE_DEBUG") == "1" else logging.INFO
-    logger.setLevel(level)
 
 
 def quiet_library_logs() -> None:

@@ -24,10 +24,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from slimtune.checkpoint.atomic import read_manifest
-from slimtune.cli import configure_logging
 from slimtune.cli import main as slimtune_main
 from slimtune.config import load_config
 from slimtune.data import DataSpec, collate, epoch_order, epoch_steps, load_data
+from slimtune.logs import configure_logging
 from slimtune.lora import lora_modules
 from slimtune.quant import is_nf4
 from slimtune.recipes.finetune import run_finetune

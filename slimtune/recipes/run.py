@@ -106,10 +106,10 @@ class Sinks:
     bar: tqdm | None = None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Run:
-    """Everything a run holds between its steps: made by a recipe's ``setup`` (by keyword), advanced by
-    the other steps."""
+    """Everything a run holds between its steps: made by a recipe's ``setup`` (keyword arguments only),
+    advanced by the other steps."""
 
     cfg: Config
     where: Placement
@@ -119,7 +119,7 @@ class Run:
     model: nn.Module
     optim: Optimization
     span: Span
-    at: Progress = field(default_factory=Progress)
+    at: Progress = field(default_factory=Progress)  # where the run is: run.at.global_step
     record: dict = field(default_factory=dict)  # the metrics record of the step being taken
     last_eval: dict | None = None
     docs: CheckpointDocs | None = None

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -254,7 +255,7 @@ def save_step(run: Run) -> SaveResult | None:
     return result
 
 
-def log_step(run: Run, on_step=None, shown: dict | None = None) -> None:
+def log_step(run: Run, on_step: Callable[[dict], None] | None = None, shown: dict | None = None) -> None:
     """The step's record, with memory figures (and a background save's, which may stop the run here with
     its failure), to metrics.jsonl, the trackers, the progress bar and ``on_step``. ``shown``: the
     progress bar's figures beside the loss (default: the last eval loss).
@@ -270,7 +271,7 @@ def log_step(run: Run, on_step=None, shown: dict | None = None) -> None:
     run.result.losses.append(record["loss"])
     sinks.bar.update(1)
     if shown is None:
-        shown = {"eval": f"{run.last_eval['eval_loss']:.4f}"} if run.last_eval else {}
+        shown = {"eval": f"{run.last_eval['eval_loss']:.4f}"} if run.last_eval and "eval_loss" in run.last_eval else {}
     shown = {**shown, **({"ckpt": "saving"} if run.saver is not None and run.saver.in_flight else {})}  # a background save runs
     sinks.bar.set_postfix(loss=f"{record['loss']:.4f}", **shown, lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
     if on_step is not None:
@@ -294,7 +295,9 @@ def finish(run: Run) -> FinetuneResult:
     result.peak_rss_mb, result.peak_gpu_mb = snapshot["peak_rss_mb"], snapshot.get("peak_gpu_mb")
     if result.losses:
         first_step = step - len(result.losses) + 1
-        evaluated = f"; eval loss {last_eval['eval_loss']:.4f} (perplexity {last_eval['eval_ppl']:.2f})" if last_eval else ""
+        evaluated = ""
+        if last_eval and "eval_loss" in last_eval:  # a recipe whose evaluation reports other figures says them itself
+            evaluated = f"; eval loss {last_eval['eval_loss']:.4f} (perplexity {last_eval['eval_ppl']:.2f})"
         log.info(f"trained steps {first_step}-{step} of {total}: loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}{evaluated}")
     if step < total:
         log.info(f"stopped at step {step} (training.stop_after_steps); continue with resume=true")

@@ -22,13 +22,11 @@ from pathlib import Path
 import torch
 
 from slimtune.checkpoint.card import CardFacts, model_card
-from slimtune.checkpoint.save import ADAPTER_DIR
 from slimtune.config import Config
 from slimtune.formats.hf import tokenizer_files
+from slimtune.formats.layout import ADAPTER_DIR, FORMAT_NAME
 from slimtune.model import load_tokenizer
 from slimtune.prompts import FALLBACK_CHAT_TEMPLATE, alpaca_prompt
-
-FORMAT_NAME = "slimtune_format.json"
 
 
 def prompt_format_of(shapes: dict[str, int]) -> str:

@@ -42,15 +42,14 @@ from torch import nn
 
 from slimtune.checkpoint.atomic import MANIFEST_NAME, is_complete_checkpoint, reclaim_leftovers
 from slimtune.checkpoint.run_state import ResumePoint, portable_config, state_problem
-from slimtune.checkpoint.save import ADAPTER_DIR, ExtraFile, SaveOptions, SaveResult, save_checkpoint
+from slimtune.checkpoint.save import ExtraFile, SaveOptions, SaveResult, save_checkpoint
 from slimtune.checkpoint.train_state import TRAIN_STATE_DIR, save_train_state
 from slimtune.distributed import SINGLE, Ranks
 from slimtune.errors import SlimtuneError
 from slimtune.fileio import os_errors
+from slimtune.formats.layout import ADAPTER_WEIGHTS_PATH, STATE_NAME
 from slimtune.formats.manifest import manifest_problems
-from slimtune.formats.peft import ADAPTER_WEIGHTS
 
-STATE_NAME = "recipe_state.pt"
 METRICS_NAME = "metrics.jsonl"
 PLOT_NAME = "loss.png"
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -269,7 +268,7 @@ def checkpoint_problem(path: Path) -> str | None:
     state, training state metadata and adapter must match the sizes and hashes the manifest recorded."""
     if not is_complete_checkpoint(path):
         return f"incomplete (no {MANIFEST_NAME})"
-    for name in (STATE_NAME, f"{TRAIN_STATE_DIR}/.metadata", f"{ADAPTER_DIR}/{ADAPTER_WEIGHTS}"):
+    for name in (STATE_NAME, f"{TRAIN_STATE_DIR}/.metadata", ADAPTER_WEIGHTS_PATH):
         problems = manifest_problems(path, only=[name], extra=False)
         if problems:
             return (

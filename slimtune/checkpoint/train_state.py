@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 
-from slimtune.errors import SlimtuneError
+from slimtune.errors import SlimtuneError, first_line
 
 TRAIN_STATE_DIR = "train_state"  # torch.distributed.checkpoint: every rank writes its shards
 
@@ -105,7 +105,7 @@ def load_train_state(path: Path, template: dict) -> dict:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(packed, checkpoint_id=str(where))
     except Exception as e:  # noqa: BLE001
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e)
         raise SlimtuneError(f"{where}: cannot load the training state ({first})") from None
     return _unpack(packed)
 

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from slimtune.checkpoint.atomic import MANIFEST_NAME, is_complete_checkpoint, reclaim_leftovers
 from slimtune.checkpoint.run_state import ResumePoint, portable_config, state_problem
@@ -233,24 +234,15 @@ class CreatedByRun:
 
 def _state_size(state: object) -> int:
     """An upper estimate of ``torch.save(state)``'s size: tensor bytes, an allowance per object and 1 MiB."""
-    total = 1024 * 1024
+    total, keys = 1024 * 1024, set()
+    for path, x in pytree.tree_leaves_with_path(state):
+        keys.update(path[: i + 1] for i, k in enumerate(path) if isinstance(k, pytree.MappingKey))  # each dict key once
+        total += x.untyped_storage().nbytes() + 4096 if isinstance(x, torch.Tensor) else _object_size(x)
+    return total + sum(_object_size(p[-1].key) for p in keys)
 
-    def walk(x: object) -> None:
-        nonlocal total
-        if isinstance(x, torch.Tensor):
-            total += x.untyped_storage().nbytes() + 4096
-        elif isinstance(x, dict):
-            for k, v in x.items():
-                walk(k)
-                walk(v)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                walk(v)
-        else:
-            total += 256 + (len(x) if isinstance(x, (str, bytes)) else 0)
 
-    walk(state)
-    return total
+def _object_size(x: object) -> int:
+    return 256 + (len(x) if isinstance(x, (str, bytes)) else 0)
 
 
 def _write_state(state: dict, path: Path) -> None:

@@ -2,7 +2,9 @@
 2 bad input or environment (one line naming the file, key or tensor), 3 internal error (one line; the
 traceback with SLIMTUNE_DEBUG=1).
 
-Each command imports its modules inside its function, so `slimtune --help` and usage errors answer
+What a command reports as it works goes through the ``slimtune`` logger (``logs.configure_logging``, called by ``main``); what a
+command answers (generated text, verify's report, inspect's listing, merge's and export's summaries, the
+error line) is printed here. Each command imports its modules inside its function, so `slimtune --help` and usage errors answer
 without loading torch or transformers (several seconds); the imports marked ``# lazy`` are those."""
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 
 from slimtune.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_OK, EXIT_PROBLEMS, REPORT_HINT, SlimtuneError
 from slimtune.formats.strict_json import safe_text
+from slimtune.logs import configure_logging
 from slimtune.memory import DEFAULT_SHARD_SIZE, parse_size
 
 
@@ -317,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         command = f"slimtune {args.command}"
+        configure_logging()
         quiet_library_logs()
         return args.func(args) or EXIT_OK
     except SlimtuneError as e:

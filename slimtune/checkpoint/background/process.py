@@ -36,6 +36,7 @@ from slimtune.checkpoint.background.snapshot import to_host, write_request
 from slimtune.checkpoint.manager import CheckpointManager
 from slimtune.distributed import SINGLE, Ranks, current_ranks, shutdown
 from slimtune.errors import SlimtuneError
+from slimtune.logs import configure_logging
 from slimtune.model import load_qlora_model
 from slimtune.runtime import usable_cores
 
@@ -170,14 +171,15 @@ def writer_main(fd: int, parent: int) -> None:
         return
     logging.disable(logging.WARNING)  # the trainer has said everything loading says (also set by start's code)
     try:
-        serve(Connection(fd))
+        serve(Connection(fd), speak=True)
     except (SlimtuneError, KeyboardInterrupt):
         pass
 
 
-def serve(conn: Connection) -> None:
+def serve(conn: Connection, speak: bool = False) -> None:
     """Join the writers' group (under a process group), load the model as the trainer did, answer
-    ``Ready``, then write each ``Request``'s checkpoint until ``Stop``."""
+    ``Ready``, then write each ``Request``'s checkpoint until ``Stop``. ``speak``: a process of its own,
+    whose slimtune lines print once it serves (``_speak_after_loading``)."""
     spec = None
     try:
         start = conn.recv()
@@ -190,7 +192,9 @@ def serve(conn: Connection) -> None:
             return
         conn.send(Ready())
         params = dict(model.named_parameters())
-        manager = CheckpointManager(start.out, log=lambda message: print(message, flush=True))
+        manager = CheckpointManager(start.out)
+        if speak:
+            _speak_after_loading()
         while isinstance(request := torch.load(io.BytesIO(conn.recv_bytes()), map_location="cpu", weights_only=False), Request):
             conn.send(write_request(model, manager, request, ranks, params))
     except EOFError:
@@ -199,6 +203,14 @@ def serve(conn: Connection) -> None:
         conn.close()
         if spec is not None and spec.group is not None:
             shutdown()
+
+
+def _speak_after_loading() -> None:
+    """A writer process is silent while it loads (the trainer has said all that); once it serves, slimtune's
+    own lines (a damaged step-N the save moves aside) print as the trainer's do, the libraries' stay quiet."""
+    logging.disable(logging.NOTSET)
+    logging.getLogger().setLevel(logging.ERROR)
+    configure_logging()
 
 
 def _join_writers(group: WriterGroup | None) -> Ranks:

@@ -35,7 +35,7 @@ from slimtune.checkpoint.background.protocol import Ready, Request, Start, Stop,
 from slimtune.checkpoint.background.snapshot import to_host, write_request
 from slimtune.checkpoint.manager import CheckpointManager
 from slimtune.distributed import SINGLE, Ranks, current_ranks, shutdown
-from slimtune.errors import SlimtuneError
+from slimtune.errors import SlimtuneError, first_line
 from slimtune.logs import configure_logging
 from slimtune.model import load_qlora_model
 from slimtune.runtime import usable_cores
@@ -223,7 +223,7 @@ def _join_writers(group: WriterGroup | None) -> Ranks:
         store.set(f"slimtune-writer-{group.rank}", "here")
         store.wait([f"slimtune-writer-{r}" for r in range(group.world_size)], _JOIN_TIMEOUT)
     except (RuntimeError, ValueError) as e:  # DistStoreError is a RuntimeError
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e)
         within = f"{_JOIN_TIMEOUT.total_seconds():.0f} s"
         raise SlimtuneError(f"the checkpoint writers did not all join their group within {within} ({first})") from None
     store.set_timeout(_GROUP_TIMEOUT)

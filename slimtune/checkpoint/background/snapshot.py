@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from slimtune.checkpoint.background.protocol import Done, Failed, Request
 from slimtune.checkpoint.manager import CheckpointManager
@@ -48,19 +49,15 @@ def to_host(tree: object) -> object:
         copies.append(x.device)
         return out
 
-    def walk(x: object) -> object:
-        if isinstance(x, torch.Tensor):
-            x = x.detach()
-            if is_dtensor(x):
-                return Shard(host(x.to_local()), tuple(x.shape), tuple(x.stride()), tuple(x.placements))
-            return host(x)
-        if isinstance(x, dict):
-            return {k: walk(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return type(x)(walk(v) for v in x)
-        return x
+    def leaf(x: object) -> object:
+        if not isinstance(x, torch.Tensor):
+            return x
+        x = x.detach()
+        if is_dtensor(x):
+            return Shard(host(x.to_local()), tuple(x.shape), tuple(x.stride()), tuple(x.placements))
+        return host(x)
 
-    out = walk(tree)
+    out = pytree.tree_map(leaf, tree)
     for device in set(copies):
         torch.cuda.synchronize(device)
     return out
@@ -69,15 +66,15 @@ def to_host(tree: object) -> object:
 def rebuild(tree: object, ranks: Ranks) -> object:
     """A snapshot's ``Shard`` entries as DTensors again, on the writers' mesh (the same shapes and
     placements: DCP writes them as the trainers' would)."""
-    if isinstance(tree, Shard):
+
+    def leaf(x: object) -> object:
+        if not isinstance(x, Shard):
+            return x
         from torch.distributed.tensor import DTensor  # a snapshot with shards comes from a process group
 
-        return DTensor.from_local(tree.local, device_mesh(ranks), tree.placements, run_check=False, shape=tree.shape, stride=tree.stride)
-    if isinstance(tree, dict):
-        return {k: rebuild(v, ranks) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(rebuild(v, ranks) for v in tree)
-    return tree
+        return DTensor.from_local(x.local, device_mesh(ranks), x.placements, run_check=False, shape=x.shape, stride=x.stride)
+
+    return pytree.tree_map(leaf, tree)
 
 
 def write_request(

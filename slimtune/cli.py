@@ -27,7 +27,11 @@ def quiet_library_logs() -> None:
     import transformers  # lazy
 
     transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()  # huggingface_hub's bars too: downloads show theirs again
+    from huggingface_hub import constants, utils  # lazy
+
+    if constants.HF_HUB_DISABLE_PROGRESS_BARS is not True:
+        utils.enable_progress_bars("huggingface_hub")
     for name in ("torchao", "torch.utils._pytree"):
         logging.getLogger(name).setLevel(logging.ERROR)
 
@@ -156,6 +160,22 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     print("\n".join(inspect_path(args.path)))
 
 
+class _Version(argparse.Action):
+    """``slimtune --version``: ``slimtune 0.1.0 (torch 2.13.0, transformers 5.24.0, ...)``, from the package
+    metadata (nothing imported), read only when asked."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from slimtune.card import software_versions  # lazy
+
+        versions = software_versions()
+        others = ", ".join(f"{name} {version}" for name, version in versions.items() if name != "slimtune")
+        print(f"slimtune {versions['slimtune']} ({others}; python {sys.version.split()[0]})")
+        parser.exit()
+
+
 def _size(text: str) -> int:
     """--max-shard-size, parsed here once (a bad size is argparse's usage error, exit 2)."""
     try:
@@ -166,11 +186,14 @@ def _size(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="slimtune", description="QLoRA fine-tuning with bounded-memory checkpoints.")
+    parser.add_argument("--version", action=_Version, help="print the versions of slimtune and the libraries it runs on, and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="train and save the embedded tiny model end to end (offline)")
     demo.add_argument("--out", type=Path, default=Path("slimtune-demo"), help="output directory (default: ./slimtune-demo)")
-    demo.add_argument("--base", type=Path, default=None, help="use this local Hugging Face checkpoint instead of the embedded tiny model")
+    demo.add_argument(
+        "--base", default=None, help="use this Hugging Face checkpoint (a directory or a hub id org/name[@rev]) instead of the tiny model"
+    )
     demo.add_argument("--steps", type=int, default=60, help="training steps (default: 60)")
     demo.add_argument("--targets", default=None, help="comma-separated LoRA target modules (default: all attention and MLP projections)")
     demo.set_defaults(func=cmd_demo)
@@ -220,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--type", choices=["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"], default="f16", help="default: f16"
     )
     export.add_argument("--out", type=Path, default=None, help="output file (default: model-TYPE.gguf beside SRC)")
-    export.add_argument("--base", type=Path, default=None, help="base model directory, to merge an adapter on the fly")
+    export.add_argument("--base", type=Path, default=None, help="base model (a directory or hub id), to merge an adapter on the fly")
     export.add_argument("--adapter", type=Path, default=None, help="PEFT adapter directory (or a checkpoint holding adapter/)")
     export.add_argument("--merge-base", choices=["original", "quantized"], default="original", help="as for merge (default: original)")
     export.add_argument("--overwrite", action="store_true", help="replace an existing output file (atomically, once complete)")
@@ -228,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     verify = sub.add_parser("verify", help="check a checkpoint against its manifest, the format rules and (optionally) its sources")
     verify.add_argument("path", type=Path, help="checkpoint directory")
-    verify.add_argument("--base", type=Path, default=None, help="base checkpoint, to recompute each merged tensor")
+    verify.add_argument("--base", type=Path, default=None, help="base checkpoint (directory or hub id), to recompute each merged tensor")
     verify.add_argument("--adapter", type=Path, default=None, help="adapter, to recompute each merged tensor")
     verify.add_argument("--merge-base", choices=["original", "quantized"], default="original", help="as given to merge")
     verify.add_argument(
@@ -252,7 +275,9 @@ def _generation_args(p: argparse.ArgumentParser, temperature: float) -> None:
         help="merged: the merged model with plain transformers; adapter: the adapter on the NF4 base it was trained on "
         "(bounded memory, as finetune loads it); auto: merged when the checkpoint has it",
     )
-    p.add_argument("--base", type=Path, default=None, help="base model for --form adapter (default: the one training used)")
+    p.add_argument(
+        "--base", type=Path, default=None, help="base model for --form adapter, a directory or a hub id (default: the one training used)"
+    )
     p.add_argument("--max-new-tokens", type=int, default=128, help="default: 128")
     p.add_argument("--temperature", type=float, default=temperature, help=f"0: greedy (default: {temperature})")
     p.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling (default: 0.9)")
@@ -263,7 +288,10 @@ def _generation_args(p: argparse.ArgumentParser, temperature: float) -> None:
 def _add_merge(sub) -> None:
     merge = sub.add_parser("merge", help="merge a PEFT LoRA adapter into a Hugging Face base, from files, in bounded memory")
     merge.add_argument(
-        "--base", type=Path, required=True, help="base checkpoint directory (safetensors; bf16/fp16/fp32 or bitsandbytes NF4)"
+        "--base",
+        type=Path,
+        required=True,
+        help="base checkpoint: a directory or a hub id org/name[@revision] (safetensors; bf16/fp16/fp32 or bitsandbytes NF4)",
     )
     merge.add_argument("--adapter", type=Path, required=True, help="PEFT adapter directory (or a slimtune checkpoint holding adapter/)")
     merge.add_argument("--out", type=Path, required=True, help="output directory (must not exist unless --overwrite)")

@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from slimtune.errors import SlimtuneError
+from slimtune.formats.hub import is_hub_id
 from slimtune.lora import DEFAULT_TARGETS
 from slimtune.memory import DEFAULT_SHARD_SIZE, parse_size
 
@@ -28,7 +29,7 @@ PLACEHOLDER = "{output_dir}"
 
 @dataclass(frozen=True)
 class Key:
-    """One config key. ``kind`` is int, float, bool, str, path or list[str]; ``fixed`` keys must not
+    """One config key. ``kind`` is int, float, bool, str, path, model (a path or a hub id) or list[str]; ``fixed`` keys must not
     change when a run is resumed (they define the model, the data order or the step arithmetic)."""
 
     name: str
@@ -59,14 +60,20 @@ SCHEMA: tuple[Key, ...] = (
     Key("overwrite", "bool", False, "Start over when output_dir already holds checkpoints (they are deleted); otherwise that is an error."),
     Key(
         "model.path",
-        "path",
+        "model",
         None,
-        f"Local Hugging Face checkpoint directory of a supported family (README: Model families); '{PLACEHOLDER}' "
-        "is replaced by output_dir.",
+        "Hugging Face checkpoint of a supported family (README: Model families): a local directory, or a hub id org/name "
+        "(org/name@revision pins a branch, tag or commit) fetched through huggingface_hub's cache (HF_HOME, HF_HUB_OFFLINE, "
+        f"HF_TOKEN); a local directory of the same name wins. '{PLACEHOLDER}' is replaced by output_dir.",
         required=True,
         fixed=True,
     ),
-    Key("model.create_tiny", "bool", False, "When model.path does not exist, write the embedded tiny Llama there (offline demo)."),
+    Key(
+        "model.create_tiny",
+        "bool",
+        False,
+        "When model.path does not exist and is not a hub id, write the embedded tiny Llama there (offline demo).",
+    ),
     Key("lora.rank", "int", 8, "LoRA rank r.", minimum=1, fixed=True),
     Key("lora.alpha", "float", 16.0, "LoRA alpha; the update is scaled by alpha / r (alpha / sqrt(r) with rsLoRA).", minimum=0, fixed=True),
     Key("lora.dropout", "float", 0.0, "Dropout on the adapter input during training.", minimum=0, maximum=1),
@@ -431,6 +438,8 @@ def validate(values: dict[str, Any], label: str = "config") -> Config:
         for key in SCHEMA:
             if key.kind == "path" and key.name != "output_dir" and checked[key.name] is not None:
                 checked[key.name] = _resolve(checked[key.name], output_dir)
+            if key.kind == "model" and not is_hub_id(checked[key.name]):  # a hub id stays as written: resolve_model decides
+                checked[key.name] = _resolve(checked[key.name], output_dir)
             if key.kind == "list[path]" and checked[key.name] is not None:
                 checked[key.name] = [_resolve(p, output_dir) for p in checked[key.name]]
     except (OSError, RuntimeError, ValueError) as e:  # a name too long, a loop of links, ...
@@ -481,7 +490,7 @@ def _check_value(key: Key, value: Any, label: str) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
             raise _type_error(key, value, label, "a number")
         value = float(value)
-    elif key.kind in ("str", "path"):
+    elif key.kind in ("str", "path", "model"):
         if not isinstance(value, str) or not value.strip():
             raise _type_error(key, value, label, "a non-empty string")
         if "\x00" in value or not _encodable(value):

@@ -31,6 +31,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from slimtune.data import FALLBACK_CHAT_TEMPLATE, alpaca_prompt, parse_json
 from slimtune.errors import SlimtuneError
+from slimtune.formats.hub import is_hub_id, resolve_model
 from slimtune.formats.peft import ADAPTER_WEIGHTS, read_adapter
 from slimtune.lora import LoRAConfig
 from slimtune.model import load_adapter_weights, load_qlora_model, load_tokenizer, pick_device, pick_dtype
@@ -118,7 +119,7 @@ def _load_adapter_on_nf4(path: Path, adapter_dir: Path, base: str | Path | None,
         raise SlimtuneError(
             f"{adapter_dir}: rank/alpha patterns and DoRA are not supported on the NF4 base; merge it and use --form merged"
         )
-    base_dir = Path(base) if base is not None else _recorded_base(path, adapter_dir, config)
+    base_dir = resolve_model(base).path if base is not None else _recorded_base(path, adapter_dir, config)
     targets = config.get("target_modules")
     targets = list(targets) if isinstance(targets, list) else None
     if not targets:
@@ -134,19 +135,24 @@ def _load_adapter_on_nf4(path: Path, adapter_dir: Path, base: str | Path | None,
 
 
 def _recorded_base(path: Path, adapter_dir: Path, config: dict) -> Path:
-    """The base the adapter was trained on: the recipe state's model.path, else the adapter config's."""
+    """The base the adapter was trained on: the recipe state's model.path (at the hub commit training
+    resolved it to), else the adapter config's base_model_name_or_path (a directory or a hub id)."""
     candidates = []
     state = path / "recipe_state.pt"
     if state.is_file():
         try:
             saved = torch.load(state, map_location="cpu", weights_only=True)
-            candidates.append(saved["config"]["model.path"])
+            recorded = saved.get("base") or {}
+            pinned = f"{recorded['name']}@{recorded['revision']}" if is_hub_id(recorded.get("name")) and recorded.get("revision") else None
+            candidates += [c for c in (pinned, saved["config"]["model.path"]) if c]
         except Exception:  # an unreadable state only loses this hint
             pass
     candidates.append(config.get("base_model_name_or_path"))
     for candidate in candidates:
         if isinstance(candidate, str) and candidate and (Path(candidate) / "config.json").is_file():
             return Path(candidate)
+        if is_hub_id(candidate):
+            return resolve_model(candidate).path
     raise SlimtuneError(f"{adapter_dir}: cannot find the base model it was trained on ({candidates}); pass --base DIR")
 
 

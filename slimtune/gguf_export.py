@@ -261,15 +261,15 @@ def open_source(src: Path | None, base: Path | None, adapter: Path | None, merge
     if adapter is None:
         raise SlimtuneError(f"{src}: neither a merged model (config.json, *.safetensors) nor an adapter; pass --base and --adapter")
     if base is None:
-        raise SlimtuneError(f"{adapter}: an adapter needs the base it was trained on: pass --base DIR")
+        raise SlimtuneError(f"{adapter}: an adapter needs the base it was trained on: pass --base DIR (or a hub id)")
     from slimtune.formats.peft import read_adapter
 
     reader = BaseCheckpoint(base)
     try:
         stream = merged_file_stream(reader, read_adapter(adapter), torch.float32, resolved)
         dirs = [d for d in (Path(adapter), Path(src) if src else None) if d is not None]
-        tok_dir = next((d for d in dirs if (d / "tokenizer_config.json").is_file()), Path(base))
-        yield _Source(reader.config, stream, tok_dir, Path(base), _record(*dirs))
+        tok_dir = next((d for d in dirs if (d / "tokenizer_config.json").is_file()), reader.dir)
+        yield _Source(reader.config, stream, tok_dir, reader.dir, _record(*dirs))
     finally:
         reader.close()
 

@@ -22,6 +22,7 @@ from slimtune.errors import SlimtuneError
 from slimtune.families import frozen_nf4_keys
 from slimtune.formats.bnb import BnbNF4Weight, aux_owner, is_aux_key, load_bnb_weight
 from slimtune.formats.hf import checkpoint_files, export_config_dict, load_config, module_kinds, read_config_dict
+from slimtune.formats.hub import ModelSource, resolve_model
 from slimtune.formats.peft import Adapter, AdapterModule, SavedTensor, read_adapter, resolve
 from slimtune.formats.safetensors import COMPUTE_DTYPES, SafetensorsReader
 from slimtune.formats.strict_json import safe_name
@@ -36,13 +37,13 @@ MERGE_BASES = ("original", "quantized")  # MergeBase(quantized=False / True)
 
 
 class BaseCheckpoint:
-    """A base checkpoint on disk: tensor names, shapes and dtypes from the headers, rows on demand."""
+    """A base checkpoint on disk (a directory, or a hub id ``resolve_model`` fetches): tensor names,
+    shapes and dtypes from the headers, rows on demand."""
 
-    def __init__(self, model_dir: str | Path, pool: BufferPool | None = None):
-        self.dir = Path(model_dir)
+    def __init__(self, model_dir: str | Path | ModelSource, pool: BufferPool | None = None):
+        self.source = resolve_model(model_dir)
+        self.dir = self.source.path
         self.pool = pool
-        if not self.dir.is_dir():
-            raise SlimtuneError(f"{self.dir}: no such base model directory")
         self.config = read_config_dict(self.dir)
         self._kinds: tuple[dict[str, str], str | None] | None = None
         self.readers = [SafetensorsReader(h.path) for h in checkpoint_files(self.dir)]
@@ -272,14 +273,14 @@ def merged_file_stream(
 
 
 def merge_from_files(
-    base_dir: str | Path,
+    base_dir: str | Path | ModelSource,
     adapter_dir: str | Path,
     out_dir: str | Path,
     options: WriteOptions = WriteOptions(),
     merge_base: str = "original",
     ranks: Ranks = SINGLE,
 ) -> SaveResult:
-    """Merge ``adapter_dir`` into ``base_dir`` and write ``out_dir`` as a Hugging Face checkpoint
+    """Merge ``adapter_dir`` into ``base_dir`` (a directory or a hub id) and write ``out_dir`` as a Hugging Face checkpoint
     (sharded safetensors, index, config without quantization_config, tokenizer files, manifest).
     ``options`` says how (shard size, dtype, overwrite, the device of the merge math); ``merge_base``
     which base weights the adapter is merged into (``original`` W, or ``quantized`` dequant(NF4(W))).
@@ -306,7 +307,8 @@ def merge_from_files(
             merged=stream,
             config=export_config_dict(base.config, stream),
             tokenizer_dir=base.dir,
-            manifest_extra={"kind": "merged", "merge_base": merge_base, "base": str(Path(base_dir)), "adapter": str(adapter.path)},
+            manifest_extra={"kind": "merged", "merge_base": merge_base, "base": base.source.name, "adapter": str(adapter.path)}
+            | ({"base_revision": base.source.revision} if base.source.revision else {}),
             whole_below=chunk_bytes,  # every rank can make any rows: small tensors go whole to one rank
         )
         return write_checkpoint(out_dir, parts, options, ranks)

@@ -258,7 +258,7 @@ def portable_config(values: dict) -> dict:
     portable = {}
     for k, v in values.items():
         key = KEYS.get(k)
-        if key is not None and key.kind == "path" and k != "output_dir" and isinstance(v, str):
+        if key is not None and key.kind in ("path", "model") and k != "output_dir" and isinstance(v, str):
             v = v.replace(PLACEHOLDER, root)
             if Path(v).is_relative_to(root):
                 v = str(PLACEHOLDER / Path(v).relative_to(root))

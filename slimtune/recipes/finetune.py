@@ -76,6 +76,7 @@ from slimtune.facts import facts_of
 from slimtune.fileio import write_atomic
 from slimtune.formats.hf import load_config as load_hf_config
 from slimtune.formats.hf import tokenizer_files
+from slimtune.formats.hub import ModelSource, is_hub_id, resolve_model
 from slimtune.generate import FORMAT_NAME, Loaded, SamplingOptions, format_record, generate, prompt_format_of, prompt_ids
 from slimtune.gguf_export import export_checkpoint_gguf
 from slimtune.lora import LoRAConfig, lora_parameters
@@ -116,6 +117,7 @@ class Run:
     dtype: torch.dtype  # the compute dtype
     manager: CheckpointManager
     resume: ResumePoint | None  # None: a fresh start
+    base: ModelSource  # model.path resolved: its directory, and the hub id and commit it came from
     tokenizer: object
     hf_config: object
     data: Data
@@ -153,7 +155,8 @@ def run_finetune(cfg: Config, on_step: Callable[[dict], None] | None = None) -> 
 
     Example: ``run_finetune(load_config("tiny", ["output_dir=out", "training.max_steps=5"]))``"""
     ranks = init_distributed(pick_device(cfg.device).type)
-    created = CreatedByRun(Path(cfg.output_dir), [Path(cfg.model.path), Path(cfg.dataset.path)]) if ranks.is_coordinator else None
+    made = [Path(cfg.model.path)] if _creates_tiny(cfg) else []
+    created = CreatedByRun(Path(cfg.output_dir), [*made, Path(cfg.dataset.path)]) if ranks.is_coordinator else None
     try:
         run = setup(cfg, ranks)
         restore(run)
@@ -207,16 +210,18 @@ def setup(cfg: Config, ranks: Ranks = SINGLE) -> Run:
     resume = manager.find_resume_point(cfg.resume, cfg.overwrite)  # or refuse to mix two runs
     if resume is not None:
         manager.check_resumable(cfg, resume)
-    tokenizer, hf_config, data, builtin_rows = _read_data(cfg, ranks, resume)
+    base = _resolve_base(cfg, ranks, resume)
+    tokenizer, hf_config, data, builtin_rows = _read_data(cfg, ranks, resume, base)
     pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
     steps_per_epoch = len(epoch_steps(list(range(len(data.train))), cfg.training.batch_size, cfg.training.gradient_accumulation_steps))
     total_steps = cfg.training.total_epochs * steps_per_epoch
     if cfg.training.max_steps is not None:
         total_steps = min(total_steps, cfg.training.max_steps)
-    model = _load_model(cfg, ranks, device, dtype)
+    model = _load_model(cfg, ranks, device, dtype, base)
     params = lora_parameters(model)
     say(
-        f"model: {Path(cfg.model.path).name}, {sum(p.numel() for p in params):,} trainable adapter parameters, {device.type} "
+        f"model: {base.label if base.hub_id else base.path.name}, {sum(p.numel() for p in params):,} trainable adapter parameters, "
+        f"{device.type} "
         f"({threads} CPU thread{'s' if threads > 1 else ''}), "
         f"{str(dtype).removeprefix('torch.')}"
         + (f", {ranks.world_size} rank{'s' if ranks.world_size > 1 else ''} (FSDP2)" if ranks.distributed else "")
@@ -235,6 +240,7 @@ def setup(cfg: Config, ranks: Ranks = SINGLE) -> Run:
         dtype,
         manager,
         resume,
+        base,
         tokenizer,
         hf_config,
         data,
@@ -274,13 +280,14 @@ def restore(run: Run) -> None:
     else:
         _load_train_state(run)
     run.position, run.first_step = (run.epoch, run.step_in_epoch), run.global_step + 1
-    run.docs = CheckpointDocs(run.tokenizer, cfg, run.data, run.hf_config, _merged_dtype(run) or run.base_dtype, nf4_report(run.model))
+    merged_dtype = _merged_dtype(run) or run.base_dtype
+    run.docs = CheckpointDocs(run.tokenizer, cfg, run.base, run.data, run.hf_config, merged_dtype, nf4_report(run.model))
     if ranks.is_coordinator:
         last_record = run.resume.state.get("metrics") if run.resume is not None else None
         run.metrics = MetricsLog(run.manager.metrics_path, keep_through_step=run.global_step, last_record=last_record)
         run.trackers = Trackers.from_config(cfg, run.manager.out, resume_step=run.global_step)
     if cfg.values["checkpoint.async"] and _saves_before_the_end(run):  # on a GPU / under torchrun its writers load now
-        spec = WriterSpec(Path(cfg.model.path), _lora_config(cfg), cfg.seed, run.dtype)
+        spec = WriterSpec(run.base, _lora_config(cfg), cfg.seed, run.dtype)
         run.saver = BackgroundSaver(spec, run.manager, say, ranks=ranks, model=run.model)
     run.memory = PeakMemory(run.device)
     run.result = FinetuneResult(run.model, run.tokenizer, run.manager.out, run.global_step, metrics_path=run.manager.metrics_path)
@@ -343,7 +350,7 @@ def checkpoint(run: Run) -> SaveResult | None:
         for sample in record["samples"]:
             say(f"sample at step {step}: {sample['prompt']!r} -> {sample['text']!r}")  # every rank ran it: FSDP2 needs all
     ckpt = run.manager.step_path(step)
-    state = recipe_state(cfg, step, run.data.sha256, len(run.data.train), run.total_steps, ranks)
+    state = {**recipe_state(cfg, step, run.data.sha256, len(run.data.train), run.total_steps, ranks), "base": run.base.record()}
     state["metrics"] = {**record, "checkpoint": ckpt.name}  # rewritten on resume if a kill takes it
     adapter_only = _adapter_only(run)
     facts = dict(step=step, total_steps=run.total_steps, epoch=run.epoch + 1, train_loss=record["loss"], merged=not adapter_only)
@@ -415,7 +422,7 @@ def finish(run: Run) -> FinetuneResult:
     if result.checkpoint is not None:
         say(f"newest checkpoint: {result.checkpoint}")
     if run.cfg.checkpoint.gguf and result.checkpoint is not None and step == total and run.ranks.is_coordinator:
-        g = export_checkpoint_gguf(result.checkpoint, run.cfg.checkpoint.gguf, Path(run.cfg.model.path))
+        g = export_checkpoint_gguf(result.checkpoint, run.cfg.checkpoint.gguf, run.base.path)
         say(f"wrote {g.path} ({g.type}, {g.tensors} tensors, {g.bytes:,} bytes, {g.seconds:.1f} s) and {g.modelfile}")
     gpu = f"; peak GPU memory {result.peak_gpu_mb:.0f} MB" if result.peak_gpu_mb is not None else ""
     say(f"peak RSS of the run: {result.peak_rss_mb:.0f} MB{gpu}")
@@ -452,7 +459,38 @@ def _saves_before_the_end(run: Run) -> bool:
     return any(_every(s, run.steps_per_epoch) or _every(s, every) for s in range(run.global_step + 1, run.stop_at))
 
 
-def _read_data(cfg: Config, ranks: Ranks, resume: ResumePoint | None) -> tuple[object, object, Data, list[dict] | None]:
+def _creates_tiny(cfg: Config) -> bool:
+    """model.create_tiny applies: model.path names no directory and is not a hub id (nothing is ever
+    written at a path that would be looked up on the hub)."""
+    return cfg.model.create_tiny and not is_hub_id(cfg.model.path) and not Path(cfg.model.path).exists()
+
+
+def _resolve_base(cfg: Config, ranks: Ranks, resume: ResumePoint | None) -> ModelSource:
+    """model.path as a directory: the tiny model's (written later), a local directory, or a hub id resolved
+    (and fetched) by the coordinator first, then by the other ranks from the cache. A resumed run must find
+    the commit it was trained on: a hub repo that moved on since is refused."""
+    if _creates_tiny(cfg):
+        return ModelSource(Path(cfg.model.path))
+    error, base = None, None
+    if ranks.is_coordinator:
+        try:
+            base = resolve_model(cfg.model.path)
+        except BaseException as e:  # noqa: BLE001 - every rank raises below
+            error = e
+    ranks.agree(error, "resolving model.path")
+    base = base or resolve_model(cfg.model.path)
+    then = (resume.state.get("base") or {}).get("revision") if resume is not None else None
+    if then is not None and then != base.revision:
+        raise SlimtuneError(
+            f"cannot resume from {resume.path}: model.path {cfg.model.path} is at commit {base.revision} now, the checkpoint was "
+            f"trained on {then} (the repo moved on); set model.path={base.hub_id}@{then} to resume"
+        )
+    if base.hub_id:
+        say(f"model.path {cfg.model.path}: hub revision {base.revision} ({base.path})")
+    return base
+
+
+def _read_data(cfg: Config, ranks: Ranks, resume: ResumePoint | None, base: ModelSource) -> tuple[object, object, Data, list[dict] | None]:
     """The tokenizer and the tokenized data, checked against the checkpoint resumed from; the embedded
     tiny model written (coordinator) once the data is known good. Returns (tokenizer, HF config, data,
     the built-in rows to write or None)."""
@@ -462,8 +500,8 @@ def _read_data(cfg: Config, ranks: Ranks, resume: ResumePoint | None) -> tuple[o
         if not cfg.dataset.create_builtin:
             raise SlimtuneError(f"{dataset_path}: no such dataset file (dataset.path)")
         builtin_rows = builtin_tiny_records()  # written once the model has loaded: nothing is written before the checks
-    model_dir = Path(cfg.model.path)
-    create_tiny = not model_dir.exists() and cfg.model.create_tiny
+    model_dir = base.path
+    create_tiny = _creates_tiny(cfg)
     if create_tiny:  # the embedded model's tokenizer and config; the files are written once the data is known good
         tokenizer, hf_config = byte_tokenizer(), tiny_config()
     else:
@@ -493,12 +531,12 @@ def _read_data(cfg: Config, ranks: Ranks, resume: ResumePoint | None) -> tuple[o
     return tokenizer, hf_config, data, builtin_rows
 
 
-def _load_model(cfg: Config, ranks: Ranks, device: torch.device, dtype: torch.dtype) -> nn.Module:
+def _load_model(cfg: Config, ranks: Ranks, device: torch.device, dtype: torch.dtype, base: ModelSource) -> nn.Module:
     """NF4 base + fp32 adapters, frozen weights in the compute dtype, on the device. Under a process group
     the model comes out FSDP2-sharded, NF4 base and adapters alike (model.py says how)."""
     lora = _lora_config(cfg)
     progress = cfg.logging.progress_bar and ranks.is_coordinator
-    model = load_qlora_model(Path(cfg.model.path), lora, seed=cfg.seed, progress=progress, ranks=ranks, dtype=dtype)
+    model = load_qlora_model(base, lora, seed=cfg.seed, progress=progress, ranks=ranks, dtype=dtype)
     say(f"lora targets ({', '.join(lora.target_modules)}): {', '.join(facts_of(model).targets)}")
     say(nf4_summary_line(nf4_report(model)))
     if not ranks.distributed:
@@ -647,11 +685,11 @@ class CheckpointDocs:
     model card (README.md, at the root and in adapter/) and slimtune_format.json (the prompt format).
     Staged in a temporary directory and copied in by the save, under its manifest."""
 
-    def __init__(self, tokenizer, cfg: Config, data, hf_config, merged_dtype: torch.dtype, nf4: dict):
+    def __init__(self, tokenizer, cfg: Config, base: ModelSource, data, hf_config, merged_dtype: torch.dtype, nf4: dict):
         self._tmp = tempfile.TemporaryDirectory(prefix="slimtune-docs-")
         self.root = Path(self._tmp.name)
         self.tokenizer_dir = self.root / "tokenizer"
-        base_files = tokenizer_files(Path(cfg.model.path))
+        base_files = tokenizer_files(base.path)
         if getattr(tokenizer, "chat_template", None) and base_files:  # the base's files as they are, as an offline merge
             self.tokenizer_dir.mkdir()  # copies them (a save_pretrained would add its load arguments to tokenizer_config.json)
             for src in base_files:
@@ -659,12 +697,14 @@ class CheckpointDocs:
         else:  # the saved copy gets the template training rendered chat rows with
             tokenizer.save_pretrained(str(self.tokenizer_dir))
             load_tokenizer(self.tokenizer_dir, chat_template=FALLBACK_CHAT_TEMPLATE).save_pretrained(str(self.tokenizer_dir))
-            generation = Path(cfg.model.path) / "generation_config.json"  # the base's, as an offline merge copies it
+            generation = base.path / "generation_config.json"  # the base's, as an offline merge copies it
             if generation.is_file():
                 shutil.copyfile(generation, self.tokenizer_dir / generation.name)
-        self.record = {**format_record(data.shapes, getattr(tokenizer, "chat_template", None) or FALLBACK_CHAT_TEMPLATE), "nf4": nf4}
+        template = getattr(tokenizer, "chat_template", None) or FALLBACK_CHAT_TEMPLATE
+        self.record = {**format_record(data.shapes, template), "nf4": nf4, "base": base.record()}
         self.common = dict(
-            base=cfg.model.path,
+            base=base.name,
+            base_revision=base.revision,
             model_type=str(getattr(hf_config, "model_type", "unknown")),
             lora=dict(
                 rank=cfg.lora.rank,

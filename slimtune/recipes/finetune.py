@@ -77,6 +77,7 @@ from slimtune.fileio import write_atomic
 from slimtune.formats.hf import load_config as load_hf_config
 from slimtune.formats.hf import tokenizer_files
 from slimtune.formats.hub import ModelSource, is_hub_id, resolve_model
+from slimtune.formats.peft import serving_problems
 from slimtune.generate import FORMAT_NAME, Loaded, SamplingOptions, format_record, generate, prompt_format_of, prompt_ids
 from slimtune.gguf_export import export_checkpoint_gguf
 from slimtune.lora import LoRAConfig, lora_parameters
@@ -206,6 +207,10 @@ def setup(cfg: Config, ranks: Ranks = SINGLE) -> Run:
     if ranks.distributed and dtype == torch.float16:
         raise SlimtuneError("dtype fp16 (loss scaling) is for one process; with several ranks use bf16 or fp32")
     threads = choose_num_threads(cfg.training.num_threads)
+    lora = _lora_config(cfg)
+    serving = serving_problems({"r": lora.rank, "lora_alpha": lora.alpha, "target_modules": lora.target_modules})
+    if serving:  # trained and saved all the same: PEFT and slimtune load it
+        say(f"warning: vLLM will not load this run's adapter: {'; '.join(serving)} (docs/checkpoints.md: serving)")
     manager = CheckpointManager(Path(cfg.output_dir), cfg.checkpoint.keep_last_n, log=say)
     resume = manager.find_resume_point(cfg.resume, cfg.overwrite)  # or refuse to mix two runs
     if resume is not None:

@@ -19,7 +19,7 @@ from slimtune.checkpoint.writer import DEFAULT_CHUNK_BYTES, WriteOptions
 from slimtune.distributed import SINGLE, Ranks
 from slimtune.errors import SlimtuneError
 from slimtune.families import frozen_nf4_keys
-from slimtune.formats.bnb import BnbNF4Weight, aux_owner, is_aux_key, load_bnb_weight
+from slimtune.formats.bnb import BnbNF4Weight, aux_owner, is_aux_key, load_bnb_weight, quant_state_key, refuse_8bit
 from slimtune.formats.hf import checkpoint_files, export_config_dict, load_config, module_kinds, read_config_dict
 from slimtune.formats.hub import ModelSource, resolve_model
 from slimtune.formats.peft import Adapter, AdapterModule, SavedTensor, read_adapter, resolve
@@ -45,6 +45,7 @@ class BaseCheckpoint:
         self.dir = self.source.path
         self.pool = pool
         self.config = read_config_dict(self.dir)
+        refuse_8bit(self.config, str(self.dir / "config.json"))
         self._kinds: tuple[dict[str, str], str | None] | None = None
         self.readers = [SafetensorsReader(h.path) for h in checkpoint_files(self.dir)]
         self.location = {key: r for r in self.readers for key in r.tensors}
@@ -53,8 +54,9 @@ class BaseCheckpoint:
         self.bnb: dict[str, BnbNF4Weight] = {}
         for key, reader in self.location.items():
             if key + ".absmax" in self.location and key.endswith(".weight"):
-                entry = reader.entry(key)
-                self.bnb[key] = load_bnb_weight(key, self._read_whole, self._byte_reader(key), str(reader.path), entry.nbytes)
+                state = quant_state_key(key, self.location) or key + ".quant_state.bitsandbytes__nf4"  # missing: named as NF4's
+                packed = reader.entry(key).nbytes
+                self.bnb[key] = load_bnb_weight(key, self._read_whole, self._byte_reader(key), str(reader.path), packed, state)
         self.keys = [k for k in self.location if not (is_aux_key(k) and aux_owner(k) in self.bnb)]
 
     @property
@@ -70,12 +72,20 @@ class BaseCheckpoint:
         return self.location[key].read(key)
 
     def _byte_reader(self, key: str):
+        """Bytes [b0, b1) of a packed 4-bit weight, held in a [k, 1] tensor of any bnb_4bit_quant_storage dtype
+        (u8, bf16, ...): the rows that hold those bytes are read and viewed as bytes."""
         reader = self.location[key]
         entry = reader.entry(key)
-        per_row = entry.nbytes // entry.shape[0] if entry.shape and entry.shape[0] else 1
-        if per_row != 1 or entry.dtype != torch.uint8 or len(entry.shape) != 2:
-            raise SlimtuneError(f"{reader.path}: tensor {key}: packed 4-bit weight of shape {list(entry.shape)}, expected u8 [n, 1]")
-        return lambda b0, b1: reader.read(key, b0, b1).view(-1)
+        width = entry.nbytes // entry.shape[0] if len(entry.shape) == 2 and entry.shape[0] else 0
+        if len(entry.shape) != 2 or entry.shape[1] != 1 or entry.dtype is None or width != entry.dtype.itemsize:
+            found = f"{entry.dtype_name} {list(entry.shape)}"
+            raise SlimtuneError(f"{reader.path}: tensor {key}: packed 4-bit weight of {found}, expected [n, 1]")
+
+        def read(b0: int, b1: int) -> torch.Tensor:
+            r0, r1 = b0 // width, -(-b1 // width)
+            return reader.read(key, r0, r1).contiguous().view(torch.uint8).view(-1)[b0 - r0 * width : b1 - r0 * width]
+
+        return read
 
     def shape(self, key: str) -> tuple[int, ...]:
         return self.bnb[key].shape if key in self.bnb else self.location[key].entry(key).shape

@@ -41,7 +41,8 @@ from slimtune.families import (
     output_head,
     resolve_targets,
 )
-from slimtune.formats.hf import checkpoint_files, load_config
+from slimtune.formats.bnb import bnb_quantization, refuse_8bit
+from slimtune.formats.hf import checkpoint_files, load_config, read_config_dict
 from slimtune.formats.hub import ModelSource, resolve_model
 from slimtune.formats.peft import ALL_LINEAR, lora_key
 from slimtune.formats.safetensors import SafetensorsReader
@@ -179,6 +180,7 @@ def load_qlora_model(
     source = resolve_model(model_dir)
     model_dir = source.path
     lora = lora or LoRAConfig()
+    _refuse_prequantized(read_config_dict(model_dir), model_dir)
     config = load_config(model_dir)
     model = build_qlora_skeleton(config, lora)  # an unsupported architecture fails here, before any file is read
     if dtype is not None:
@@ -230,6 +232,18 @@ def load_qlora_model(
     facts.source_dir, facts.base_name = model_dir, source.name
     log.info("%s", nf4_summary_line(nf4_report(model)))
     return model
+
+
+def _refuse_prequantized(config: dict, model_dir: Path) -> None:
+    """A bitsandbytes base, before anything is built: 8-bit never; 4-bit is read by merge, export and verify,
+    and training from it is not built yet (said plainly, not a shape error on the first packed tensor)."""
+    where = str(model_dir / "config.json")
+    refuse_8bit(config, where)
+    if bnb_quantization(config) == "4bit":
+        raise SlimtuneError(
+            f"{where}: a bitsandbytes 4-bit checkpoint (quantization_config.load_in_4bit); training from one is not "
+            "supported yet (merge, export and verify --base read it): use the model's 16-bit checkpoint"
+        )
 
 
 def nf4_report(model: nn.Module) -> dict:

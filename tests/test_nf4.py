@@ -3,6 +3,7 @@ import torch
 
 from slimtune.formats.peft import lora_scaling
 from slimtune.lora import merge_lora_rows
+from slimtune.quant import resident_bytes
 from slimtune.quant.nf4 import (
     NF4RoundTrip,
     _torchao_linear_nf4,
@@ -97,6 +98,14 @@ def test_other_scaler_blocks_match_torchao(shape, scaler_block, dtype):
         expected = reference[start:end].contiguous().view(torch.uint8)
         assert torch.equal(dequantize_nf4_rows(nf4, start, end).contiguous().view(torch.uint8), expected), (start, end)
         assert torch.equal(round_trip.rows(start, end).contiguous().view(torch.uint8), expected), (start, end)
+
+
+def test_resident_bytes_of_a_plain_and_an_nf4_weight():
+    w = torch.randn(128, 64, dtype=torch.bfloat16)
+    assert resident_bytes(w) == 128 * 64 * 2
+    n = resident_bytes(quantize_nf4(w))
+    # 4-bit codes (4096 bytes), one 8-bit scaler per 64-block (128), fp32 factors per scaler block (at most 128)
+    assert 4096 + 128 < n <= 4096 + 128 + 4 * 128, n
 
 
 def test_weights_that_cannot_be_nf4():

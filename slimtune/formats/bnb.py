@@ -104,7 +104,7 @@ def load_bnb_weight(
     state = loads_json(bytes(raw.tolist()), label, expect=dict)
     quant_type, blocksize, shape = state.get("quant_type"), state.get("blocksize"), state.get("shape")
     dtype_name = state.get("dtype", "bfloat16")
-    if quant_type not in QUANT_STATE_SUFFIXES or not state_key.endswith(QUANT_STATE_SUFFIXES[quant_type]):
+    if not isinstance(quant_type, str) or not state_key.endswith(QUANT_STATE_SUFFIXES.get(quant_type, "\0")):
         raise SlimtuneError(
             f"{label}: bitsandbytes quant_type {safe_name(repr(quant_type))[:40]}, expected 'nf4' or 'fp4' "
             f"(the one its name says: {state_key.rpartition('__')[2]!r})"

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from slimtune.errors import SlimtuneError
+from slimtune.errors import SlimtuneError, first_line
 from slimtune.lora import qlora_linears
 from slimtune.quant import is_nf4
 from slimtune.runtime import decoder_layers
@@ -98,7 +98,7 @@ class PeerFailure(SlimtuneError):
 
 
 def _lost(rank: int, what: str, e: BaseException) -> SlimtuneError:
-    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    first = first_line(e)
     first = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0]  # gloo's source location and advice off
     return PeerFailure(f"rank {rank}: lost contact with the other ranks during {what} (did one die?): {first}")
 

@@ -35,9 +35,10 @@ from slimtune.fileio import atomic_file, check_free_space, os_errors
 from slimtune.formats.gguf_arch import GGUFArch, gguf_arch
 from slimtune.formats.gguf_vocab import vocab_fields, write_modelfile
 from slimtune.formats.hf import load_config
+from slimtune.formats.layout import CheckpointLayout
 from slimtune.generate import read_format_record
 from slimtune.merge import BaseCheckpoint, MergeBase, merged_file_stream
-from slimtune.tensors import StreamTensor, row_chunks
+from slimtune.tensors import StreamTensor, row_chunks, scalar_source
 
 Q = gguf.GGMLQuantizationType
 TYPES = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q5_0": Q.Q5_0, "q5_1": Q.Q5_1}
@@ -227,16 +228,6 @@ class _Source:
     """What training recorded in slimtune_format.json (chat template), if anything."""
 
 
-def _has_merged(path: Path) -> bool:
-    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
-
-
-def _adapter_dir(path: Path) -> Path | None:
-    if (path / "adapter_config.json").is_file():
-        return path
-    return path / "adapter" if (path / "adapter" / "adapter_config.json").is_file() else None
-
-
 def _record(*dirs: Path) -> dict:
     """What training recorded (slimtune_format.json: the chat template it used) in the first of ``dirs`` that has it."""
     return next((r for r in map(read_format_record, dirs) if r), {})
@@ -249,7 +240,7 @@ def open_source(src: Path | None, base: Path | None, adapter: Path | None, merge
     resolved = MergeBase.named(merge_base)  # the one check of the name, and the row reader it means
     if src is not None and not Path(src).is_dir():
         raise SlimtuneError(f"{src}: no such checkpoint directory")
-    if src is not None and adapter is None and base is None and _has_merged(Path(src)):
+    if src is not None and adapter is None and base is None and CheckpointLayout(src).has_merged:
         reader = BaseCheckpoint(src)
         try:
             stream = [_plain(reader, k) for k in reader.keys]
@@ -257,7 +248,7 @@ def open_source(src: Path | None, base: Path | None, adapter: Path | None, merge
         finally:
             reader.close()
         return
-    adapter = adapter if adapter is not None else (_adapter_dir(Path(src)) if src is not None else None)
+    adapter = adapter if adapter is not None else (CheckpointLayout(src).adapter_dir if src is not None else None)
     if adapter is None:
         raise SlimtuneError(f"{src}: neither a merged model (config.json, *.safetensors) nor an adapter; pass --base and --adapter")
     if base is None:
@@ -277,7 +268,7 @@ def open_source(src: Path | None, base: Path | None, adapter: Path | None, merge
 def _plain(reader: BaseCheckpoint, key: str) -> StreamTensor:
     shape = tuple(reader.shape(key))
     if not shape:
-        return StreamTensor(key, (), torch.float32, lambda s, e: reader.rows(key, 0, None).float())
+        return scalar_source(key, torch.float32, lambda: reader.rows(key, 0, None))
     return StreamTensor(key, shape, torch.float32, lambda s, e: reader.rows(key, s, e).float())
 
 
@@ -331,6 +322,6 @@ def export_checkpoint_gguf(checkpoint: Path, type_name: str, base: Path) -> GGUF
     the checkpoint holds no merged model.
     Example: ``export_checkpoint_gguf(Path("runs/1/step-000100"), "q8_0", Path("base"))``"""
     out = Path(checkpoint).parent / f"model-{type_name}.gguf"
-    if _has_merged(Path(checkpoint)):
+    if CheckpointLayout(checkpoint).has_merged:
         return export_gguf(out, GGUFOptions(type_name, overwrite=True), src=Path(checkpoint))
     return export_gguf(out, GGUFOptions(type_name, "quantized", overwrite=True), src=Path(checkpoint), base=Path(base))

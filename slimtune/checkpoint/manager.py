@@ -38,18 +38,18 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from slimtune.checkpoint.atomic import MANIFEST_NAME, is_complete_checkpoint, reclaim_leftovers
-from slimtune.checkpoint.save import ADAPTER_DIR, ExtraFile, SaveOptions, SaveResult, save_checkpoint
+from slimtune.checkpoint.save import ExtraFile, SaveOptions, SaveResult, save_checkpoint
 from slimtune.checkpoint.train_state import TRAIN_STATE_DIR, save_train_state
 from slimtune.config import KEYS, MODEL, PATH, PLACEHOLDER, Config
 from slimtune.distributed import SINGLE, Ranks
 from slimtune.errors import SlimtuneError
 from slimtune.fileio import os_errors
+from slimtune.formats.layout import ADAPTER_WEIGHTS_PATH, STATE_NAME
 from slimtune.formats.manifest import manifest_problems
-from slimtune.formats.peft import ADAPTER_WEIGHTS
 
-STATE_NAME = "recipe_state.pt"
 STATE_FORMAT = "slimtune-recipe-state/2"
 METRICS_NAME = "metrics.jsonl"
 PLOT_NAME = "loss.png"
@@ -269,24 +269,15 @@ def portable_config(values: dict) -> dict:
 
 def _state_size(state: object) -> int:
     """An upper estimate of ``torch.save(state)``'s size: tensor bytes, an allowance per object and 1 MiB."""
-    total = 1024 * 1024
+    total, keys = 1024 * 1024, set()
+    for path, x in pytree.tree_leaves_with_path(state):
+        keys.update(path[: i + 1] for i, k in enumerate(path) if isinstance(k, pytree.MappingKey))  # each dict key once
+        total += x.untyped_storage().nbytes() + 4096 if isinstance(x, torch.Tensor) else _object_size(x)
+    return total + sum(_object_size(p[-1].key) for p in keys)
 
-    def walk(x: object) -> None:
-        nonlocal total
-        if isinstance(x, torch.Tensor):
-            total += x.untyped_storage().nbytes() + 4096
-        elif isinstance(x, dict):
-            for k, v in x.items():
-                walk(k)
-                walk(v)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                walk(v)
-        else:
-            total += 256 + (len(x) if isinstance(x, (str, bytes)) else 0)
 
-    walk(state)
-    return total
+def _object_size(x: object) -> int:
+    return 256 + (len(x) if isinstance(x, (str, bytes)) else 0)
 
 
 def _write_state(state: dict, path: Path) -> None:
@@ -304,7 +295,7 @@ def checkpoint_problem(path: Path) -> str | None:
     state, training state metadata and adapter must match the sizes and hashes the manifest recorded."""
     if not is_complete_checkpoint(path):
         return f"incomplete (no {MANIFEST_NAME})"
-    for name in (STATE_NAME, f"{TRAIN_STATE_DIR}/.metadata", f"{ADAPTER_DIR}/{ADAPTER_WEIGHTS}"):
+    for name in (STATE_NAME, f"{TRAIN_STATE_DIR}/.metadata", ADAPTER_WEIGHTS_PATH):
         problems = manifest_problems(path, only=[name], extra=False)
         if problems:
             return (

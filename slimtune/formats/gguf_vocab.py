@@ -30,7 +30,7 @@ from pathlib import Path
 import gguf
 from gguf import GGUFValueType, Keys, TokenType
 
-from slimtune.errors import SlimtuneError
+from slimtune.errors import SlimtuneError, first_line
 from slimtune.fileio import atomic_file
 from slimtune.formats.gguf_pretokenizers import CHECK_TEXT, PRE_TOKENIZER_BY_HASH
 from slimtune.formats.strict_json import json_kind, load_json
@@ -93,7 +93,7 @@ def _load_tokenizer(model_dir: Path):
     try:
         return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     except (OSError, ValueError, TypeError, KeyError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e)
         raise SlimtuneError(f"{model_dir}: the tokenizer does not load: {first}") from None
 
 
@@ -227,7 +227,7 @@ def _special_vocab(model_dir: Path, n_vocab: int, merges: bool) -> gguf.SpecialV
     try:
         return gguf.SpecialVocab(model_dir, load_merges=merges, n_vocab=n_vocab)
     except (ValueError, TypeError, KeyError, AttributeError, IndexError, OSError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e)
         raise SlimtuneError(f"{model_dir}: the tokenizer's special tokens or merges are not readable: {first}") from None
 
 

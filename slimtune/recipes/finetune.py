@@ -52,7 +52,7 @@ from slimtune.card import CardFacts, model_card
 from slimtune.checkpoint.background import BackgroundSaver, WriterSpec
 from slimtune.checkpoint.fidelity import merged_forward
 from slimtune.checkpoint.manager import STATE_FORMAT, CheckpointManager, CreatedByRun, ResumePoint
-from slimtune.checkpoint.save import ADAPTER_DIR, SaveOptions, SaveResult
+from slimtune.checkpoint.save import SaveOptions, SaveResult
 from slimtune.checkpoint.train_state import load_train_state, rng_state, set_rng_state
 from slimtune.checkpoint.writer import WriteOptions
 from slimtune.config import Config
@@ -76,8 +76,9 @@ from slimtune.fileio import os_errors, write_atomic
 from slimtune.formats.hf import load_config as load_hf_config
 from slimtune.formats.hf import tokenizer_files
 from slimtune.formats.hub import ModelSource, is_hub_id, resolve_model
+from slimtune.formats.layout import ADAPTER_DIR, FORMAT_NAME
 from slimtune.formats.peft import serving_problems
-from slimtune.generate import FORMAT_NAME, Loaded, SamplingOptions, format_record, generate, prompt_format_of, prompt_ids
+from slimtune.generate import Loaded, SamplingOptions, format_record, generate, prompt_format_of, prompt_ids
 from slimtune.gguf_export import export_checkpoint_gguf
 from slimtune.lora import LoRAConfig, lora_parameters
 from slimtune.memory import peak_rss_mb, reset_peak_rss, rss_mb

@@ -61,25 +61,6 @@ class Loaded:
     device: torch.device
 
 
-def prompt_format_of(shapes: dict[str, int]) -> str:
-    """The prompt format that matches training data of these row shapes (counts per shape)."""
-    if any(shapes.get(s) for s in ("chat", "sharegpt", "completion")):
-        return "chat"
-    return "alpaca" if shapes.get("alpaca") else "text"
-
-
-def format_record(shapes: dict[str, int], chat_template: str | None) -> dict:
-    """What ``slimtune_format.json`` holds: the training data's shapes, the prompt format, the chat
-    template training rendered conversations with, and the Alpaca prompt."""
-    return {
-        "format": "slimtune-format/1",
-        "prompt_format": prompt_format_of(shapes),
-        "shapes": dict(shapes),
-        "chat_template": chat_template or FALLBACK_CHAT_TEMPLATE,
-        "alpaca_prompt": alpaca_prompt("{instruction}"),
-    }
-
-
 def load_for_generation(
     path: str | Path, form: str = "auto", base: str | Path | None = None, device: str = "auto", dtype: str = "bf16"
 ) -> Loaded:

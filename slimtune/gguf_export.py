@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,11 +34,13 @@ from slimtune.checkpoint.writer import DEFAULT_CHUNK_BYTES, DEFAULT_INFLIGHT_BYT
 from slimtune.errors import SlimtuneError
 from slimtune.fileio import atomic_file, check_free_space, os_errors
 from slimtune.formats.gguf_arch import GGUFArch, gguf_arch
+from slimtune.formats.gguf_mix import MIXES, MixModel, mix_types
 from slimtune.formats.gguf_vocab import vocab_fields, write_modelfile
 from slimtune.formats.hf import load_config
 from slimtune.formats.layout import CheckpointLayout
 from slimtune.generate import read_format_record
 from slimtune.merge import BaseCheckpoint, MergeBase, merged_file_stream
+from slimtune.quant import kquants
 from slimtune.tensors import StreamTensor, row_chunks, scalar_source
 
 Q = gguf.GGMLQuantizationType
@@ -52,6 +55,10 @@ _FILE_TYPES = {
     "q5_0": gguf.LlamaFileType.MOSTLY_Q5_0,
     "q5_1": gguf.LlamaFileType.MOSTLY_Q5_1,
 }
+TYPE_NAMES = (*TYPES, *MIXES)
+"""Every ``--type``: the plain types (every 2-D weight takes it) and llama.cpp's K-quant mixes."""
+_FILE_TYPES.update({name: ftype for name, (_, ftype) in MIXES.items()})
+_KQUANTS = {Q.Q4_K: "Q4_K", Q.Q5_K: "Q5_K", Q.Q6_K: "Q6_K"}
 _TORCH = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 _F32_TENSORS = (gguf.MODEL_TENSOR.POS_EMBD, gguf.MODEL_TENSOR.ROPE_FREQS)  # kept F32 by llama.cpp's converter
 
@@ -62,7 +69,8 @@ class GGUFOptions:
 
     type: str = "f16"
     """f32, f16, bf16, q8_0, q4_0, q4_1, q5_0 or q5_1: the type of every 2-D weight (norms, biases and
-    position embeddings stay f32, as llama.cpp's converter keeps them)."""
+    position embeddings stay f32, as llama.cpp's converter keeps them); or a K-quant mix, q4_k_m, q4_k_s,
+    q5_k_m, q5_k_s or q6_k: each tensor's type as llama-quantize chooses it (``slimtune.formats.gguf_mix``)."""
     merge_base: str = "original"
     """Merge an adapter into W itself (original) or into dequant(NF4(W)) (quantized), as ``slimtune merge``."""
     overwrite: bool = False
@@ -70,6 +78,8 @@ class GGUFOptions:
     """fp32 bytes of one chunk of rows (at least one row); the quantizers' numpy temporaries are several
     times this, hence half the safetensors writer's chunk."""
     progress: bool = False
+    dry_run: bool = False
+    """Plan only: the result holds the plan and the file's size; nothing is written."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +113,7 @@ class GGUFResult:
     """Bytes written, header and padding included (equals the file's size)."""
     seconds: float
     modelfile: Path | None
+    plan: GGUFPlan | None = None
 
 
 def _pad(n: int, align: int) -> int:
@@ -118,14 +129,25 @@ def tensor_type(name: str, shape: tuple[int, ...], qtype: gguf.GGMLQuantizationT
     return qtype
 
 
-def plan_gguf(tensors: list[tuple[str, StreamTensor]], type_name: str) -> GGUFPlan:
+def _check_type(type_name: str) -> None:
+    if type_name not in TYPE_NAMES:
+        raise SlimtuneError(f"GGUF type {type_name!r}: expected one of {', '.join(TYPE_NAMES)}")
+
+
+def plan_gguf(tensors: list[tuple[str, StreamTensor]], type_name: str, model: MixModel | None = None) -> GGUFPlan:
     """Types, sizes and data offsets of every tensor, from shapes alone. ``tensors`` pairs each HF key
-    with its GGUF entry. A row that does not divide into the type's blocks is one error line."""
-    if type_name not in TYPES:
-        raise SlimtuneError(f"GGUF type {type_name!r}: expected one of {', '.join(TYPES)}")
+    with its GGUF entry; a mix needs the ``model`` its rules look at. A row that does not divide into a
+    plain type's blocks is one error line (a mix falls back as llama.cpp does)."""
+    _check_type(type_name)
+    if type_name in MIXES:
+        if model is None:
+            raise ValueError("a K-quant mix needs the model (MixModel)")
+        chosen = mix_types(type_name, [(t.name, t.shape) for _, t in tensors], model)
+        qtypes = [Q.F32 if q is None else q for q in chosen]
+    else:
+        qtypes = [tensor_type(t.name, t.shape, TYPES[type_name]) for _, t in tensors]
     slots, offset = [], 0
-    for key, t in tensors:
-        qtype = tensor_type(t.name, t.shape, TYPES[type_name])
+    for (key, t), qtype in zip(tensors, qtypes, strict=True):
         block, size = gguf.GGML_QUANT_SIZES[qtype]
         cols = t.shape[-1] if t.shape else 1
         if cols % block:
@@ -140,10 +162,12 @@ def plan_gguf(tensors: list[tuple[str, StreamTensor]], type_name: str) -> GGUFPl
 
 
 def encode_rows(rows: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> torch.Tensor:
-    """fp32 rows as the file stores them (one rounding): a cast for F32/F16/BF16, ``gguf.quants.quantize``
-    for the block types. Returned as a flat uint8 tensor."""
+    """fp32 rows as the file stores them (one rounding): a cast for F32/F16/BF16, ``slimtune.quant.kquants``
+    for Q4_K/Q5_K/Q6_K, ``gguf.quants.quantize`` for the other block types. Returned as a flat uint8 tensor."""
     if qtype in _TORCH:
         return rows.to(_TORCH[qtype]).contiguous().view(-1).view(torch.uint8)
+    if qtype in _KQUANTS:
+        return kquants.quantize(rows, _KQUANTS[qtype])
     data = gguf.quants.quantize(rows.numpy(), qtype)
     return torch.from_numpy(np.ascontiguousarray(data).reshape(-1))
 
@@ -179,12 +203,7 @@ def _data_chunks(plan: GGUFPlan, chunk_bytes: int, start: int) -> Iterator[torch
 def write_gguf(path: Path, arch: GGUFArch, kv: list[tuple], plan: GGUFPlan, options: GGUFOptions) -> int:
     """Header, metadata and tensor infos through ``gguf.GGUFWriter``, then the data by row chunks, into a
     temporary sibling renamed onto ``path`` once complete. Returns the bytes written (the file size)."""
-    writer = gguf.GGUFWriter(None, arch.name)
-    for key, value, vtype in kv:
-        _add_kv(writer, key, value, vtype)
-    for slot in plan.slots:
-        t = slot.source
-        writer.add_tensor_info(t.name, t.shape or (1,), np.dtype(np.float32), slot.nbytes, raw_dtype=slot.qtype)
+    writer = _writer(arch, kv, plan)
     check_free_space(path.parent, plan.data_bytes)
     with atomic_file(path) as tmp, os_errors("write", path, plan.data_bytes):
         try:
@@ -202,6 +221,32 @@ def write_gguf(path: Path, arch: GGUFArch, kv: list[tuple], plan: GGUFPlan, opti
         if size != _pad(start, plan.alignment) + plan.data_bytes or os.path.getsize(tmp) != size:
             raise SlimtuneError(f"{path}: wrote {size:,} bytes, the plan says {_pad(start, plan.alignment) + plan.data_bytes:,}")
     return size
+
+
+def _writer(arch: GGUFArch, kv: list[tuple], plan: GGUFPlan) -> gguf.GGUFWriter:
+    """A ``gguf.GGUFWriter`` holding the metadata and every tensor's info, no file yet."""
+    writer = gguf.GGUFWriter(None, arch.name)
+    for key, value, vtype in kv:
+        _add_kv(writer, key, value, vtype)
+    for slot in plan.slots:
+        t = slot.source
+        writer.add_tensor_info(t.name, t.shape or (1,), np.dtype(np.float32), slot.nbytes, raw_dtype=slot.qtype)
+    return writer
+
+
+def planned_size(arch: GGUFArch, kv: list[tuple], plan: GGUFPlan) -> int:
+    """The size of the file ``write_gguf`` would write: the header, metadata and tensor infos (serialized
+    by the gguf package into a scratch file, a few MB at most), padded, then the planned data."""
+    writer = _writer(arch, kv, plan)
+    with tempfile.TemporaryDirectory(prefix="slimtune-gguf-plan-") as scratch:
+        try:
+            writer.write_header_to_file(path=Path(scratch) / "header.gguf")
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            start = writer.fout[0].tell()
+        finally:
+            writer.close()
+    return _pad(start, plan.alignment) + plan.data_bytes
 
 
 def _add_kv(writer: gguf.GGUFWriter, key: str, value, vtype) -> None:
@@ -295,14 +340,13 @@ def export_gguf(
     with the tokenizer's vocabulary and chat template, and a Modelfile beside it for Ollama.
     Example: ``export_gguf(Path("m.gguf"), GGUFOptions("bf16"), base=Path("base"), adapter=Path("run/step-000010"))``"""
     out = Path(out)
-    if options.type not in TYPES:
-        raise SlimtuneError(f"GGUF type {options.type!r}: expected one of {', '.join(TYPES)}")
-    if out.exists() and not options.overwrite:
+    _check_type(options.type)
+    if out.exists() and not options.overwrite and not options.dry_run:
         raise SlimtuneError(f"{out} already exists; pass --overwrite to replace it")
     started = time.perf_counter()
     with open_source(src, base, adapter, options.merge_base) as source:
         arch = gguf_arch(source.config, str(source.model_dir / "config.json"))
-        plan = plan_gguf(gguf_tensors(arch, source.stream), options.type)
+        plan = plan_gguf(gguf_tensors(arch, source.stream), options.type, MixModel(arch.name, arch.layers, arch.heads, arch.kv_heads))
         template = source.record.get("chat_template")
         kv = [
             (gguf.Keys.General.FILE_TYPE, int(_FILE_TYPES[options.type]), gguf.GGUFValueType.UINT32),
@@ -310,9 +354,12 @@ def export_gguf(
             *arch.kv(),
             *vocab_fields(source.model_dir, load_config(source.config_dir), template),
         ]
+        if options.dry_run:
+            size = planned_size(arch, kv, plan)
+            return GGUFResult(out, options.type, len(plan.slots), size, time.perf_counter() - started, None, plan)
         size = write_gguf(out, arch, kv, plan, options)
     modelfile = write_modelfile(out, source.model_dir, template, source.record.get("system_prompt"))
-    return GGUFResult(out, options.type, len(plan.slots), size, time.perf_counter() - started, modelfile)
+    return GGUFResult(out, options.type, len(plan.slots), size, time.perf_counter() - started, modelfile, plan)
 
 
 def export_checkpoint_gguf(checkpoint: Path, type_name: str, base: Path) -> GGUFResult:

@@ -509,7 +509,7 @@ def test_targets_vllm_would_refuse_warn_in_one_line_at_start(tmp_path, capsys):
     run = ["training.max_steps=1", "checkpoint.merged=never", "checkpoint.async=false", "logging.progress_bar=false"]
     code, out, err = run_main(capsys, f"output_dir={tmp_path / 'run'}", "lora.target_modules=[q_proj,lm_head]", *run)
     assert code == 0, err
-    assert [line for line in out.splitlines() if "vLLM" in line] == [
+    assert [line for line in err.splitlines() if "vLLM" in line] == [
         "warning: vLLM will not load this run's adapter: LoRA on lm_head (vLLM adapts neither the output head nor the embeddings) "
         "(docs/checkpoints.md: serving)"
     ]

@@ -311,7 +311,9 @@ def export_gguf(
     started = time.perf_counter()
     with open_source(src, base, adapter, options.merge_base) as source:
         arch = gguf_arch(source.config, str(source.model_dir / "config.json"))
-        plan = plan_gguf(gguf_tensors(arch, source.stream), options.type)
+        tensors = gguf_tensors(arch, source.stream)
+        arch.check_tensors([g for _, g in tensors])
+        plan = plan_gguf(tensors, options.type)
         template = source.record.get("chat_template")
         kv = [
             (gguf.Keys.General.FILE_TYPE, int(_FILE_TYPES[options.type]), gguf.GGUFValueType.UINT32),

@@ -36,13 +36,13 @@ from transformers import MixtralConfig
 from slimtune.checkpoint.atomic import is_complete_checkpoint
 from slimtune.checkpoint.background import MECHANISM_ENV
 from slimtune.checkpoint.save import save_checkpoint
-from slimtune.checkpoint.stages import timing_stages
 from slimtune.checkpoint.writer import WriteOptions
 from slimtune.cli import quiet_library_logs
 from slimtune.data import write_jsonl
 from slimtune.distributed import current_ranks, shard_model
 from slimtune.formats.manifest import read_manifest
 from slimtune.memory import DEFAULT_SHARD_SIZE, bytes_read_by_process, bytes_written_by_process, peak_rss_mb, reset_peak_rss, rss_mb
+from slimtune.profiler import timing_stages
 from slimtune.quant.nf4 import dequantize_nf4_rows, quantize_nf4
 from slimtune.synthetic import MIXTRAL_WIDTHS, PRESETS, preset_config, synthetic_qlora_model, write_synthetic_adapter, write_synthetic_base
 from slimtune.tiny import byte_tokenizer
@@ -133,7 +133,7 @@ from slimtune.checkpoint.writer import WriteOptions
 from slimtune.memory import bytes_read_by_process, bytes_written_by_process, peak_rss_mb
 from slimtune.merge import merge_from_files
 base, adapter, out, device = sys.argv[1:5]
-from slimtune.checkpoint.stages import timing_stages
+from slimtune.profiler import timing_stages
 r0, w0, t0 = bytes_read_by_process(), bytes_written_by_process(), time.perf_counter()
 with timing_stages() as clock:  # no synchronisation added: GPU work shows up where the copy to the host waits for it
     result = merge_from_files(base, adapter, out, WriteOptions(overwrite=True, progress=True, device=device))

@@ -29,15 +29,15 @@ import gguf
 import numpy as np
 import torch
 
-from slimtune.checkpoint.atomic import atomic_file, check_free_space, os_errors
-from slimtune.checkpoint.stream import StreamTensor, row_chunks
 from slimtune.checkpoint.writer import DEFAULT_CHUNK_BYTES, DEFAULT_INFLIGHT_BYTES, pipelined_write
 from slimtune.errors import SlimtuneError
+from slimtune.fileio import atomic_file, check_free_space, os_errors
 from slimtune.formats.gguf_arch import GGUFArch, gguf_arch
 from slimtune.formats.gguf_vocab import vocab_fields, write_modelfile
 from slimtune.formats.hf import load_config
 from slimtune.generate import read_format_record
 from slimtune.merge import BaseCheckpoint, MergeBase, merged_file_stream
+from slimtune.tensors import StreamTensor, row_chunks
 
 Q = gguf.GGMLQuantizationType
 TYPES = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q5_0": Q.Q5_0, "q5_1": Q.Q5_1}

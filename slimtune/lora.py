@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slimtune.checkpoint.stages import stage
+from slimtune.formats.peft import ALL_LINEAR, lora_scaling
+from slimtune.profiler import stage
 from slimtune.quant import base_rows, is_nf4
 
-ALL_LINEAR = "all-linear"  # PEFT's convention: every linear layer except the output head, resolved per family
 DEFAULT_TARGETS = (ALL_LINEAR,)
 
 
@@ -25,11 +25,6 @@ class LoRAConfig:
     target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
     # Linears whose frozen weight is held in NF4 without an adapter (beyond the targets, which always are).
     quantize_modules: list[str] = field(default_factory=list)
-
-
-def lora_scaling(rank: int, alpha: float, use_rslora: bool) -> float:
-    """alpha / r, or alpha / sqrt(r) with rsLoRA (rank-stabilised)."""
-    return alpha / math.sqrt(rank) if use_rslora else alpha / rank
 
 
 class LoRALinear(nn.Module):

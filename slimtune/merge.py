@@ -15,7 +15,6 @@ import torch
 from slimtune.checkpoint.save import CheckpointParts, SaveResult, write_checkpoint
 from slimtune.checkpoint.staging import BufferPool, pool_for
 from slimtune.checkpoint.staging import to_host as plain_to_host
-from slimtune.checkpoint.stream import StreamTensor, ToHost
 from slimtune.checkpoint.writer import DEFAULT_CHUNK_BYTES, WriteOptions
 from slimtune.distributed import SINGLE, Ranks
 from slimtune.errors import SlimtuneError
@@ -26,6 +25,7 @@ from slimtune.formats.peft import Adapter, AdapterModule, SavedTensor, read_adap
 from slimtune.formats.safetensors import COMPUTE_DTYPES, SafetensorsReader
 from slimtune.formats.strict_json import safe_name
 from slimtune.lora import merge_lora_rows
+from slimtune.tensors import StreamTensor, ToHost
 
 log = logging.getLogger(__name__)
 

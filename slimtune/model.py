@@ -24,7 +24,6 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer, PretrainedConfig
 from transformers.pytorch_utils import Conv1D
 
-from slimtune.checkpoint.writer import DTYPES
 from slimtune.distributed import SINGLE, Ranks, is_dtensor, shard_model, unsplittable_nf4
 from slimtune.errors import SlimtuneError
 from slimtune.facts import ModelFacts, facts_of, remember
@@ -43,11 +42,12 @@ from slimtune.families import (
     resolve_targets,
 )
 from slimtune.formats.hf import checkpoint_files, load_config
-from slimtune.formats.peft import lora_key
+from slimtune.formats.peft import ALL_LINEAR, lora_key
 from slimtune.formats.safetensors import SafetensorsReader
-from slimtune.lora import ALL_LINEAR, LoRAConfig, LoRALinear, lora_modules, qlora_linears
+from slimtune.lora import LoRAConfig, LoRALinear, lora_modules, qlora_linears
 from slimtune.quant import is_nf4
 from slimtune.quant.nf4 import BLOCK_SIZE, can_quantize, not_quantizable_reason, quantize_nf4
+from slimtune.tensors import DTYPES
 
 log = logging.getLogger(__name__)
 

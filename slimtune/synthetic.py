@@ -17,7 +17,7 @@ import torch
 from transformers import LlamaConfig
 
 from slimtune.checkpoint.save import CheckpointParts, write_checkpoint
-from slimtune.checkpoint.stream import StreamTensor, adapter_tensor_stream
+from slimtune.checkpoint.stream import adapter_tensor_stream
 from slimtune.checkpoint.writer import WriteOptions
 from slimtune.formats.hf import export_config_dict
 from slimtune.formats.peft import adapter_config_dict
@@ -25,6 +25,7 @@ from slimtune.lora import DEFAULT_TARGETS, LoRAConfig, lora_modules, qlora_linea
 from slimtune.memory import DEFAULT_SHARD_SIZE
 from slimtune.model import build_qlora_skeleton, expected_checkpoint_keys, init_lora, set_tensor
 from slimtune.quant.nf4 import BLOCK_SIZE, nf4_from_parts, scaler_block_size
+from slimtune.tensors import StreamTensor
 from slimtune.tiny import tiny_config
 
 _LLAMA3 = dict(vocab_size=128256, num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096)
@@ -141,7 +142,7 @@ def write_synthetic_adapter(config: LlamaConfig, out_dir: Path, rank: int = 8, s
     parts = CheckpointParts(
         merged=[],
         adapter=adapter_tensor_stream(model),
-        adapter_config=adapter_config_dict(model, "synthetic"),
+        adapter_config=adapter_config_dict(lora_modules(model), "synthetic"),
         manifest_extra={"kind": "synthetic-adapter"},
     )
     write_checkpoint(out_dir, parts, WriteOptions(overwrite=True, progress=False))

@@ -12,9 +12,10 @@ from safetensors import SafetensorError
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from slimtune.checkpoint.atomic import atomic_directory, os_errors
+from slimtune.checkpoint.atomic import atomic_directory
 from slimtune.families import family_of
 from slimtune.families import tiny_config as family_tiny_config
+from slimtune.fileio import os_errors
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>"]
 

@@ -18,9 +18,8 @@ import math
 import os
 from pathlib import Path
 
-from slimtune.checkpoint.atomic import os_errors
 from slimtune.errors import SlimtuneError
-from slimtune.fileio import write_atomic
+from slimtune.fileio import os_errors, write_atomic
 
 TENSORBOARD_DIR = "tensorboard"
 

@@ -10,7 +10,6 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from slimtune.checkpoint.stream import row_chunks
 from slimtune.checkpoint.writer import DEFAULT_CHUNK_BYTES
 from slimtune.errors import SlimtuneError
 from slimtune.formats.hf import INDEX_NAME, index_problems, read_index
@@ -18,6 +17,7 @@ from slimtune.formats.manifest import manifest_problems, read_manifest
 from slimtune.formats.peft import ADAPTER_WEIGHTS, read_adapter
 from slimtune.formats.safetensors import COMPUTE_DTYPES, SafetensorsReader, read_header
 from slimtune.merge import BaseCheckpoint, MergeBase, merged_file_stream
+from slimtune.tensors import row_chunks
 
 
 @dataclass

@@ -11,16 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from slimtune.checkpoint.atomic import (
-    atomic_directory,
-    check_free_space,
-    describe_os_error,
-    is_complete_checkpoint,
-    os_errors,
-    reclaim_leftovers,
-)
+from slimtune.checkpoint.atomic import atomic_directory, is_complete_checkpoint, reclaim_leftovers
 from slimtune.errors import SlimtuneError
-from slimtune.fileio import write_atomic
+from slimtune.fileio import check_free_space, describe_os_error, os_errors, write_atomic
 from slimtune.formats.manifest import MANIFEST_NAME, FileRecord, manifest_problems, read_manifest, sha256_bytes, write_manifest
 
 _usage = namedtuple("usage", "total used free")

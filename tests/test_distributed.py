@@ -19,10 +19,11 @@ import torch
 from slimtune import save_checkpoint
 from slimtune.checkpoint.atomic import MANIFEST_NAME, atomic_directory, sha256_file
 from slimtune.checkpoint.plan import plan_save
-from slimtune.checkpoint.stream import StreamTensor, merged_tensor_stream
+from slimtune.checkpoint.stream import merged_tensor_stream
 from slimtune.checkpoint.writer import WriteOptions
 from slimtune.distributed import raise_on_sigterm, split_rows
 from slimtune.errors import SlimtuneError
+from slimtune.tensors import StreamTensor
 from tests.conftest import ROOT, run_cli, run_python
 
 

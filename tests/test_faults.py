@@ -21,12 +21,13 @@ from pathlib import Path
 
 import pytest
 
-from slimtune.checkpoint.atomic import atomic_directory, atomic_file, is_complete_checkpoint, reclaim_leftovers
+from slimtune.checkpoint.atomic import atomic_directory, is_complete_checkpoint, reclaim_leftovers
 from slimtune.checkpoint.manager import CheckpointManager
 from slimtune.checkpoint.save import save_checkpoint
 from slimtune.checkpoint.writer import WriteOptions
 from slimtune.cli import main
 from slimtune.errors import SlimtuneError
+from slimtune.fileio import atomic_file
 from slimtune.lora import LoRAConfig
 from slimtune.model import load_qlora_model
 from slimtune.tiny import make_tiny_checkpoint

@@ -356,7 +356,7 @@ def test_save_and_offline_merge_of_its_adapter_write_the_same_files(qlora_model,
     for every file both write (shards, index, config, tokenizer), though their streams come in different
     orders (the model's and the base files')."""
     from slimtune import save_checkpoint
-    from slimtune.checkpoint.save import DTYPES
+    from slimtune.tensors import DTYPES
 
     save_checkpoint(qlora_model, tmp_path / "save", WriteOptions(max_shard_size="300KB", dtype=DTYPES.get(dtype), progress=False))
     adapter = tmp_path / "save" / "adapter"

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from slimtune.lora import lora_scaling, merge_lora_rows
+from slimtune.formats.peft import lora_scaling
+from slimtune.lora import merge_lora_rows
 from slimtune.quant.nf4 import (
     NF4RoundTrip,
     _torchao_linear_nf4,

@@ -8,8 +8,7 @@ import struct
 import torch
 
 from slimtune.checkpoint.plan import ADAPTER_WEIGHTS_PATH, natural_key, plan_files, plan_save
-from slimtune.checkpoint.stream import StreamTensor, row_chunks
-from slimtune.formats.safetensors import dtype_size
+from slimtune.tensors import StreamTensor, dtype_size, row_chunks
 
 
 def _tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.bfloat16) -> StreamTensor:

@@ -6,10 +6,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from slimtune.checkpoint.stream import StreamTensor, tensor_source
+from slimtune.checkpoint.stream import tensor_source
 from slimtune.checkpoint.writer import WriteOptions, write_safetensors
 from slimtune.errors import SlimtuneError
 from slimtune.formats.safetensors import SafetensorsReader, read_header
+from slimtune.tensors import StreamTensor
 
 
 def stream_of(tensors: dict[str, torch.Tensor]) -> list[StreamTensor]:

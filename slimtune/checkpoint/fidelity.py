@@ -19,9 +19,10 @@ from functools import partial
 import torch
 from torch import nn
 
-from slimtune.checkpoint.stream import merged_lora_source, row_chunks
+from slimtune.checkpoint.stream import merged_lora_source
 from slimtune.checkpoint.writer import DEFAULT_CHUNK_BYTES
 from slimtune.lora import LoRALinear, qlora_linears
+from slimtune.tensors import row_chunks
 
 
 def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

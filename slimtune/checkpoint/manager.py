@@ -39,12 +39,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from slimtune.checkpoint.atomic import MANIFEST_NAME, is_complete_checkpoint, os_errors, reclaim_leftovers
+from slimtune.checkpoint.atomic import MANIFEST_NAME, is_complete_checkpoint, reclaim_leftovers
 from slimtune.checkpoint.save import ADAPTER_DIR, ExtraFile, SaveOptions, SaveResult, save_checkpoint
 from slimtune.checkpoint.train_state import TRAIN_STATE_DIR, save_train_state
 from slimtune.config import KEYS, PLACEHOLDER, Config
 from slimtune.distributed import SINGLE, Ranks
 from slimtune.errors import SlimtuneError
+from slimtune.fileio import os_errors
 from slimtune.formats.manifest import manifest_problems
 from slimtune.formats.peft import ADAPTER_WEIGHTS
 

@@ -16,24 +16,27 @@ from typing import TYPE_CHECKING
 from torch import nn
 from tqdm.auto import tqdm
 
-from slimtune.checkpoint.atomic import atomic_directory, check_free_space, os_errors
+from slimtune.checkpoint.atomic import atomic_directory
 from slimtune.checkpoint.plan import plan_save
 from slimtune.checkpoint.staging import pool_for
-from slimtune.checkpoint.stream import StreamTensor, adapter_tensor_stream, merged_tensor_stream
-from slimtune.checkpoint.writer import DTYPES, WriteOptions, create_files, write_json, write_planned
+from slimtune.checkpoint.stream import adapter_tensor_stream, merged_tensor_stream
+from slimtune.checkpoint.writer import WriteOptions, create_files, write_json, write_planned
 from slimtune.distributed import SINGLE, Ranks
 from slimtune.errors import SlimtuneError
 from slimtune.facts import facts_of
+from slimtune.fileio import check_free_space, os_errors
 from slimtune.formats.hf import INDEX_NAME, export_config_dict, index_dict, read_config_dict, tokenizer_files
 from slimtune.formats.manifest import FileRecord, sha256_file, write_manifest
 from slimtune.formats.peft import ADAPTER_CONFIG, ADAPTER_DIR_NAME, adapter_config_dict
+from slimtune.lora import lora_modules
+from slimtune.tensors import StreamTensor
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 ADAPTER_DIR = ADAPTER_DIR_NAME
 log = logging.getLogger(__name__)
-__all__ = ["DTYPES", "CheckpointParts", "ExtraFile", "SaveOptions", "SaveResult", "save_checkpoint", "write_checkpoint"]
+__all__ = ["CheckpointParts", "ExtraFile", "SaveOptions", "SaveResult", "save_checkpoint", "write_checkpoint"]
 
 
 @dataclass(frozen=True)
@@ -201,7 +204,7 @@ def save_checkpoint(
         config=config,
         tokenizer_dir=options.tokenizer_dir or source_dir,
         adapter=adapter_tensor_stream(model),
-        adapter_config=adapter_config_dict(model, str(source_dir or "")),
+        adapter_config=adapter_config_dict(lora_modules(model), str(source_dir or "")),
         extra_files=options.extra_files,
         manifest_extra={"kind": "adapter" if write.adapter_only else "adapter+merged"},
         shared_write=shared_write,

@@ -11,7 +11,7 @@ import weakref
 
 import torch
 
-from slimtune.checkpoint.stages import stage
+from slimtune.profiler import stage
 
 
 def to_host(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,13 +1,11 @@
-"""A checkpoint as an ordered stream of named tensors, each produced on demand, rows at a time.
+"""A live model as an ordered stream of named tensors (``tensors.StreamTensor``), each produced on demand,
+rows at a time: the merged weights in the family's published layout, and the adapters.
 
 Every writer in slimtune consumes this one type: the in-training save, the offline merge, verification.
 A StreamTensor knows its name, shape and dtype up front (so headers can be written first) and makes any
 row range of itself when asked, so memory holds one chunk, never the model."""
 
 from __future__ import annotations
-
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -18,52 +16,9 @@ from slimtune.errors import SlimtuneError
 from slimtune.facts import facts_of
 from slimtune.families import NF4Experts
 from slimtune.formats.peft import lora_key
-from slimtune.formats.safetensors import dtype_size
 from slimtune.lora import LoRALinear, lora_modules, merge_lora_rows, qlora_linears
 from slimtune.quant import base_rows
-
-
-@dataclass(frozen=True)
-class StreamTensor:
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    rows: Callable[[int, int], torch.Tensor]
-    """rows(start, end) -> contiguous CPU tensor of shape (end - start, *shape[1:]) in ``dtype``."""
-
-    @property
-    def num_rows(self) -> int:
-        return self.shape[0] if self.shape else 1
-
-    @property
-    def row_bytes(self) -> int:
-        n = dtype_size(self.dtype)
-        for d in self.shape[1:]:
-            n *= d
-        return n
-
-    @property
-    def nbytes(self) -> int:
-        return self.num_rows * self.row_bytes if self.shape else dtype_size(self.dtype)
-
-
-def row_chunks(t: StreamTensor, chunk_bytes: int, start: int = 0, end: int | None = None) -> Iterator[torch.Tensor]:
-    """Rows [start, end) of the tensor (all by default) in consecutive chunks of at most ``chunk_bytes``
-    (at least one row)."""
-    end = t.num_rows if end is None else end
-    if not t.shape:
-        if end > start:
-            yield t.rows(0, 1)
-        return
-    if t.row_bytes == 0:  # an empty tensor ([2**62, 0] is valid): one chunk, never 2**62 of them
-        yield t.rows(0, t.num_rows)
-        return
-    step = max(1, chunk_bytes // max(1, t.row_bytes))
-    for s in range(start, end, step):
-        yield t.rows(s, min(s + step, end))
-
-
-ToHost = Callable[[torch.Tensor, torch.dtype], torch.Tensor]
+from slimtune.tensors import StreamTensor, ToHost
 
 
 class LocalRows:

@@ -21,19 +21,16 @@ import torch
 from tqdm.auto import tqdm
 
 from slimtune.checkpoint.plan import SavePlan, TensorSlot, plan_files
-from slimtune.checkpoint.stages import stage
-from slimtune.checkpoint.stream import StreamTensor, row_chunks
 from slimtune.distributed import SINGLE, Ranks
 from slimtune.errors import SlimtuneError
 from slimtune.formats.manifest import FileRecord, sha256_bytes, sha256_file
 from slimtune.formats.safetensors import tensor_bytes
 from slimtune.memory import DEFAULT_SHARD_SIZE, parse_size
+from slimtune.profiler import in_context, stage
+from slimtune.tensors import DTYPES, StreamTensor, row_chunks
 
 DEFAULT_CHUNK_BYTES = 8 * 1024 * 1024  # output bytes per chunk; fp32 temporaries make the peak ~8x this
 DEFAULT_INFLIGHT_BYTES = 16 * 1024 * 1024  # finished chunks waiting for the writer: two suffice to overlap
-
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # as the CLI and configs spell them
 
 
 @dataclass(frozen=True)
@@ -102,7 +99,7 @@ def pipelined_write(writer, chunks: Iterator[torch.Tensor], inflight_bytes: int,
                     state["inflight"] -= nbytes
                     budget.notify()
 
-    thread = threading.Thread(target=consume, name="slimtune-writer", daemon=True)
+    thread = threading.Thread(target=in_context(consume), name="slimtune-writer", daemon=True)
     thread.start()
     try:
         for chunk in chunks:
@@ -284,7 +281,7 @@ def write_planned(directory: Path, plan: SavePlan, ranks: Ranks, options: WriteO
                 error = e
             ranks.agree(error, f"writing {f.path}")
             if not trailing and i in read_back:
-                threads.append(threading.Thread(target=after_fsync, args=(f.path,), name="slimtune-hash", daemon=True))
+                threads.append(threading.Thread(target=in_context(after_fsync), args=(f.path,), name="slimtune-hash", daemon=True))
                 threads[-1].start()
     except BaseException:
         stop.set()

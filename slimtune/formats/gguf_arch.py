@@ -20,8 +20,8 @@ from collections.abc import Callable
 import gguf
 import torch
 
-from slimtune.checkpoint.stream import StreamTensor
 from slimtune.errors import SlimtuneError
+from slimtune.tensors import StreamTensor
 
 ARCHS = {
     "llama": gguf.MODEL_ARCH.LLAMA,

@@ -15,7 +15,7 @@ from slimtune.formats.strict_json import json_kind, load_json, safe_name, safe_t
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from slimtune.checkpoint.stream import StreamTensor
+    from slimtune.tensors import StreamTensor
 
 INDEX_NAME = "model.safetensors.index.json"
 TOKENIZER_FILES = (

@@ -19,7 +19,6 @@ from torch import nn
 from slimtune.errors import SlimtuneError
 from slimtune.formats.safetensors import COMPUTE_DTYPES, SafetensorsReader
 from slimtune.formats.strict_json import json_kind, load_json, safe_name
-from slimtune.lora import ALL_LINEAR, lora_modules, lora_scaling
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +27,7 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_BIN = "adapter_model.bin"
 ADAPTER_DIR_NAME = "adapter"  # where a slimtune checkpoint keeps its adapter
 PEFT_PREFIX = "base_model.model."
+ALL_LINEAR = "all-linear"  # PEFT's convention: every linear layer except the output head, resolved per family
 # The one spelling of PEFT's tensor names: part -> suffix after the module path.
 LORA_PARTS = {
     "lora_A": ".lora_A.weight",
@@ -87,13 +87,23 @@ def lora_key(module: str, part: str) -> str:
     return f"{PEFT_PREFIX}{module}{LORA_PARTS[part]}"
 
 
-def adapter_config_dict(model: nn.Module, base_model_name_or_path: str = "") -> dict:
-    """The config PEFT's LoraConfig reads, describing the model's adapters."""
-    modules = list(lora_modules(model).values())
+def lora_scaling(rank: int, alpha: float, use_rslora: bool) -> float:
+    """alpha / r, or alpha / sqrt(r) with rsLoRA (rank-stabilised), as PEFT scales an adapter.
+
+    Example: ``lora_scaling(8, 16.0, False)`` -> 2.0"""
+    return alpha / math.sqrt(rank) if use_rslora else alpha / rank
+
+
+def adapter_config_dict(adapters: dict[str, nn.Module], base_model_name_or_path: str = "") -> dict:
+    """The config PEFT's LoraConfig reads, describing ``adapters`` (module path -> a LoRA linear with
+    ``rank``, ``alpha``, ``dropout``, ``use_rslora``, ``fan_in_fan_out``: ``lora.lora_modules(model)``).
+
+    Example: ``adapter_config_dict(lora_modules(model), "meta-llama/Llama-3.2-1B")["r"]`` -> 8"""
+    modules = list(adapters.values())
     if not modules:
         raise ValueError("model has no LoRA modules")
     first = modules[0]
-    targets = sorted({name.rsplit(".", 1)[-1] for name in lora_modules(model)})
+    targets = sorted({name.rsplit(".", 1)[-1] for name in adapters})
     fan_in_fan_out = {getattr(m, "fan_in_fan_out", False) for m in modules}
     if len(fan_in_fan_out) > 1:  # PEFT has one flag per adapter
         raise SlimtuneError(f"adapters on both Conv1D and nn.Linear layers ({targets}) cannot be one PEFT adapter; target one kind")

@@ -51,10 +51,6 @@ _U64 = 2**64 - 1
 _TORCH_MAX_DIM = 2**63 - 1  # torch sizes are int64
 
 
-def dtype_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 @dataclass(frozen=True)
 class TensorEntry:
     """A tensor's place in a safetensors file: known before any byte is written. ``dtype`` is None for

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from slimtune.checkpoint.stages import stage
+from slimtune.profiler import stage
 
 _NF4_MODULES = ("torchao.quantization.quantize_.workflows.nf4.nf4_tensor", "torchao.dtypes.nf4tensor")
 

@@ -49,11 +49,10 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from tqdm.auto import tqdm
 
 from slimtune.card import CardFacts, model_card
-from slimtune.checkpoint.atomic import os_errors
 from slimtune.checkpoint.background import BackgroundSaver, WriterSpec
 from slimtune.checkpoint.fidelity import merged_forward
 from slimtune.checkpoint.manager import STATE_FORMAT, CheckpointManager, CreatedByRun, ResumePoint
-from slimtune.checkpoint.save import ADAPTER_DIR, DTYPES, SaveOptions, SaveResult
+from slimtune.checkpoint.save import ADAPTER_DIR, SaveOptions, SaveResult
 from slimtune.checkpoint.train_state import load_train_state, rng_state, set_rng_state
 from slimtune.checkpoint.writer import WriteOptions
 from slimtune.config import Config
@@ -73,7 +72,7 @@ from slimtune.data import (
 from slimtune.distributed import SINGLE, Ranks, init_distributed, reshard, split_rows
 from slimtune.errors import SlimtuneError
 from slimtune.facts import facts_of
-from slimtune.fileio import write_atomic
+from slimtune.fileio import os_errors, write_atomic
 from slimtune.formats.hf import load_config as load_hf_config
 from slimtune.formats.hf import tokenizer_files
 from slimtune.generate import FORMAT_NAME, Loaded, SamplingOptions, format_record, generate, prompt_format_of, prompt_ids
@@ -83,6 +82,7 @@ from slimtune.memory import peak_rss_mb, reset_peak_rss, rss_mb
 from slimtune.model import config_dtype, load_qlora_model, load_tokenizer, nf4_report, nf4_summary_line, pick_device, pick_dtype
 from slimtune.runtime import choose_num_threads, compile_decoder_layers
 from slimtune.step import StepParts, optimizer_step, step_token_counts, token_loss_sum
+from slimtune.tensors import DTYPES
 from slimtune.tiny import byte_tokenizer, make_tiny_checkpoint, tiny_config
 from slimtune.tracking import MetricsLog, Trackers
 

@@ -1,0 +1,68 @@
+"""The element of every checkpoint stream: a ``StreamTensor`` (name, shape, dtype up front, any row range
+on demand), read in row chunks; and the dtype names the CLI and configs use.
+
+A writer knows every shape before the first byte (headers first), and memory holds one chunk, never the
+model. The streams themselves (a live model's merged weights, a base + adapter on disk) are made above
+this layer (``checkpoint/stream.py``, ``merge.py``); formats only map entries to entries.
+
+Example::
+
+    t = StreamTensor("w", (4, 3), torch.float32, lambda s, e: torch.ones(e - s, 3))
+    [c.shape for c in row_chunks(t, chunk_bytes=24)]  # [torch.Size([2, 3]), torch.Size([2, 3])]"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # as the CLI and configs spell them
+
+ToHost = Callable[[torch.Tensor, torch.dtype], torch.Tensor]
+"""(chunk on its device, dtype) -> contiguous CPU chunk in that dtype: how a stream hands rows to a writer."""
+
+
+def dtype_size(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype``."""
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class StreamTensor:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    rows: Callable[[int, int], torch.Tensor]
+    """rows(start, end) -> contiguous CPU tensor of shape (end - start, *shape[1:]) in ``dtype``."""
+
+    @property
+    def num_rows(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+    @property
+    def row_bytes(self) -> int:
+        n = dtype_size(self.dtype)
+        for d in self.shape[1:]:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_rows * self.row_bytes if self.shape else dtype_size(self.dtype)
+
+
+def row_chunks(t: StreamTensor, chunk_bytes: int, start: int = 0, end: int | None = None) -> Iterator[torch.Tensor]:
+    """Rows [start, end) of the tensor (all by default) in consecutive chunks of at most ``chunk_bytes``
+    (at least one row)."""
+    end = t.num_rows if end is None else end
+    if not t.shape:
+        if end > start:
+            yield t.rows(0, 1)
+        return
+    if t.row_bytes == 0:  # an empty tensor ([2**62, 0] is valid): one chunk, never 2**62 of them
+        yield t.rows(0, t.num_rows)
+        return
+    step = max(1, chunk_bytes // max(1, t.row_bytes))
+    for s in range(start, end, step):
+        yield t.rows(s, min(s + step, end))

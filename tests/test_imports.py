@@ -1,15 +1,23 @@
-"""Every slimtune module imports on its own, and the module import graph has no cycle: imports inside
-functions count too (a cycle hidden in a function is still a cycle), ``TYPE_CHECKING`` ones as well."""
+"""Every slimtune module imports on its own, the module import graph has no cycle and no import goes up
+the layer table of docs/architecture.md: imports inside functions count too (a cycle or an upward edge
+hidden in a function is still one), ``TYPE_CHECKING`` ones as well. The docs name every module (the
+layer table; tests/README.md's module table) and every test file (tests/README.md)."""
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "slimtune"
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+TESTS_README = ROOT / "tests" / "README.md"
+_LAYER_ROW = re.compile(r"^\| (\d+) [^|]*\| `([^`]+)` \|", re.M)
 
 
 def _modules() -> dict[str, Path]:
@@ -81,6 +89,67 @@ def test_no_import_cycle_among_slimtune_modules():
     assert "slimtune.formats.manifest" in graph["slimtune.checkpoint.atomic"]  # the graph sees real edges
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def layer_table(text: str) -> dict[str, int]:
+    """Module path (relative to slimtune/) -> layer number, from the rows ``| N name | `path` | ... |``
+    of docs/architecture.md's layer table; a module in two rows is an error."""
+    layers: dict[str, int] = {}
+    for number, path in _LAYER_ROW.findall(text):
+        assert path not in layers, f"docs/architecture.md: {path} is in the layer table twice"
+        layers[path] = int(number)
+    return layers
+
+
+def upward_edges(graph: dict[str, set[str]], layer_of: dict[str, int]) -> list[str]:
+    """Every import from a module to one in a higher layer, as ``a (layer i) -> b (layer j)``."""
+    return [
+        f"{a} (layer {layer_of[a]}) imports {b} (layer {layer_of[b]})"
+        for a in sorted(graph)
+        for b in sorted(graph[a])
+        if layer_of[b] > layer_of[a]
+    ]
+
+
+def _layers_by_module(mods: dict[str, Path]) -> dict[str, int]:
+    table = layer_table(ARCHITECTURE.read_text())
+    paths = {name: path.relative_to(PACKAGE).as_posix() for name, path in mods.items()}
+    missing = sorted(p for p in paths.values() if p not in table)
+    assert not missing, f"docs/architecture.md's layer table lacks {missing}: give each a row in its layer"
+    stale = sorted(set(table) - set(paths.values()))
+    assert not stale, f"docs/architecture.md's layer table names modules that do not exist: {stale}"
+    return {name: table[p] for name, p in paths.items()}
+
+
+def test_the_layer_check_finds_an_upward_import():
+    table = layer_table("| 1 base | `errors.py` | x |\n| 2 formats | `formats/hf.py` | y |\n")
+    assert table == {"errors.py": 1, "formats/hf.py": 2}
+    layer_of = {"slimtune.errors": 1, "slimtune.formats.hf": 2}
+    assert upward_edges({"slimtune.errors": {"slimtune.formats.hf"}, "slimtune.formats.hf": set()}, layer_of) == [
+        "slimtune.errors (layer 1) imports slimtune.formats.hf (layer 2)"
+    ]
+    assert upward_edges({"slimtune.errors": set(), "slimtune.formats.hf": {"slimtune.errors"}}, layer_of) == []
+    with pytest.raises(AssertionError, match="twice"):
+        layer_table("| 1 base | `errors.py` | x |\n| 3 model | `errors.py` | y |\n")
+
+
+def test_no_import_goes_up_the_layer_table():
+    mods = _modules()
+    layer_of = _layers_by_module(mods)
+    assert len(set(layer_of.values())) >= 8  # the table was read, layer by layer
+    bad = upward_edges(import_graph(mods), layer_of)
+    assert not bad, "imports that go up docs/architecture.md's layer table:\n" + "\n".join(bad)
+
+
+def test_tests_readme_names_every_test_file_and_every_module():
+    text = TESTS_README.read_text()
+    table = text[text.index("## Module -> tests") :]
+    named = set(re.findall(r"`([^`]+)`", table))
+    files = sorted(p.name for p in (ROOT / "tests").glob("*.py") if p.name != "__init__.py")
+    files += sorted(f"{p.parent.name}/" for p in (ROOT / "tests").glob("*/sitecustomize.py"))
+    assert [f for f in files if f"`{f}`" not in text] == [], "tests/README.md does not name these test files"
+    mods = [p.relative_to(PACKAGE).as_posix() for p in _modules().values() if p.read_text().strip()]
+    assert [m for m in mods if m not in named] == [], "tests/README.md's module table does not name these modules"
 
 
 def test_every_module_imports_in_a_fresh_interpreter():

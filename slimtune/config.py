@@ -278,6 +278,12 @@ SCHEMA: tuple[Key, ...] = (
         choices=("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"),
     ),
     Key(
+        "checkpoint.gguf_verify",
+        "bool",
+        True,
+        "Check the final checkpoint's sha256 against its manifest while checkpoint.gguf reads it (false: read it unchecked).",
+    ),
+    Key(
         "logging.progress_bar",
         "bool",
         True,

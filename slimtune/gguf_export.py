@@ -34,7 +34,8 @@ from slimtune.errors import SlimtuneError
 from slimtune.fileio import atomic_file, check_free_space, os_errors
 from slimtune.formats.gguf_arch import GGUFArch, gguf_arch
 from slimtune.formats.gguf_vocab import vocab_fields, write_modelfile
-from slimtune.formats.hf import load_config
+from slimtune.formats.hf import export_config_dict, load_config
+from slimtune.formats.manifest import ReadCheck, checks_done, read_check
 from slimtune.generate import read_format_record
 from slimtune.merge import BaseCheckpoint, MergeBase, merged_file_stream
 from slimtune.tensors import StreamTensor, row_chunks
@@ -65,6 +66,8 @@ class GGUFOptions:
     merge_base: str = "original"
     """Merge an adapter into W itself (original) or into dequant(NF4(W)) (quantized), as ``slimtune merge``."""
     overwrite: bool = False
+    verify: bool = True
+    """Check the sha256 of every checkpoint file read against its manifest, while reading (``--no-verify``: off)."""
     chunk_bytes: int = DEFAULT_CHUNK_BYTES // 2
     """fp32 bytes of one chunk of rows (at least one row); the quantizers' numpy temporaries are several
     times this, hence half the safetensors writer's chunk."""
@@ -175,9 +178,10 @@ def _data_chunks(plan: GGUFPlan, chunk_bytes: int, start: int) -> Iterator[torch
         yield torch.zeros(_pad(slot.nbytes, plan.alignment) - slot.nbytes, dtype=torch.uint8)
 
 
-def write_gguf(path: Path, arch: GGUFArch, kv: list[tuple], plan: GGUFPlan, options: GGUFOptions) -> int:
+def write_gguf(path: Path, arch: GGUFArch, kv: list[tuple], plan: GGUFPlan, options: GGUFOptions, before_rename=None) -> int:
     """Header, metadata and tensor infos through ``gguf.GGUFWriter``, then the data by row chunks, into a
-    temporary sibling renamed onto ``path`` once complete. Returns the bytes written (the file size)."""
+    temporary sibling renamed onto ``path`` once complete (and ``before_rename()`` returned: the sources'
+    hash checks). Returns the bytes written (the file size)."""
     writer = gguf.GGUFWriter(None, arch.name)
     for key, value, vtype in kv:
         _add_kv(writer, key, value, vtype)
@@ -200,6 +204,8 @@ def write_gguf(path: Path, arch: GGUFArch, kv: list[tuple], plan: GGUFPlan, opti
             writer.close()
         if size != _pad(start, plan.alignment) + plan.data_bytes or os.path.getsize(tmp) != size:
             raise SlimtuneError(f"{path}: wrote {size:,} bytes, the plan says {_pad(start, plan.alignment) + plan.data_bytes:,}")
+        if before_rename is not None:
+            before_rename()
     return size
 
 
@@ -225,6 +231,8 @@ class _Source:
     config_dir: Path
     record: dict
     """What training recorded in slimtune_format.json (chat template), if anything."""
+    checks: tuple[ReadCheck | None, ...] = ()
+    """The sha256 checks of the checkpoints read (``read_check``), done before the file is renamed into place."""
 
 
 def _has_merged(path: Path) -> bool:
@@ -243,17 +251,19 @@ def _record(*dirs: Path) -> dict:
 
 
 @contextmanager
-def open_source(src: Path | None, base: Path | None, adapter: Path | None, merge_base: str) -> Iterator[_Source]:
+def open_source(src: Path | None, base: Path | None, adapter: Path | None, merge_base: str, verify: bool = False) -> Iterator[_Source]:
     """The merged model as an fp32 tensor stream: SRC's merged model, or an adapter (``--adapter``, or
-    SRC's ``adapter/``) merged on the fly into ``base`` exactly as ``slimtune merge`` merges it."""
+    SRC's ``adapter/``) merged on the fly into ``base`` exactly as ``slimtune merge`` merges it. With
+    ``verify``, each checkpoint read that has a manifest is hashed while it is read (``_Source.checks``)."""
     resolved = MergeBase.named(merge_base)  # the one check of the name, and the row reader it means
     if src is not None and not Path(src).is_dir():
         raise SlimtuneError(f"{src}: no such checkpoint directory")
     if src is not None and adapter is None and base is None and _has_merged(Path(src)):
+        check = read_check(src, verify)
         reader = BaseCheckpoint(src)
         try:
             stream = [_plain(reader, k) for k in reader.keys]
-            yield _Source(reader.config, stream, Path(src), Path(src), _record(Path(src)))
+            yield _Source(reader.config, stream, Path(src), Path(src), _record(Path(src)), (check,))
         finally:
             reader.close()
         return
@@ -264,12 +274,13 @@ def open_source(src: Path | None, base: Path | None, adapter: Path | None, merge
         raise SlimtuneError(f"{adapter}: an adapter needs the base it was trained on: pass --base DIR")
     from slimtune.formats.peft import read_adapter
 
+    checks = (read_check(adapter, verify), read_check(base, verify))
     reader = BaseCheckpoint(base)
     try:
         stream = merged_file_stream(reader, read_adapter(adapter), torch.float32, resolved)
         dirs = [d for d in (Path(adapter), Path(src) if src else None) if d is not None]
         tok_dir = next((d for d in dirs if (d / "tokenizer_config.json").is_file()), Path(base))
-        yield _Source(reader.config, stream, tok_dir, Path(base), _record(*dirs))
+        yield _Source(export_config_dict(reader.config, stream), stream, tok_dir, Path(base), _record(*dirs), checks)
     finally:
         reader.close()
 
@@ -309,7 +320,7 @@ def export_gguf(
     if out.exists() and not options.overwrite:
         raise SlimtuneError(f"{out} already exists; pass --overwrite to replace it")
     started = time.perf_counter()
-    with open_source(src, base, adapter, options.merge_base) as source:
+    with open_source(src, base, adapter, options.merge_base, options.verify) as source:
         arch = gguf_arch(source.config, str(source.model_dir / "config.json"))
         tensors = gguf_tensors(arch, source.stream)
         arch.check_tensors([g for _, g in tensors])
@@ -321,18 +332,19 @@ def export_gguf(
             *arch.kv(),
             *vocab_fields(source.model_dir, load_config(source.config_dir), template),
         ]
-        size = write_gguf(out, arch, kv, plan, options)
+        size = write_gguf(out, arch, kv, plan, options, lambda: checks_done(*source.checks))
     modelfile = write_modelfile(out, source.model_dir, template, source.record.get("system_prompt"))
     return GGUFResult(out, options.type, len(plan.slots), size, time.perf_counter() - started, modelfile)
 
 
-def export_checkpoint_gguf(checkpoint: Path, type_name: str, base: Path) -> GGUFResult:
+def export_checkpoint_gguf(checkpoint: Path, type_name: str, base: Path, verify: bool = True) -> GGUFResult:
     """What ``checkpoint.gguf: TYPE`` writes after training: ``model-TYPE.gguf`` (+ Modelfile) beside the
     final checkpoint (in the run directory: the checkpoint stays as its manifest lists it), from its
     merged model, or from its adapter merged into dequant(NF4(base)) (the weights training saw) when
-    the checkpoint holds no merged model.
+    the checkpoint holds no merged model. ``verify``: the checkpoint's hashes checked while it is read
+    (``checkpoint.gguf_verify``).
     Example: ``export_checkpoint_gguf(Path("runs/1/step-000100"), "q8_0", Path("base"))``"""
     out = Path(checkpoint).parent / f"model-{type_name}.gguf"
     if _has_merged(Path(checkpoint)):
-        return export_gguf(out, GGUFOptions(type_name, overwrite=True), src=Path(checkpoint))
-    return export_gguf(out, GGUFOptions(type_name, "quantized", overwrite=True), src=Path(checkpoint), base=Path(base))
+        return export_gguf(out, GGUFOptions(type_name, overwrite=True, verify=verify), src=Path(checkpoint))
+    return export_gguf(out, GGUFOptions(type_name, "quantized", overwrite=True, verify=verify), src=Path(checkpoint), base=Path(base))

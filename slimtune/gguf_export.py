@@ -143,10 +143,15 @@ def plan_gguf(tensors: list[tuple[str, StreamTensor]], type_name: str) -> GGUFPl
 
 def encode_rows(rows: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> torch.Tensor:
     """fp32 rows as the file stores them (one rounding): a cast for F32/F16/BF16, ``gguf.quants.quantize``
-    for the block types. Returned as a flat uint8 tensor."""
+    for the block types. Returned as a flat uint8 tensor; ``FloatingPointError`` where a value (or a block's
+    scale) overflows float16."""
     if qtype in _TORCH:
-        return rows.to(_TORCH[qtype]).contiguous().view(-1).view(torch.uint8)
-    data = gguf.quants.quantize(rows.numpy(), qtype)
+        out = rows.to(_TORCH[qtype]).contiguous()
+        if qtype == Q.F16 and not bool(torch.isfinite(out).all()):
+            raise FloatingPointError("float16 overflow")
+        return out.view(-1).view(torch.uint8)
+    with np.errstate(over="raise", invalid="raise"):  # a block scale beyond float16 (finite rows: nothing invalid)
+        data = gguf.quants.quantize(rows.numpy(), qtype)
     return torch.from_numpy(np.ascontiguousarray(data).reshape(-1))
 
 
@@ -170,7 +175,12 @@ def _data_chunks(plan: GGUFPlan, chunk_bytes: int, start: int) -> Iterator[torch
         cols = t.shape[-1] if len(t.shape) > 1 else 1
         made = 0
         for rows in row_chunks(t, chunk_bytes):  # entries are fp32: chunk_bytes of fp32 rows
-            out = encode_rows(rows.float().reshape(-1, cols), slot.qtype)
+            if not bool(torch.isfinite(rows).all()):
+                raise SlimtuneError(f"tensor {slot.hf_key}: holds NaN or infinite values; llama.cpp would compute garbage from them")
+            try:
+                out = encode_rows(rows.float().reshape(-1, cols), slot.qtype)
+            except FloatingPointError:
+                raise SlimtuneError(f"tensor {slot.hf_key}: values too large for {slot.qtype.name} (they overflow float16); choose bf16 or f32") from None
             made += out.numel()
             yield out
         if made != slot.nbytes:
@@ -308,6 +318,14 @@ def gguf_tensors(arch: GGUFArch, stream: list[StreamTensor]) -> list[tuple[str, 
     return out
 
 
+def _with_norm_eps(cfg: dict, hf_config) -> dict:
+    """config.json with the norm epsilon transformers computes with where the file has none (its config
+    class's default): llama.cpp requires the key, and refuses a file without it."""
+    text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    defaults = {k: getattr(text_config, k, None) for k in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon") if k not in cfg}
+    return {**cfg, **{k: v for k, v in defaults.items() if v is not None}}
+
+
 def export_gguf(
     out: Path, options: GGUFOptions, src: Path | None = None, base: Path | None = None, adapter: Path | None = None
 ) -> GGUFResult:
@@ -321,7 +339,8 @@ def export_gguf(
         raise SlimtuneError(f"{out} already exists; pass --overwrite to replace it")
     started = time.perf_counter()
     with open_source(src, base, adapter, options.merge_base, options.verify) as source:
-        arch = gguf_arch(source.config, str(source.model_dir / "config.json"))
+        hf_config = load_config(source.config_dir)
+        arch = gguf_arch(_with_norm_eps(source.config, hf_config), str(source.model_dir / "config.json"))
         tensors = gguf_tensors(arch, source.stream)
         arch.check_tensors([g for _, g in tensors])
         plan = plan_gguf(tensors, options.type)
@@ -330,9 +349,13 @@ def export_gguf(
             (gguf.Keys.General.FILE_TYPE, int(_FILE_TYPES[options.type]), gguf.GGUFValueType.UINT32),
             (gguf.Keys.General.QUANTIZATION_VERSION, gguf.GGML_QUANT_VERSION, gguf.GGUFValueType.UINT32),
             *arch.kv(),
-            *vocab_fields(source.model_dir, load_config(source.config_dir), template),
+            *vocab_fields(source.model_dir, hf_config, template),
         ]
-        size = write_gguf(out, arch, kv, plan, options, lambda: checks_done(*source.checks))
+        try:
+            size = write_gguf(out, arch, kv, plan, options, lambda: checks_done(*source.checks))
+        except SlimtuneError:
+            checks_done(*source.checks)  # damaged bytes are the cause of what they made fail: say so
+            raise
     modelfile = write_modelfile(out, source.model_dir, template, source.record.get("system_prompt"))
     return GGUFResult(out, options.type, len(plan.slots), size, time.perf_counter() - started, modelfile)
 

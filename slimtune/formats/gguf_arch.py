@@ -102,6 +102,8 @@ class GGUFArch:
             raise SlimtuneError(f"{where}: num_key_value_heads {self.kv_heads} does not divide {keys[2]} {self.heads}")
         self.head_dim = _count(cfg.get("head_dim") or self.hidden // self.heads, "head_dim", where)
         self.rope = self._rope_parameters()
+        if self.model_type != "gpt2" and (self.rope_dims() % 2 or not 0 < self.rope_dims() <= self.head_dim):
+            raise SlimtuneError(f"{where}: head_dim {self.head_dim} gives {self.rope_dims()} rotary dimensions; rope rotates pairs, an even count up to head_dim")
         self.names = gguf.get_tensor_name_map(self.arch, self.layers)
         self._check_attention()
 

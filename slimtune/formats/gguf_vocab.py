@@ -97,7 +97,9 @@ def _load_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer  # heavy: loaded only when a GGUF is written
 
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        tokenizer.decode(tokenizer.encode("a b", add_special_tokens=True))  # settings read only when used (model_max_length)
+        return tokenizer
     except Exception as e:  # noqa: BLE001 - transformers and tokenizers refuse with many types (tokenizers: plain Exception)
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
         raise SlimtuneError(f"{model_dir}: the tokenizer does not load in transformers: {first}") from None

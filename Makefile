@@ -29,14 +29,14 @@ $(REAL_MODEL_READY): | $(STAMP)
 	$(BIN)/python -m tests.real_model --dir "$(SLIMTUNE_REAL_MODEL)"
 
 test: $(STAMP) $(REAL_MODEL_READY)
-	$(BIN)/ruff check slimtune tests
+	$(BIN)/ruff check slimtune tests bench
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
 	$(BIN)/ruff check slimtune tests bench
 
 bench: $(STAMP)
-	$(BIN)/python -m slimtune.bench save --preset llama3-8b --out bench-out
+	$(BIN)/python -m bench save --preset llama3-8b --out bench-out
 
 bench-real: $(STAMP) $(REAL_MODEL_READY)
 	$(BIN)/python bench/real_model.py --steps 50

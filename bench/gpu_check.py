@@ -1,7 +1,7 @@
 """The measurements of bench/gpu_check.sh (issue 17), one JSON line each; see that script.
 
-    python bench/gpu_check.py colab --out DIR [--smoke]       the seed's scenario: llama3-8b_qlora, 2 steps, merged save
-    python bench/gpu_check.py train --out DIR [--smoke]       tokens/s and peak VRAM: slimtune eager / compiled, PEFT+bnb, PEFT bf16
+    python -m bench.gpu_check colab --out DIR [--smoke]       the seed's scenario: llama3-8b_qlora, 2 steps, merged save
+    python -m bench.gpu_check train --out DIR [--smoke]       tokens/s and peak VRAM: slimtune eager / compiled, PEFT+bnb, PEFT bf16
 
 ``--smoke``: tiny shapes on the CPU (the dry run `make test` runs): the same code paths, figures meaningless.
 A variant that fails prints {"error": ...} and the command exits 1 after the others ran; with --smoke a
@@ -23,9 +23,10 @@ from pathlib import Path
 
 import torch
 
-from slimtune.bench import disk_write_mb_s, preset_config, synthetic_qlora_model, synthetic_train_base
+from bench.common import disk_write_mb_s, synthetic_train_base
 from slimtune.data import write_jsonl
 from slimtune.lora import LoRAConfig
+from slimtune.synthetic import preset_config, synthetic_qlora_model
 
 COLAB_CHILD = """
 import json, sys
@@ -241,7 +242,7 @@ def train(out: Path, smoke: bool) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="bench/gpu_check.py")
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu_check")
     parser.add_argument("what", choices=["colab", "train"])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--smoke", action="store_true")

@@ -69,23 +69,23 @@ PYEOF
 if [ $SMOKE -eq 1 ]; then
   OUT=$(mktemp -d /tmp/slimtune-smoke.XXXXXX)
   # ~60 s in all on a quiet 2-core machine; the limits leave room for a loaded one (the test's own timeout governs)
-  step "colab scenario (tiny, cpu)" 600 $PY bench/gpu_check.py colab --out "$OUT" --smoke
-  step "training speed (tiny, cpu)" 600 $PY bench/gpu_check.py train --out "$OUT" --smoke
-  step "save bench (tiny, cpu)" 300 $PY -m slimtune.bench save --preset tiny --out "$OUT/save" --device cpu
-  step "merge bench (tiny, cpu)" 300 $PY -m slimtune.bench merge --preset tiny --out "$OUT/merge" --device cpu
+  step "colab scenario (tiny, cpu)" 600 $PY -m bench.gpu_check colab --out "$OUT" --smoke
+  step "training speed (tiny, cpu)" 600 $PY -m bench.gpu_check train --out "$OUT" --smoke
+  step "save bench (tiny, cpu)" 300 $PY -m bench save --preset tiny --out "$OUT/save" --device cpu
+  step "merge bench (tiny, cpu)" 300 $PY -m bench merge --preset tiny --out "$OUT/merge" --device cpu
   rm -rf "$OUT"
   exit $FAILED
 fi
 OUT=${SLIMTUNE_GPU_OUT:-/tmp/slimtune-gpu-check}
 mkdir -p "$OUT"
-step "colab scenario (llama3-8b_qlora, cuda)" 360 $PY bench/gpu_check.py colab --out "$OUT"
-step "training speed vs peers (1B, 8B)" 330 $PY bench/gpu_check.py train --out "$OUT"
-step "save bench llama3-8b from cuda" 240 $PY -m slimtune.bench save --preset llama3-8b --out "$OUT" --device cuda
-step "merge bench llama3-8b on cuda" 200 $PY -m slimtune.bench merge --preset llama3-8b --out "$OUT" --device cuda
-step "nf4 dequantization bench cuda" 60 $PY -m slimtune.bench nf4 --device cuda
+step "colab scenario (llama3-8b_qlora, cuda)" 360 $PY -m bench.gpu_check colab --out "$OUT"
+step "training speed vs peers (1B, 8B)" 330 $PY -m bench.gpu_check train --out "$OUT"
+step "save bench llama3-8b from cuda" 240 $PY -m bench save --preset llama3-8b --out "$OUT" --device cuda
+step "merge bench llama3-8b on cuda" 200 $PY -m bench merge --preset llama3-8b --out "$OUT" --device cuda
+step "nf4 dequantization bench cuda" 60 $PY -m bench nf4 --device cuda
 # background checkpoints (issue 19): the 1B shape, 4 decoder layers, trained on the GPU with no / synchronous /
 # background merged saves (and the writer as a thread); two merged saves per mode, deleted afterwards
-step "train-save bench llama3.2-1b cuda" 180 $PY -m slimtune.bench train-save --preset llama3.2-1b --layers 4 --steps 12 --save-every 6 --device cuda --out "$OUT/train-save"
+step "train-save bench llama3.2-1b cuda" 180 $PY -m bench train-save --preset llama3.2-1b --layers 4 --steps 12 --save-every 6 --device cuda --out "$OUT/train-save"
 if [ $RECIPE -eq 1 ]; then
   bash bench/gpu_recipe_checks.sh || FAILED=1
 fi

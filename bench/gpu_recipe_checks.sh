@@ -33,8 +33,8 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, print its status an
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 $PY -c "import torch, torchao, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available(), 'torchao', torchao.__version__, 'transformers', transformers.__version__)"
 step "CUDA tests" 150 $PY -m pytest -q -s tests/test_gpu.py -p no:cacheprovider
-step "save bench llama3.2-1b cuda" 120 $PY -m slimtune.bench save --preset llama3.2-1b --out /tmp/slimtune-gpu-bench --device cuda
-step "merge bench llama3.2-1b cuda" 150 $PY -m slimtune.bench merge --preset llama3.2-1b --out /tmp/slimtune-gpu-merge --device cuda
+step "save bench llama3.2-1b cuda" 120 $PY -m bench save --preset llama3.2-1b --out /tmp/slimtune-gpu-bench --device cuda
+step "merge bench llama3.2-1b cuda" 150 $PY -m bench merge --preset llama3.2-1b --out /tmp/slimtune-gpu-merge --device cuda
 step "tiny fine-tune cuda" 120 $PY -m slimtune finetune --config tiny output_dir=/tmp/slimtune-gpu-tiny device=cuda
 if [ -f /tmp/slimtune-gpu-tiny/metrics.jsonl ]; then tail -n 2 /tmp/slimtune-gpu-tiny/metrics.jsonl; fi
 # torchrun, 1 process: the tiny config through the recipe under torchrun's environment, then the

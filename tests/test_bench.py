@@ -1,8 +1,8 @@
-"""slimtune.bench's own checks (the figures themselves are printed by the benches, never asserted here)."""
+"""The benches' own checks (bench/) (the figures themselves are printed by the benches, never asserted here)."""
 
 import pytest
 
-from slimtune.bench import main
+from bench.cli import main
 from slimtune.synthetic import preset_config
 
 

@@ -3,6 +3,7 @@ In-process and fast: the byte tokenizer needs no files."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -77,6 +78,17 @@ def test_overrides_are_yaml_scalars():
     assert cfg.lora.alpha == 32.0
 
 
+def test_keys_are_typed_section_fields():
+    cfg = load_config("tiny", ["checkpoint.async=false", "dataset.columns=instruction=q,output=a"])
+    assert cfg.checkpoint.async_ is False and cfg.values["checkpoint.async"] is False  # a keyword as a key name
+    assert cfg.dataset.columns == {"instruction": "q", "output": "a"}
+    assert list(cfg.values) == [k.name for k in SCHEMA]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.optimizer.lr = 1.0  # a validated config stays validated
+    load_config("tiny").lora.target_modules.append("lm_head")
+    assert "lm_head" not in load_config("tiny").lora.target_modules  # no two configs share a mutable default
+
+
 @pytest.mark.parametrize(
     "override, needles",
     [
@@ -90,6 +102,8 @@ def test_overrides_are_yaml_scalars():
         ("optimizer.lr=fast", ["'optimizer.lr'", "a number"]),
         ("checkpoint.max_shard_size=big", ["'checkpoint.max_shard_size'"]),
         ("training.max_steps", ["must look like key=value"]),
+        ("seed=-1", ["'seed'", ">= 0"]),
+        ("checkpoint.async=yes please", ["'checkpoint.async'", "true or false"]),
     ],
 )
 def test_bad_overrides_name_the_key(override, needles):

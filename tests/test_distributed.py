@@ -221,7 +221,7 @@ def test_fsdp2_sharded_export_is_bit_identical_to_single_process_save_and_to_mer
 DIST_RSS_SCRIPT = """
 import json, shutil, sys
 from pathlib import Path
-from slimtune.bench import dist_export
+from bench.save import dist_export
 from slimtune.synthetic import preset_config, synthetic_qlora_model
 from slimtune.checkpoint.atomic import read_manifest
 out = Path(sys.argv[1])
@@ -239,7 +239,7 @@ finally:
 
 @pytest.mark.multiprocess
 def test_fsdp2_export_of_a_gigabyte_model_keeps_every_rank_within_256_mb(tmp_path):
-    """2 gloo ranks FSDP2-shard a synthetic QLoRA model (``slimtune.bench.dist_export``: forked from one
+    """2 gloo ranks FSDP2-shard a synthetic QLoRA model (``bench.save.dist_export``: forked from one
     process, as the training ranks hold it) and export it together: merged output >= 1 GiB; each rank's
     peak RSS during the export (VmHWM, reset before the save, measured in the rank) <= its RSS before
     the save + 256 MB; every byte written once, about half by each rank."""

@@ -7,7 +7,7 @@ from tests.conftest import run_python
 
 def test_save_overhead_is_bounded_for_a_gigabyte_model(tmp_path):
     # 6 layers of the Llama-3.2-1B shape: the merged bf16 copy is ~1.25 GB; the save may add <= 256 MB
-    r = run_python(f"from slimtune.bench import main; main(['save', '--preset', 'llama3.2-1b', '--layers', '6', '--out', '{tmp_path}'])")
+    r = run_python(f"from bench.cli import main; main(['save', '--preset', 'llama3.2-1b', '--layers', '6', '--out', '{tmp_path}'])")
     assert r.returncode == 0, r.stderr
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["output_bytes"] >= 1_000_000_000
@@ -24,7 +24,7 @@ from slimtune.synthetic import preset_config, write_synthetic_base
 from slimtune.lora import LoRAConfig
 from slimtune.memory import peak_rss_mb, reset_peak_rss, rss_mb
 from slimtune.model import load_qlora_model
-from slimtune.quant.nf4 import NF4Tensor
+from slimtune.quant import resident_bytes
 
 out = Path(sys.argv[1])
 config = preset_config("llama3.2-1b", num_hidden_layers=4, vocab_size=32000, tie_word_embeddings=False)
@@ -35,12 +35,7 @@ reset_peak_rss()
 model = load_qlora_model(out / "base", LoRAConfig(), progress=False)
 peak = peak_rss_mb()
 
-def nbytes(p):
-    if isinstance(p, NF4Tensor):
-        return sum(t.numel() * t.element_size() for t in (p.quantized_data, p.quantized_scalers, p.quantization_factor))
-    return p.numel() * p.element_size()
-
-resident = sum(nbytes(p) for p in model.parameters()) / 2**20
+resident = sum(resident_bytes(p) for p in model.parameters()) / 2**20
 print(json.dumps({"before": before, "peak": peak, "resident_mb": resident, "bf16_mb": bf16_bytes / 2**20}))
 """
 
@@ -58,7 +53,7 @@ def test_streaming_load_holds_nf4_model_plus_bounded_temporaries(tmp_path):
 def test_offline_merge_peak_rss_is_bounded_for_a_gigabyte_base(tmp_path):
     # the whole merge process (interpreter, torch, buffers) must stay under the 512 MB budget the
     # Llama-3-8B bench is held to, on a base of 1.25 GB
-    r = run_python(f"from slimtune.bench import main; main(['merge', '--preset', 'llama3.2-1b', '--layers', '6', '--out', '{tmp_path}'])")
+    r = run_python(f"from bench.cli import main; main(['merge', '--preset', 'llama3.2-1b', '--layers', '6', '--out', '{tmp_path}'])")
     assert r.returncode == 0, r.stderr
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["base_bytes"] >= 1_000_000_000

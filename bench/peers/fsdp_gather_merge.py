@@ -1,8 +1,8 @@
 """torchtune's distributed save, emulated on slimtune's sharded model for `dist-save`'s comparison:
 
-    python bench/peers/fsdp_gather_merge.py --preset llama3-8b --layers 4 --nproc 2 --out DIR
+    python -m bench.peers.fsdp_gather_merge --preset llama3-8b --layers 4 --nproc 2 --out DIR
 
-runs ``python -m slimtune.bench dist-save`` (the same JSON line) with, on every rank after slimtune's own
+runs ``python -m bench dist-save`` (the same JSON line) with, on every rank after slimtune's own
 export of the FSDP2-sharded synthetic model, what torchtune's distributed LoRA recipe does at save time:
 the full state dict gathered to rank 0's CPU, NF4 weights upcast to bf16, then ``get_merged_lora_ckpt``'s
 merge (torchtune is not in the main venv: hand-written after its lines). Rank 0's figures are under
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from slimtune.bench import bench_dist_save
+from bench.save import bench_dist_save
 from slimtune.lora import lora_modules
 from slimtune.memory import peak_rss_mb, reset_peak_rss, rss_mb
 from slimtune.quant import is_nf4

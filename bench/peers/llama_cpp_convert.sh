@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The peer of `python -m slimtune.bench gguf --peer llama.cpp`: llama.cpp's own converter,
+# The peer of `python -m bench gguf --peer llama.cpp`: llama.cpp's own converter,
 # convert_hf_to_gguf.py, on a merged Hugging Face checkpoint directory, in its own venv.
 #
 #   bash bench/peers/llama_cpp_convert.sh MODEL_DIR OUTFILE [TYPE]   # TYPE: f32, f16, bf16, q8_0 (default q8_0)

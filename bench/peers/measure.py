@@ -1,8 +1,8 @@
 """Measurement helpers shared by the peer scripts (stdlib only: each peer runs in its own venv).
 
-The same counters slimtune.bench uses: VmRSS/VmHWM from /proc/self/status (VmHWM reset by writing 5 to
+The same counters bench/ uses: VmRSS/VmHWM from /proc/self/status (VmHWM reset by writing 5 to
 /proc/self/clear_refs), wchar from /proc/self/io, and the disk's sequential write speed with fsync
-(16 MiB blocks of random bytes, at most 2 GiB), as ``slimtune.bench.disk_write_mb_s`` measures it."""
+(16 MiB blocks of random bytes, at most 2 GiB), as ``bench.common.disk_write_mb_s`` measures it."""
 
 from __future__ import annotations
 

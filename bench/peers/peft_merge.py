@@ -1,13 +1,13 @@
-"""The usual offline LoRA merge with Hugging Face PEFT, measured the way slimtune.bench merge measures its own.
+"""The usual offline LoRA merge with Hugging Face PEFT, measured the way bench merge measures its own.
 
 Runs in bench/peers/.venv-peft (see run_peers.sh). Prints one JSON line.
 
     bench/peers/.venv-peft/bin/python bench/peers/peft_merge.py --base DIR/base-llama3-8b-8l --adapter DIR/adapter-llama3-8b-8l --out DIR
 
-On the base + adapter files that ``python -m slimtune.bench merge`` writes (run that first). In a child process:
+On the base + adapter files that ``python -m bench merge`` writes (run that first). In a child process:
 ``AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)``, ``PeftModel.from_pretrained``,
 ``merge_and_unload()``, ``save_pretrained(out, max_shard_size="5GB")``. Peak RSS is the child's max RSS
-(ru_maxrss, what /usr/bin/time -v reports, as slimtune.bench merge reads it), bytes written its wchar,
+(ru_maxrss, what /usr/bin/time -v reports, as bench merge reads it), bytes written its wchar,
 seconds the whole load + merge + save (no fsync: save_pretrained does not fsync; the fsync of the output
 afterwards is timed separately, slimtune's merge fsyncs before it returns)."""
 
@@ -63,7 +63,7 @@ def child(base: str, adapter: str, out: str) -> None:
 
 
 def preset_label(tag: str) -> str:
-    """'llama3-8b-8l' (slimtune.bench merge's folder tag) -> 'llama3-8b[8 layers]' (its JSON's preset)."""
+    """'llama3-8b-8l' (bench merge's folder tag) -> 'llama3-8b[8 layers]' (its JSON's preset)."""
     name, _, last = tag.rpartition("-")
     return f"{name}[{last[:-1]} layers]" if name and last.endswith("l") and last[:-1].isdigit() else tag
 

@@ -5,10 +5,10 @@
 (run_peers.sh makes the peers' venvs, then runs this file with bench/peers/.venv-peft's python.)
 
 save  (a QLoRA model in memory -> merged bf16 checkpoint on disk):
-      slimtune (`python -m slimtune.bench save`) vs torchtune 0.6.1 (bench/peers/torchtune_save.py)
+      slimtune (`python -m bench save`) vs torchtune 0.6.1 (bench/peers/torchtune_save.py)
       with low_cpu_ram off and on, on llama3.2-1b and llama3-8b cut to --layers layers.
 merge (bf16 base + LoRA adapter files -> merged bf16 checkpoint):
-      slimtune (`python -m slimtune.bench merge`, which writes the synthetic base + adapter under --out once)
+      slimtune (`python -m bench merge`, which writes the synthetic base + adapter under --out once)
       vs PEFT merge_and_unload + save_pretrained (bench/peers/peft_merge.py) on the same files.
 
 Each measurement is its own process, run one at a time. Results go to OUT/results.jsonl (one JSON object per
@@ -108,22 +108,22 @@ def plan(out: Path, layers: list[int], what: str, slimtune_full_8b: bool) -> lis
         lay = ["--layers", str(n)] if n else []
         tag = preset + (f"-{n}l" if n else "")
         if what in ("all", "save"):
-            steps.append((f"save-slimtune-{tag}", [MAIN_PY, "-m", "slimtune.bench", "save", "--preset", preset, "--out", out, *lay], [], 0))
+            steps.append((f"save-slimtune-{tag}", [MAIN_PY, "-m", "bench", "save", "--preset", preset, "--out", out, *lay], [], 0))
             tt = [TORCHTUNE_PY, PEERS / "torchtune_save.py", "--preset", preset, "--out", out, *lay]
             steps.append((f"save-torchtune-{tag}", tt, [], 0))
             steps.append((f"save-torchtune-lowram-{tag}", [*tt, "--low-cpu-ram"], [], 0))
         if what in ("all", "merge"):
-            cmd = [MAIN_PY, "-m", "slimtune.bench", "merge", "--preset", preset, "--out", out, *lay]
+            cmd = [MAIN_PY, "-m", "bench", "merge", "--preset", preset, "--out", out, *lay]
             steps.append((f"merge-slimtune-{tag}", cmd, [], 0))
             base, adapter = out / f"base-{tag}", out / f"adapter-{tag}"
             peft = [PEFT_PY, PEERS / "peft_merge.py", "--base", base, "--adapter", adapter, "--out", out]
             steps.append((f"merge-peft-{tag}", peft, [base, adapter] if drop else [], 0))
     if slimtune_full_8b:
         if what in ("all", "save"):
-            cmd = [MAIN_PY, "-m", "slimtune.bench", "save", "--preset", "llama3-8b", "--out", out]
+            cmd = [MAIN_PY, "-m", "bench", "save", "--preset", "llama3-8b", "--out", out]
             steps.append(("save-slimtune-llama3-8b", cmd, [], 16 + 6))
         if what in ("all", "merge"):
-            cmd = [MAIN_PY, "-m", "slimtune.bench", "merge", "--preset", "llama3-8b", "--out", out]
+            cmd = [MAIN_PY, "-m", "bench", "merge", "--preset", "llama3-8b", "--out", out]
             steps.append(("merge-slimtune-llama3-8b", cmd, [out / "base-llama3-8b", out / "adapter-llama3-8b"], 32 + 6))
     return steps
 

@@ -1,4 +1,4 @@
-"""torchtune 0.6.1's QLoRA merged save, measured the way slimtune.bench measures its own save.
+"""torchtune 0.6.1's QLoRA merged save, measured the way bench/ measures its own save.
 
 Runs in bench/peers/.venv-torchtune (see run_peers.sh). Prints one JSON line.
 
@@ -20,7 +20,7 @@ What is torchtune's own code here, as in recipes/lora_finetune_single_device.py:
 
 What is not: to skip quantizing random weights (slow on 2 cores), the model is built on the meta device
 with ``to_nf4`` replaced, during the build only, by NF4Tensors made directly from random codes and
-scalers (torchao's layout, as slimtune.bench does); embeddings random, norms ones, lora_b random (a trained
+scalers (torchao's layout, as bench/ does); embeddings random, norms ones, lora_b random (a trained
 adapter, so the merge does real work). The save path is untouched.
 
 Figures: peak RSS is VmHWM, reset (echo 5 > /proc/self/clear_refs) after the model is built; RSS before;
@@ -47,7 +47,7 @@ from measure import RssSampler, disk_write_mb_s, fsync_tree, io_counter, peak_rs
 from torch import nn  # noqa: E402
 
 PRESETS = {
-    # the same shapes as slimtune.bench.PRESETS
+    # the same shapes as slimtune.synthetic.PRESETS
     "llama3.2-1b": dict(
         builder="llama3_2",
         model_type="LLAMA3_2",

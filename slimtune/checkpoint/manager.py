@@ -42,7 +42,7 @@ from torch import nn
 from slimtune.checkpoint.atomic import MANIFEST_NAME, is_complete_checkpoint, reclaim_leftovers
 from slimtune.checkpoint.save import ADAPTER_DIR, ExtraFile, SaveOptions, SaveResult, save_checkpoint
 from slimtune.checkpoint.train_state import TRAIN_STATE_DIR, save_train_state
-from slimtune.config import KEYS, PLACEHOLDER, Config
+from slimtune.config import KEYS, PATH, PLACEHOLDER, Config
 from slimtune.distributed import SINGLE, Ranks
 from slimtune.errors import SlimtuneError
 from slimtune.fileio import os_errors
@@ -259,7 +259,7 @@ def portable_config(values: dict) -> dict:
     portable = {}
     for k, v in values.items():
         key = KEYS.get(k)
-        if key is not None and key.kind == "path" and k != "output_dir" and isinstance(v, str):
+        if key is not None and key.kind is PATH and isinstance(v, str):
             v = v.replace(PLACEHOLDER, root)
             if Path(v).is_relative_to(root):
                 v = str(PLACEHOLDER / Path(v).relative_to(root))

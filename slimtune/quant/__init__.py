@@ -30,3 +30,15 @@ def base_rows(weight: torch.Tensor, start: int, end: int) -> torch.Tensor:
         with stage("dequantize"):
             return dequantize_nf4_rows(weight, start, end)
     return weight.detach()[start:end]
+
+
+def resident_bytes(weight: torch.Tensor) -> int:
+    """Bytes a frozen base weight holds in memory: an NF4 weight's codes, scalers and their factors, else
+    the tensor's own bytes.
+
+    Example: ``sum(resident_bytes(p) for p in model.parameters()) / 2**20`` -> the loaded model's MB"""
+    if is_nf4(weight):
+        from slimtune.quant.nf4 import nf4_nbytes  # an NF4 tensor exists: torchao is loaded already
+
+        return nf4_nbytes(weight)
+    return weight.numel() * weight.element_size()

@@ -118,7 +118,7 @@ def nf4_linear(x: torch.Tensor, weight: NF4Tensor) -> torch.Tensor:
     the backward pass: torchao's ``linear_nf4`` with the same math (dequantize, cast to x's dtype, one
     matmul each way) and ``dequantize_nf4_rows``'s lookup (one int32 gather per byte instead of two int64
     gathers per element, a stack and a concatenation), bit-identical: several times faster on the CPU
-    (``python -m slimtune.bench nf4``). Under torch.compile (which fuses torchao's) and off the CPU
+    (``python -m bench nf4``). Under torch.compile (which fuses torchao's) and off the CPU
     (slimtune's lookup is not yet measured against torchao's on a GPU) torchao's own is used.
 
     Example: ``y = nf4_linear(x, quantize_nf4(w))``"""
@@ -213,3 +213,8 @@ class NF4RoundTrip:
             codes[i : i + 2**20] = (scaled[i : i + 2**20].unsqueeze(-1) - self.nf4).abs().min(dim=-1).indices
         values = self.nf4[codes].view(-1, BLOCK_SIZE) * self.scalers[b0:b1].unsqueeze(-1)
         return values.view(-1)[e0 - b0 * BLOCK_SIZE : e1 - b0 * BLOCK_SIZE].view(end - start, cols)
+
+
+def nf4_nbytes(w: torch.Tensor) -> int:
+    """Bytes an NF4 weight holds: its 4-bit codes, its 8-bit block scalers and their per-group factors."""
+    return sum(t.numel() * t.element_size() for t in (w.quantized_data, w.quantized_scalers, w.quantization_factor))

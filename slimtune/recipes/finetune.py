@@ -279,7 +279,7 @@ def restore(run: Run) -> None:
         last_record = run.resume.state.get("metrics") if run.resume is not None else None
         run.metrics = MetricsLog(run.manager.metrics_path, keep_through_step=run.global_step, last_record=last_record)
         run.trackers = Trackers.from_config(cfg, run.manager.out, resume_step=run.global_step)
-    if cfg.values["checkpoint.async"] and _saves_before_the_end(run):  # on a GPU / under torchrun its writers load now
+    if cfg.checkpoint.async_ and _saves_before_the_end(run):  # on a GPU / under torchrun its writers load now
         spec = WriterSpec(Path(cfg.model.path), _lora_config(cfg), cfg.seed, run.dtype)
         run.saver = BackgroundSaver(spec, run.manager, say, ranks=ranks, model=run.model)
     run.memory = PeakMemory(run.device)

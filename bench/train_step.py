@@ -1,4 +1,4 @@
-"""`python -m slimtune.bench train-step`: slimtune's training step against PEFT's, in one process, runs
+"""`python -m bench train-step`: slimtune's training step against PEFT's, in one process, runs
 alternated (slimtune, peer, slimtune, peer, ...), so a machine whose load changes treats both alike.
 
 The slimtune side is the recipe itself (``run_finetune``; its per-step ``step_s`` and ``tokens_per_s``
@@ -10,7 +10,7 @@ AdamW and ``loss.item()`` each step. Either side's figure is the median tokens/s
 the first two (warm-up), pooled over the rounds.
 
 Without ``--model`` the base is synthetic, of a preset's shape (``--layers`` of them), written once under
-``--out`` with the byte-level tokenizer (``bench.synthetic_train_base``); the data is random text,
+``--out`` with the byte-level tokenizer (``bench.common.synthetic_train_base``); the data is random text,
 packed into rows of ``--seq`` tokens.
 With ``--model DIR`` it is that checkpoint and its tokenizer; rows of random words truncated to ``--seq``
 tokens (every row the full length)."""

@@ -1,0 +1,111 @@
+"""The benches' command line, ``python -m bench NAME [flags]``: one subcommand per bench, each printing one
+JSON line (``train-step`` one per row). The benches themselves are the modules beside this one."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+from bench.common import synthetic_train_base
+from bench.gguf_export import bench_gguf
+from bench.load_moe import bench_load_moe
+from bench.merge import bench_merge
+from bench.nf4 import bench_nf4
+from bench.save import bench_dist_save, bench_save
+from bench.train_save import TRAIN_SAVE_MODES, bench_train_save
+from bench.train_step import bench_train_step, print_row
+from slimtune.cli import quiet_library_logs
+from slimtune.synthetic import PRESETS
+
+
+def _train_step(args: argparse.Namespace) -> None:
+    real = args.model is not None
+    shape = dict(preset=args.preset, layers=args.layers, steps=args.steps or (8 if real else 6), batch=args.batch or (4 if real else 2))
+    shape.update(seq=args.seq or (256 if real else 512), rank=args.rank or (16 if real else 8), real=real)
+    args.out.mkdir(parents=True, exist_ok=True)
+    model_dir = args.model if real else synthetic_train_base(args.out, args.preset, args.layers)
+    print_row(bench_train_step(model_dir, args.out, shape, rounds=args.rounds, compile=args.compile, threads=args.threads))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench")
+    sub = parser.add_subparsers(dest="command", required=True)
+    save = sub.add_parser("save", help="merged save of a synthetic QLoRA model")
+    save.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    save.add_argument("--out", type=Path, required=True)
+    save.add_argument("--layers", type=int, default=None, help="override the number of layers")
+    save.add_argument("--keep", action="store_true", help="keep the written checkpoint")
+    save.add_argument("--device", default="cpu", help="where the model lives during the save (cpu or cuda)")
+    merge = sub.add_parser("merge", help="offline merge of a synthetic base + adapter written to --out (once)")
+    merge.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    merge.add_argument("--out", type=Path, required=True)
+    merge.add_argument("--layers", type=int, default=None, help="override the number of layers")
+    merge.add_argument("--device", default="cpu", help="where the merge math runs (cpu or cuda)")
+    dsave = sub.add_parser("dist-save", help="cooperative export by N ranks (gloo, FSDP2-sharded synthetic model) vs one process")
+    dsave.add_argument("--preset", choices=sorted(PRESETS), default="llama3.2-1b")
+    dsave.add_argument("--out", type=Path, default=Path("bench-out"))
+    dsave.add_argument("--nproc", type=int, default=2)
+    dsave.add_argument("--layers", type=int, default=None, help="override the number of layers")
+    load = sub.add_parser("load-moe", help="QLoRA load of a synthetic 2-layer Mixtral of real widths: peak RSS vs resident")
+    load.add_argument("--out", type=Path, required=True)
+    load.add_argument("--layers", type=int, default=2)
+    nf4 = sub.add_parser("nf4", help="NF4 dequantization throughput vs torchao on a 4096x14336 weight")
+    nf4.add_argument("--device", default="cpu")
+    step = sub.add_parser("train-step", help="the recipe's training step vs a PEFT bf16 LoRA loop, alternated in one run")
+    step.add_argument("--preset", choices=sorted(PRESETS), default="llama3.2-1b")
+    step.add_argument("--layers", type=int, default=2)
+    step.add_argument("--model", type=Path, default=None, help="a real HF checkpoint directory instead of the synthetic preset")
+    step.add_argument("--peer", choices=["peft"], default="peft")
+    step.add_argument("--out", type=Path, default=Path("bench-out"))
+    step.add_argument("--steps", type=int, default=None, help="steps per run (default 6 synthetic, 8 with --model)")
+    step.add_argument("--batch", type=int, default=None, help="sequences per step (default 2 synthetic, 4 with --model)")
+    step.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 512 synthetic, 256 with --model)")
+    step.add_argument("--rank", type=int, default=None, help="LoRA rank on all linears (default 8 synthetic, 16 with --model)")
+    step.add_argument("--rounds", type=int, default=2, help="slimtune/peer alternations")
+    step.add_argument("--compile", action="store_true", help="slimtune with training.compile=true")
+    step.add_argument("--threads", type=int, default=None, help="torch CPU threads for both sides (default: as the recipe picks)")
+    ts = sub.add_parser("train-save", help="training with no / synchronous / background merged saves (and a writer thread)")
+    ts.add_argument("--preset", choices=sorted(PRESETS), default="llama3.2-1b")
+    ts.add_argument("--out", type=Path, default=Path("bench-out/train-save"))
+    ts.add_argument("--steps", type=int, default=12)
+    ts.add_argument("--save-every", type=int, default=4)
+    ts.add_argument("--layers", type=int, default=2, help="decoder layers of the synthetic model")
+    ts.add_argument("--device", default="cpu")
+    ts.add_argument("--keep", action="store_true", help="keep the run directories")
+    gg = sub.add_parser("gguf", help="GGUF export of a synthetic base + adapter (merged on the fly): peak RSS, bytes, time vs disk")
+    gg.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    gg.add_argument("--type", default="q8_0", help="f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1 (default q8_0)")
+    gg.add_argument("--out", type=Path, default=Path("bench-out"))
+    gg.add_argument("--layers", type=int, default=None, help="override the number of layers")
+    gg.add_argument("--tokenizer", type=Path, default=None, help="tokenizer files for the base (default: SmolLM2's)")
+    gg.add_argument("--peer", choices=["llama.cpp"], help="also slimtune merge + llama.cpp's convert_hf_to_gguf.py on it")
+    args = parser.parse_args(argv)
+    quiet_library_logs()
+    if args.command == "train-step":
+        _train_step(args)
+    if args.command == "train-save":
+        result = bench_train_save(args.preset, args.out, args.steps, args.save_every, args.layers, args.device)
+        if not args.keep:
+            for mode in TRAIN_SAVE_MODES:
+                shutil.rmtree(args.out / f"run-{mode}", ignore_errors=True)
+        print(json.dumps(result))
+    if args.command == "gguf":
+        args.out.mkdir(parents=True, exist_ok=True)
+        print(json.dumps(bench_gguf(args.preset, args.out, args.type, args.layers, args.tokenizer, args.peer)))
+    if args.command == "dist-save":
+        print(json.dumps(bench_dist_save(args.preset, args.out, args.nproc, args.layers)))
+    if args.command == "load-moe":
+        args.out.mkdir(parents=True, exist_ok=True)
+        print(json.dumps(bench_load_moe(args.out, args.layers)))
+    if args.command == "nf4":
+        print(json.dumps(bench_nf4(device=args.device)))
+    if args.command == "merge":
+        args.out.mkdir(parents=True, exist_ok=True)
+        print(json.dumps(bench_merge(args.preset, args.out, args.layers, args.device)))
+    if args.command == "save":
+        result = bench_save(args.preset, args.out, args.layers, args.device)
+        if not args.keep:
+            shutil.rmtree(args.out / f"save-{args.preset}", ignore_errors=True)
+        print(json.dumps(result))

@@ -1,0 +1,134 @@
+"""``python -m bench gguf``: the streamed GGUF export of a synthetic base + adapter, merged on the fly, in a
+fresh child process (bench/gguf_child.py); ``--peer llama.cpp``: ``slimtune merge`` + llama.cpp's own
+convert_hf_to_gguf.py on the same files beside it (bench/peers/llama_cpp_convert.sh)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from bench.common import disk_write_mb_s, real_model_dir, run_child, synthetic_base_and_adapter
+from bench.merge import merge_in_child
+from slimtune.tiny import byte_tokenizer
+
+
+def _default_gguf_tokenizer() -> Path:
+    """SmolLM2's tokenizer from the real model's cache (`make real-model`), else the byte-level tokenizer."""
+    if (real_model_dir() / "tokenizer.json").is_file():
+        return real_model_dir()
+    fallback = Path(tempfile.mkdtemp(prefix="slimtune-bench-tok-"))
+    byte_tokenizer().save_pretrained(str(fallback))
+    return fallback
+
+
+def _tokenizer_vocab(tokenizer: Path) -> int:
+    """One past the tokenizer's highest token id: the embedding rows the synthetic base needs."""
+    from transformers import AutoTokenizer  # heavy, and only the GGUF bench needs it
+
+    return max(AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True).get_vocab().values()) + 1
+
+
+def _gguf_in_child(base: Path, adapter: Path, target: Path, qtype: str) -> dict:
+    """slimtune's GGUF export in a fresh child process: its figures (bench/gguf_child.py); the file stays."""
+    return run_child("bench.gguf_child", str(base), str(adapter), str(target), qtype, what="GGUF export")
+
+
+LLAMA_CPP_PEER = Path(__file__).resolve().parent / "peers" / "llama_cpp_convert.sh"
+LLAMA_CPP_TYPES = ("f32", "f16", "bf16", "q8_0")  # what convert_hf_to_gguf.py writes
+
+
+def _check_llama_cpp_peer(peer: str, qtype: str) -> None:
+    """Before anything is written: the peer, its type and its script exist."""
+    if peer != "llama.cpp":
+        raise SystemExit(f"--peer {peer}: the one GGUF peer is llama.cpp")
+    if qtype not in LLAMA_CPP_TYPES:
+        raise SystemExit(f"--peer llama.cpp --type {qtype}: convert_hf_to_gguf.py writes {', '.join(LLAMA_CPP_TYPES)}")
+    if not LLAMA_CPP_PEER.is_file():
+        raise SystemExit(f"--peer llama.cpp: {LLAMA_CPP_PEER} is missing")
+
+
+def _llama_cpp_peer(base: Path, adapter: Path, out: Path, tag: str, qtype: str) -> dict:
+    """The merge-then-convert path: ``slimtune merge`` of the same base + adapter (timed: the peer needs
+    it), then llama.cpp's convert_hf_to_gguf.py on the merged checkpoint (bench/peers/llama_cpp_convert.sh,
+    its own venv, lazy mode, /usr/bin/time -v). The merged checkpoint and the peer's file are removed."""
+    merged, target = out / f"merged-{tag}", out / f"{tag}-{qtype}-llama.cpp.gguf"
+    try:
+        merge = merge_in_child(base, adapter, merged)
+        peer = subprocess.run(["bash", str(LLAMA_CPP_PEER), str(merged), str(target), qtype], stdout=subprocess.PIPE, text=True)
+        if peer.returncode:
+            raise SystemExit(f"{LLAMA_CPP_PEER.name} failed with exit code {peer.returncode}")
+        stats = json.loads(peer.stdout.strip().splitlines()[-1])
+    finally:
+        shutil.rmtree(merged, ignore_errors=True)
+        target.unlink(missing_ok=True)
+    return {
+        "merge_s": round(merge["merge_s"], 2),
+        "merge_peak_rss_mb": round(merge["peak_rss_mb"], 1),
+        "merged_bytes": merge["output_bytes"],
+        "peer": stats["peer"],
+        "peer_llama_cpp_commit": stats["llama_cpp_commit"],
+        "peer_lazy": stats["lazy"],
+        "peer_s": stats["seconds"],
+        "peer_peak_rss_mb": stats["peak_rss_mb"],
+        "peer_file_bytes": stats["file_bytes"],
+        "merge_plus_peer_s": round(merge["merge_s"] + stats["seconds"], 2),
+    }
+
+
+def bench_gguf(
+    preset: str, out: Path, qtype: str, layers: int | None = None, tokenizer: Path | None = None, peer: str | None = None
+) -> dict:
+    """GGUF export of a synthetic base + adapter (made once under ``out``, reused), merged on the fly, in a
+    fresh child process that reports its peak RSS over its own baseline (RSS after imports, peak reset
+    with clear_refs), the bytes it wrote and the file's size; the disk's sequential write speed is
+    measured in the same run. ``tokenizer``: a directory whose tokenizer files the base gets (the GGUF
+    needs a vocabulary; SmolLM2's by default). ``peer="llama.cpp"``: then the merge + llama.cpp converter
+    path on the same base + adapter (``_llama_cpp_peer``), its figures added.
+
+    Example: ``bench_gguf("tiny", Path("bench-out"), "q8_0", peer="llama.cpp")``"""
+    if peer is not None:
+        _check_llama_cpp_peer(peer, qtype)
+        if tokenizer is None and not (real_model_dir() / "tokenizer.json").is_file():  # before anything is written
+            raise SystemExit(
+                f"--peer llama.cpp: {real_model_dir()} has no tokenizer.json (run `make real-model` or pass --tokenizer): "
+                "convert_hf_to_gguf.py cannot identify the byte-level fallback tokenizer's pre-tokenizer"
+            )
+    tokenizer = tokenizer or _default_gguf_tokenizer()
+    tag, base, adapter = synthetic_base_and_adapter(preset, out, layers, _tokenizer_vocab(tokenizer))
+    target = out / f"{tag}-{qtype}.gguf"
+    if peer is not None and not json.loads((base / "config.json").read_text()).get("architectures"):  # the converter needs it
+        raise SystemExit(f"{base}/config.json names no architectures (a synthetic base from before they were written): remove {base}")
+    base_bytes = sum(p.stat().st_size for p in base.glob("*.safetensors"))
+    disk = disk_write_mb_s(out, min(base_bytes, 2 * 1024**3))
+    copied = [Path(shutil.copy(f, base / f.name)) for f in tokenizer.glob("*token*") if not (base / f.name).exists()]
+    try:  # the base is reused only while its manifest lists every file: the tokenizer goes back out
+        stats = _gguf_in_child(base, adapter, target, qtype)
+        size = target.stat().st_size
+        target.unlink()
+        peer_stats = _llama_cpp_peer(base, adapter, out, tag, qtype) if peer else {}  # the merge copies the tokenizer
+    finally:
+        for f in copied:
+            f.unlink()
+    for extra in out.glob("Modelfile"):
+        extra.unlink()
+    write_mb_s = size / stats["export_s"] / 1e6
+    return {
+        "preset": preset + (f"[{layers} layers]" if layers else ""),
+        "type": qtype,
+        "base_bytes": base_bytes,
+        "file_bytes": size,
+        "bytes_written": stats["bytes_written"],
+        "written_vs_file": round(stats["bytes_written"] / size, 5),
+        "tensors": stats["tensors"],
+        "export_s": round(stats["export_s"], 2),
+        "write_mb_s": round(write_mb_s, 1),
+        "disk_mb_s": round(disk, 1),
+        "ratio": round(write_mb_s / disk, 3),
+        "rss_before_mb": round(stats["rss_before_mb"], 1),
+        "peak_rss_mb": round(stats["peak_rss_mb"], 1),
+        "overhead_mb": round(stats["peak_rss_mb"] - stats["rss_before_mb"], 1),
+        "peak_reset": stats["peak_reset"],
+    } | peer_stats

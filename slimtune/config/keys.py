@@ -1,0 +1,243 @@
+"""The config keys: one frozen dataclass per section, each field a key (its type, default, description
+and limits); ``Config`` is the whole, SCHEMA the keys it holds in order."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from slimtune.config.schema import PLACEHOLDER, REQUIRED, ConfigPath, Key, RunDir, Size, setting, walk
+from slimtune.lora import DEFAULT_TARGETS
+from slimtune.memory import DEFAULT_SHARD_SIZE
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSection:
+    """model.*: the base checkpoint the adapters train on."""
+
+    path: ConfigPath = setting(
+        REQUIRED,
+        f"Local Hugging Face checkpoint directory of a supported family (README: Model families); '{PLACEHOLDER}' "
+        "is replaced by output_dir.",
+        fixed=True,
+    )
+    create_tiny: bool = setting(False, "When model.path does not exist, write the embedded tiny Llama there (offline demo).")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraSection:
+    """lora.*: the adapters."""
+
+    rank: int = setting(8, "LoRA rank r.", minimum=1, fixed=True)
+    alpha: float = setting(16.0, "LoRA alpha; the update is scaled by alpha / r (alpha / sqrt(r) with rsLoRA).", minimum=0, fixed=True)
+    dropout: float = setting(0.0, "Dropout on the adapter input during training.", minimum=0, maximum=1)
+    use_rslora: bool = setting(False, "Rank-stabilised scaling alpha / sqrt(r).", fixed=True)
+    target_modules: list[str] = setting(
+        list(DEFAULT_TARGETS),
+        "Layers that get an adapter (NF4 base): all-linear (PEFT's convention: every linear layer except the output head, "
+        "resolved per family and printed at start) or layer names such as [q_proj, v_proj].",
+        fixed=True,
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class DatasetSection:
+    """dataset.*: the data files, their shapes and how examples are cut."""
+
+    path: ConfigPath = setting(
+        REQUIRED,
+        "Local data file: JSONL (one object per line), a JSON array, Parquet, Arrow or CSV, with rows of one of the shapes of "
+        f"dataset.format; '{PLACEHOLDER}' is replaced by output_dir.",
+        fixed=True,
+    )
+    mix: list[ConfigPath] | None = setting(
+        None, "More data files trained on together with dataset.path (same types and shapes).", fixed=True
+    )
+    weights: list[float] | None = setting(
+        None,
+        "One weight per file (dataset.path, then dataset.mix): each epoch holds weight x the file's examples (whole repeats, "
+        "then a seeded subset); null: 1 each.",
+        fixed=True,
+    )
+    columns: dict[str, str] | None = setting(
+        None,
+        "Rename columns to the shape's keys, e.g. {instruction: question, output: answer} (or instruction=question,output=answer).",
+        fixed=True,
+    )
+    format: Literal["auto", "alpaca", "chat", "sharegpt", "completion", "text"] = setting(
+        "auto",
+        "Row shape: alpaca, chat (messages), sharegpt (conversations from/value), completion (prompt/completion) or text; "
+        "auto decides per row from its keys.",
+        fixed=True,
+    )
+    max_seq_len: int = setting(512, "Sequences are truncated to this many tokens.", minimum=2, fixed=True)
+    shuffle: bool = setting(True, "Shuffle the examples each epoch (seeded by seed and the epoch).", fixed=True)
+    train_on_inputs: bool = setting(False, "Train on every token, prompts and user turns included (default: responses only).", fixed=True)
+    packed: bool = setting(
+        False,
+        "Pack examples into rows of max_seq_len tokens; attention never crosses a document boundary (position ids restart).",
+        fixed=True,
+    )
+    eval_path: ConfigPath | None = setting(
+        None, f"Held-out data file for evaluation (any supported type); '{PLACEHOLDER}' is replaced by output_dir."
+    )
+    eval_fraction: float = setting(
+        0.0,
+        "Without eval_path: hold out this fraction of each file (a seeded split) for evaluation; 0: no evaluation.",
+        minimum=0,
+        maximum=1,
+        fixed=True,
+    )
+    create_builtin: bool = setting(False, "When dataset.path does not exist, write the small built-in dataset there.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingSection:
+    """training.*: batches, length of the run, evaluation and samples, compute."""
+
+    batch_size: int = setting(
+        2,
+        "Sequences per micro-batch, all ranks together (each takes its slice): the same global batch on any number of ranks.",
+        minimum=1,
+        fixed=True,
+    )
+    gradient_accumulation_steps: int = setting(
+        1, "Micro-batches per optimizer step; the loss is averaged over all their trained tokens.", minimum=1, fixed=True
+    )
+    total_epochs: int = setting(1, "Passes over the dataset.", minimum=1)
+    max_steps: int | None = setting(
+        None,
+        "Last optimizer step of the run (caps total_epochs); with total_epochs it sets the length of the cosine schedule.",
+        minimum=1,
+    )
+    stop_after_steps: int | None = setting(
+        None,
+        "End this invocation after this global step, with a checkpoint; the schedule is unchanged, so resume=true continues "
+        "the run exactly (split a long run over sessions).",
+        minimum=1,
+    )
+    max_grad_norm: float | None = setting(1.0, "Clip the adapters' gradient norm to this; null: no clipping.", minimum=0)
+    eval_every_n_steps: int | None = setting(
+        None, "Evaluate every n optimizer steps (and at every checkpoint) when there is eval data.", minimum=1
+    )
+    sample_prompts: list[str] | None = setting(None, "Prompts generated from (greedy) at each checkpoint, into metrics.jsonl and the log.")
+    sample_max_new_tokens: int = setting(32, "Tokens generated per sample prompt.", minimum=1)
+    activation_checkpointing: bool = setting(False, "Recompute layer activations in the backward pass: less memory, more compute.")
+    compile: bool = setting(
+        False,
+        "torch.compile each decoder layer (regional compilation, as torchtune does): inductor on CPU and CUDA; the first "
+        "steps pay a one-off compile (logged), later ones run faster.",
+    )
+    num_threads: int | None = setting(
+        None,
+        "CPU threads torch uses; null: the cores this process may use (its CPU affinity), divided among the ranks on this "
+        "machine under torchrun (never the momentary load: runs stay reproducible). Set it lower where other processes share the cores.",
+        minimum=1,
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerSection:
+    """optimizer.*: AdamW over the adapter parameters."""
+
+    lr: float = setting(2e-4, "Peak learning rate of AdamW (adapter parameters only).", minimum=0)
+    weight_decay: float = setting(0.0, "AdamW decoupled weight decay.", minimum=0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerSection:
+    """scheduler.*: linear warmup, then cosine decay."""
+
+    warmup_steps: int = setting(0, "Linear warmup steps before the cosine decay.", minimum=0)
+    min_lr_ratio: float = setting(0.0, "The cosine decays to lr * min_lr_ratio at the end of the run.", minimum=0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointSection:
+    """checkpoint.*: what is saved, when, how and in which formats."""
+
+    save_every_n_steps: int | None = setting(
+        None, "Also save every n optimizer steps (a checkpoint is always saved at each epoch end and when the run stops).", minimum=1
+    )
+    merged: Literal["every", "final", "never"] = setting(
+        "every", "Which checkpoints hold the merged model beside the adapter: every, final (only the run's last) or never."
+    )
+    merged_dtype: Literal["fp32", "fp16", "bf16"] | None = setting(
+        None,
+        "dtype of the merged model's weights (null: the base checkpoint's). W' + B A is computed in fp32 and rounded once "
+        "to this dtype; fp32 skips that rounding (eval_loss_merged in metrics.jsonl measures what it costs).",
+    )
+    keep_last_n: int | None = setting(
+        None, "Keep only the newest n complete checkpoints (the newest is never deleted); null keeps all.", minimum=1
+    )
+    max_shard_size: Size = setting(DEFAULT_SHARD_SIZE, "Largest merged safetensors shard, e.g. 2GB or 500MiB.")
+    async_: bool = setting(
+        True,
+        "Save in the background: training blocks only to snapshot the adapters and training state, a writer process writes the "
+        "checkpoint (on the CPU forked at each save point, sharing the trainer's memory; with a GPU or under torchrun one writer per "
+        "rank, started with the run, each writing that rank's part of the cooperative save); only when a save point comes before "
+        "the run's last step.",
+        name="async",
+    )
+    gguf: Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"] | None = setting(
+        None,
+        "Also write model-TYPE.gguf (+ an Ollama Modelfile) beside the run's final checkpoint, for llama.cpp/Ollama (docs/gguf.md).",
+    )
+    gguf_verify: bool = setting(
+        True,
+        "Check the final checkpoint's sha256 against its manifest while checkpoint.gguf reads it (false: read it unchecked).",
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class WandbSection:
+    """logging.wandb.*: Weights & Biases."""
+
+    project: str | None = setting(None, "Also log to this Weights & Biases project (extra: wandb).")
+    mode: Literal["offline", "online"] = setting("offline", "W&B mode: offline (no network; sync later) or online.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoggingSection:
+    """logging.*: progress bar and trackers."""
+
+    progress_bar: bool = setting(
+        True, "Show a tqdm bar (loss, eval loss, lr, tokens/s; ckpt=saving while a background save runs) on stderr."
+    )
+    tensorboard: bool = setting(False, "Also write TensorBoard event files under output_dir/tensorboard (extra: tensorboard).")
+    wandb: WandbSection
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """A validated config: ``cfg.optimizer.lr`` reads like the YAML, typed; ``cfg.values`` is the flat
+    dotted dict (``{"optimizer.lr": 2e-4, "checkpoint.async": True, ...}``) a checkpoint records."""
+
+    output_dir: RunDir = setting(REQUIRED, "Run directory: checkpoints step-NNNNNN/, metrics.jsonl and loss.png.")
+    seed: int = setting(0, "Seeds the LoRA initialisation, the data order and dropout.", minimum=0, fixed=True)
+    device: Literal["auto", "cpu", "cuda"] = setting("auto", "Where to train; auto picks cuda when available, else cpu.")
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = setting(
+        "auto",
+        "Compute dtype of the frozen base (NF4 weights are dequantized to it; adapters stay fp32). auto: bf16 on CPU and on GPUs "
+        "with native bf16, fp16 (with loss scaling) on older GPUs.",
+    )
+    resume: bool = setting(False, "Continue from the newest complete checkpoint in output_dir (starts fresh when there is none).")
+    overwrite: bool = setting(False, "Start over when output_dir already holds checkpoints (they are deleted); otherwise that is an error.")
+    model: ModelSection
+    lora: LoraSection
+    dataset: DatasetSection
+    training: TrainingSection
+    optimizer: OptimizerSection
+    scheduler: SchedulerSection
+    checkpoint: CheckpointSection
+    logging: LoggingSection
+
+    @property
+    def values(self) -> dict[str, Any]:
+        """Every key's value by dotted name, in schema order."""
+        return {key.name: functools.reduce(getattr, key.attrs, self) for key in SCHEMA}
+
+
+SCHEMA: tuple[Key, ...] = tuple(walk(Config))
+KEYS: dict[str, Key] = {k.name: k for k in SCHEMA}

@@ -180,7 +180,9 @@ def _data_chunks(plan: GGUFPlan, chunk_bytes: int, start: int) -> Iterator[torch
             try:
                 out = encode_rows(rows.float().reshape(-1, cols), slot.qtype)
             except FloatingPointError:
-                raise SlimtuneError(f"tensor {slot.hf_key}: values too large for {slot.qtype.name} (they overflow float16); choose bf16 or f32") from None
+                raise SlimtuneError(
+                    f"tensor {slot.hf_key}: values too large for {slot.qtype.name} (they overflow float16); choose bf16 or f32"
+                ) from None
             made += out.numel()
             yield out
         if made != slot.nbytes:

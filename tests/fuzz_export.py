@@ -45,7 +45,10 @@ _PRE_TOKENIZERS = [
     {"type": "Split", "pattern": {"Regex": "(?i:'s|'t)|\\p{L}+|\\p{N}{1,3}"}, "behavior": "Removed", "invert": False},
     {"type": "Split", "pattern": {"Regex": "(((("}, "behavior": "Isolated", "invert": False},
     {"type": "Digits", "individual_digits": True},
-    {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": False}, {"type": "Punctuation", "behavior": "Isolated"}]},
+    {
+        "type": "Sequence",
+        "pretokenizers": [{"type": "Digits", "individual_digits": False}, {"type": "Punctuation", "behavior": "Isolated"}],
+    },
     {"type": "Sequence", "pretokenizers": [{"type": "Whitespace"}, {"type": "Nope"}]},
 ]
 _NORMALIZERS = [

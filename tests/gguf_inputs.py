@@ -24,8 +24,7 @@ CORPUS = [
     "the quick brown fox jumps over the lazy dog",
 ]
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
-    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}{% if add_generation_prompt %}<s>assistant\n{% endif %}"
 )
 
 

@@ -116,4 +116,6 @@ def test_integer_target_with_quantized_merge_base_is_one_line(merged, tmp_path, 
     words = (key, "quantized")
     q = ("--merge-base", "quantized")
     _refused(capsys, out, "merge", "--base", str(base), "--adapter", str(tmp_path / "adapter"), "--out", str(out / "m"), *q, words=words)
-    _refused(capsys, out, "export", "--base", str(base), "--adapter", str(tmp_path / "adapter"), "--out", str(out / "m.gguf"), *q, words=words)
+    _refused(
+        capsys, out, "export", "--base", str(base), "--adapter", str(tmp_path / "adapter"), "--out", str(out / "m.gguf"), *q, words=words
+    )

@@ -103,7 +103,10 @@ class GGUFArch:
         self.head_dim = _count(cfg.get("head_dim") or self.hidden // self.heads, "head_dim", where)
         self.rope = self._rope_parameters()
         if self.model_type != "gpt2" and (self.rope_dims() % 2 or not 0 < self.rope_dims() <= self.head_dim):
-            raise SlimtuneError(f"{where}: head_dim {self.head_dim} gives {self.rope_dims()} rotary dimensions; rope rotates pairs, an even count up to head_dim")
+            raise SlimtuneError(
+                f"{where}: head_dim {self.head_dim} gives {self.rope_dims()} rotary dimensions; "
+                "rope rotates pairs: an even count up to head_dim"
+            )
         self.names = gguf.get_tensor_name_map(self.arch, self.layers)
         self._check_attention()
 
@@ -172,7 +175,9 @@ class GGUFArch:
             (K.Attention.HEAD_COUNT_KV.format(arch=a), self.kv_heads, T.UINT32),
         ]
         if "rms_norm_eps" in cfg:
-            out.append((K.Attention.LAYERNORM_RMS_EPS.format(arch=a), _positive(cfg["rms_norm_eps"], "rms_norm_eps", self.where), T.FLOAT32))
+            out.append(
+                (K.Attention.LAYERNORM_RMS_EPS.format(arch=a), _positive(cfg["rms_norm_eps"], "rms_norm_eps", self.where), T.FLOAT32)
+            )
         eps_key = "layer_norm_eps" if "layer_norm_eps" in cfg else "layer_norm_epsilon"
         if cfg.get(eps_key) is not None:
             out.append((K.Attention.LAYERNORM_EPS.format(arch=a), _positive(cfg[eps_key], eps_key, self.where), T.FLOAT32))
@@ -200,7 +205,13 @@ class GGUFArch:
         K = gguf.Keys
         out: list[tuple[str, object, gguf.GGUFValueType]] = []
         if mt in _SWA_PERIOD:
-            out.append((K.Attention.SLIDING_WINDOW.format(arch=a), _count(_need(cfg, "sliding_window", self.where), "sliding_window", self.where), T.UINT32))
+            out.append(
+                (
+                    K.Attention.SLIDING_WINDOW.format(arch=a),
+                    _count(_need(cfg, "sliding_window", self.where), "sliding_window", self.where),
+                    T.UINT32,
+                )
+            )
             for key, gkey in (
                 ("attn_logit_softcapping", K.LLM.ATTN_LOGIT_SOFTCAPPING),
                 ("final_logit_softcapping", K.LLM.FINAL_LOGIT_SOFTCAPPING),
@@ -213,7 +224,11 @@ class GGUFArch:
             orig = cfg.get("original_max_position_embeddings", cfg.get("max_position_embeddings"))
             out += [
                 (K.Rope.SCALING_ORIG_CTX_LEN.format(arch=a), _count(orig, "original_max_position_embeddings", self.where), T.UINT32),
-                (K.Attention.SLIDING_WINDOW.format(arch=a), _count(cfg.get("sliding_window") or 0, "sliding_window", self.where, 0), T.UINT32),
+                (
+                    K.Attention.SLIDING_WINDOW.format(arch=a),
+                    _count(cfg.get("sliding_window") or 0, "sliding_window", self.where, 0),
+                    T.UINT32,
+                ),
             ]
         if mt == "gpt_neox":
             out.append((K.LLM.USE_PARALLEL_RESIDUAL.format(arch=a), bool(cfg.get("use_parallel_residual", True)), T.BOOL))
@@ -234,7 +249,10 @@ class GGUFArch:
         embedding = shapes.get("token_embd.weight")
         if embedding != (vocab, self.hidden):
             found = "no token embedding" if embedding is None else f"an embedding of {list(embedding)}"
-            raise SlimtuneError(f"{where}: vocab_size {vocab} and {keys['hidden']} {self.hidden} need an embedding of [{vocab}, {self.hidden}], the checkpoint has {found}")
+            raise SlimtuneError(
+                f"{where}: vocab_size {vocab} and {keys['hidden']} {self.hidden} need an embedding of [{vocab}, {self.hidden}], "
+                f"the checkpoint has {found}"
+            )
         head = shapes.get("output.weight")
         if head is not None and head != (vocab, self.hidden):
             raise SlimtuneError(f"{where}: the output head is {list(head)}, vocab_size and {keys['hidden']} need [{vocab}, {self.hidden}]")

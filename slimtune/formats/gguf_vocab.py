@@ -75,6 +75,7 @@ def vocab_fields(model_dir: str | Path, hf_config, chat_template: str | None) ->
         pre = _pre_tokenizer_name(tokenizer, spec, path) if special.merges else "gpt-2"
         fields = _byte_level_fields(tokenizer, n_vocab, pre)
         fields.append((Keys.Tokenizer.MERGES, special.merges or [_INERT_MERGE], GGUFValueType.ARRAY))
+    _check_as_llama_cpp_loads(fields, special, _added_special_tokens(tokenizer), path)
     fields += _special_fields(special, _added_special_tokens(tokenizer))
     template = chat_template if chat_template else special.chat_template
     if template:
@@ -266,6 +267,25 @@ def _added_special_tokens(tokenizer) -> dict[str, bool]:
         "bos": tokenizer.bos_token_id is not None and prefix == [tokenizer.bos_token_id],
         "eos": tokenizer.eos_token_id is not None and suffix == [tokenizer.eos_token_id],
     }
+
+
+def _check_as_llama_cpp_loads(fields: list[Field], special: gguf.SpecialVocab, added: dict[str, bool], path: Path) -> None:
+    """What llama.cpp's vocabulary loader (llama-vocab.cpp) aborts on, refused first: a token text written
+    twice (it asserts one id per text; an empty text becomes ``[EMPTY_i]``), and BOS/EOS added by the
+    tokenizer without an id for them (it asserts the id when it adds one)."""
+    tokens = next(v for k, v, _ in fields if k == Keys.Tokenizer.LIST)
+    seen: dict[str, int] = {}
+    for i, token in enumerate(tokens):
+        text = token or f"[EMPTY_{i}]"
+        if text in seen:
+            raise SlimtuneError(
+                f"{path}: tokens {seen[text]} and {i} would both be {text!r} in the GGUF vocabulary (as llama.cpp matches them); "
+                "llama.cpp aborts on a repeated token"
+            )
+        seen[text] = i
+    for kind in ("bos", "eos"):
+        if added.get(kind) and kind not in special.special_token_ids:
+            raise SlimtuneError(f"{path}: the tokenizer adds {kind.upper()} but its {kind}_token has no id llama.cpp can be told")
 
 
 def _special_fields(special: gguf.SpecialVocab, added: dict[str, bool]) -> list[Field]:

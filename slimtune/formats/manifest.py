@@ -162,7 +162,11 @@ class ReadCheck:
     def done(self) -> None:
         self._thread.join()
         if self._problems:
-            raise SlimtuneError(self._problems[0] + ("" if len(self._problems) == 1 else f" (and {len(self._problems) - 1} more)") + "; --no-verify reads it as it is")
+            raise SlimtuneError(
+                self._problems[0]
+                + ("" if len(self._problems) == 1 else f" (and {len(self._problems) - 1} more)")
+                + "; --no-verify reads it as it is"
+            )
 
 
 def read_check(path: str | Path, verify: bool = True) -> ReadCheck | None:

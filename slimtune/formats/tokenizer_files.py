@@ -42,7 +42,8 @@ def check_tokenizer_json(spec: dict, path: Path, n_vocab: int) -> None:
         _check_id(i, f"{path}: model.vocab[{safe_repr(token, 60)}]", n_vocab)
         if i in by_id:
             raise SlimtuneError(
-                f"{path}: model.vocab: tokens {safe_repr(by_id[i], 40)} and {safe_repr(token, 40)} both have id {i}; each id names one token"
+                f"{path}: model.vocab: tokens {safe_repr(by_id[i], 40)} and {safe_repr(token, 40)} both have id {i}; "
+                "each id names one token"
             )
         by_id[i] = token
     _check_merges(model.get("merges", []), vocab, path)
@@ -61,7 +62,9 @@ def check_tokenizer_json(spec: dict, path: Path, n_vocab: int) -> None:
 
 def _check_id(i: object, where: str, n_vocab: int) -> None:
     if type(i) is not int or not 0 <= i < _U32:
-        raise SlimtuneError(f"{where}: expected a token id, an integer in [0, 2**32), found {safe_repr(i, 40) if isinstance(i, str) else i!r}")
+        raise SlimtuneError(
+            f"{where}: expected a token id, an integer in [0, 2**32), found {safe_repr(i, 40) if isinstance(i, str) else i!r}"
+        )
     if i >= n_vocab:
         raise SlimtuneError(f"{where}: token id {i} is outside the model's vocab_size {n_vocab} (the embedding's rows)")
 
@@ -80,7 +83,7 @@ def _check_merges(merges: object, vocab: dict, path: Path) -> None:
         elif isinstance(merge, list) and len(merge) == 2 and all(isinstance(p, str) for p in merge):
             pair = merge
         else:
-            raise SlimtuneError(f"{where}: expected a string \"a b\" or a pair [a, b] of strings, found {json_kind(merge)}")
+            raise SlimtuneError(f'{where}: expected a string "a b" or a pair [a, b] of strings, found {json_kind(merge)}')
         for token in (*pair, pair[0] + pair[1]):
             if token not in vocab:
                 raise SlimtuneError(f"{where}: token {safe_repr(token, 60)} is not in model.vocab")

@@ -286,10 +286,11 @@ def open_source(src: Path | None, base: Path | None, adapter: Path | None, merge
         raise SlimtuneError(f"{adapter}: an adapter needs the base it was trained on: pass --base DIR")
     from slimtune.formats.peft import read_adapter
 
-    checks = (read_check(adapter, verify), read_check(base, verify))
+    lora = read_adapter(adapter)
+    checks = (read_check(lora.path, verify), read_check(base, verify))
     reader = BaseCheckpoint(base)
     try:
-        stream = merged_file_stream(reader, read_adapter(adapter), torch.float32, resolved)
+        stream = merged_file_stream(reader, lora, torch.float32, resolved)
         dirs = [d for d in (Path(adapter), Path(src) if src else None) if d is not None]
         tok_dir = next((d for d in dirs if (d / "tokenizer_config.json").is_file()), Path(base))
         yield _Source(export_config_dict(reader.config, stream), stream, tok_dir, Path(base), _record(*dirs), checks)

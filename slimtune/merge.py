@@ -312,11 +312,12 @@ def merge_from_files(
     if out_dir.exists() and not options.overwrite:
         raise SlimtuneError(f"{out_dir} already exists; pass --overwrite to replace it")
     pool = pool_for(chunk_bytes, options.inflight_bytes, pin_memory=device == "cuda")
-    checks = (read_check(adapter_dir, verify), read_check(base_dir, verify)) if ranks.is_coordinator else ()
+    checks = [read_check(base_dir, verify)] if ranks.is_coordinator else []
     base = BaseCheckpoint(base_dir, pool)
     try:
         adapter = read_adapter(adapter_dir)
-        checks_done(checks[0] if checks else None)  # the adapter is small and read whole already
+        if ranks.is_coordinator:  # the adapter is small and read whole already: checked now
+            checks_done(read_check(adapter.path, verify))
         stream = merged_file_stream(base, adapter, dtype, rows_of, device, pool.to_host)
         parts = CheckpointParts(
             merged=stream,

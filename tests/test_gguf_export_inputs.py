@@ -84,6 +84,7 @@ def test_flipped_byte_in_an_adapter_checkpoint_is_refused(merged, tmp_path, caps
     words = ("adapter_model.safetensors", "sha256")
     _refused(capsys, out, "export", str(ckpt), "--base", str(merged), "--type", "f16", "--out", str(out / "m.gguf"), words=words)
     _refused(capsys, out, "merge", "--base", str(merged), "--adapter", str(ckpt / "adapter"), "--out", str(out / "m"), words=words)
+    _refused(capsys, out, "merge", "--base", str(merged), "--adapter", str(ckpt), "--out", str(out / "m"), words=words)  # the step dir
     # the base, a merged checkpoint with a manifest, is checked too
     base = tmp_path / "base"
     shutil.copytree(merged, base)

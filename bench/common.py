@@ -70,13 +70,18 @@ def real_model_dir() -> Path:
     return Path(os.environ.get("SLIMTUNE_REAL_MODEL", ".cache/real-model/SmolLM2-135M-Instruct"))
 
 
+def child_env() -> dict[str, str]:
+    """This process's environment with the repository first on PYTHONPATH: ``python -m bench.X`` works
+    from any directory."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+
 def run_child(module: str, *args: str, what: str) -> dict:
     """``python -m MODULE ARGS`` in a fresh process (``bench`` importable from the repository), its
     figures: the last line it prints, as JSON. A failed child ends the bench with one line.
 
     Example: ``run_child("bench.merge_child", str(base), str(adapter), str(out), "cpu", what="merge")``"""
-    path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
-    child = subprocess.run([sys.executable, "-m", module, *args], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": path})
+    child = subprocess.run([sys.executable, "-m", module, *args], stdout=subprocess.PIPE, text=True, env=child_env())
     if child.returncode:
         raise SystemExit(f"{what} failed with exit code {child.returncode}")
     return json.loads(child.stdout.strip().splitlines()[-1])

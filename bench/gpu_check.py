@@ -23,21 +23,10 @@ from pathlib import Path
 
 import torch
 
-from bench.common import disk_write_mb_s, synthetic_train_base
+from bench.common import child_env, disk_write_mb_s, synthetic_train_base
 from slimtune.data import write_jsonl
 from slimtune.lora import LoRAConfig
 from slimtune.synthetic import preset_config, synthetic_qlora_model
-
-COLAB_CHILD = """
-import json, sys
-from slimtune.config import load_config
-from slimtune.recipes.finetune import run_finetune
-cfg = load_config("llama3-8b_qlora", sys.argv[1:])
-r = run_finetune(cfg)
-print("RESULT " + json.dumps({"steps": r.global_step, "losses": r.losses, "host_peak_rss_mb": r.peak_rss_mb,
-    "peak_vram_mb": r.peak_gpu_mb, "save_s": r.last_save.seconds, "save_bytes": r.last_save.total_bytes,
-    "peak_rss_during_save_mb": r.peak_rss_last_save_mb}))
-"""
 
 
 def emit(row: dict) -> None:
@@ -68,7 +57,7 @@ def colab(out: Path, smoke: bool) -> int:
     if smoke:
         overrides += ["training.gradient_accumulation_steps=2", "dataset.max_seq_len=64"]
     t0 = time.perf_counter()
-    child = subprocess.run([sys.executable, "-c", COLAB_CHILD, *overrides], stdout=subprocess.PIPE, text=True)
+    child = subprocess.run([sys.executable, "-m", "bench.colab_child", *overrides], stdout=subprocess.PIPE, text=True, env=child_env())
     wall = time.perf_counter() - t0
     lines = [line for line in child.stdout.splitlines() if line.startswith("RESULT ")]
     if child.returncode or not lines:
@@ -129,8 +118,8 @@ def _timed(step, batches: list[dict], warmup: int, device: torch.device) -> dict
 def _slimtune(preset: str, layers: int | None, device: torch.device, compile: bool, batches: list[dict], warmup: int) -> dict:
     """The recipe's optimizer step (slimtune.step.optimizer_step, what the recipe's train_step calls after
     collating) on a synthetic QLoRA model of the shape."""
-    from slimtune.recipes.finetune import enable_activation_checkpointing, warmup_cosine
-    from slimtune.runtime import compile_decoder_layers
+    from slimtune.runtime import compile_decoder_layers, enable_activation_checkpointing
+    from slimtune.schedule import warmup_cosine
     from slimtune.step import StepParts, optimizer_step
 
     config = preset_config(preset, **({"num_hidden_layers": layers} if layers else {}))

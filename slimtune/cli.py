@@ -2,7 +2,9 @@
 2 bad input or environment (one line naming the file, key or tensor), 3 internal error (one line; the
 traceback with SLIMTUNE_DEBUG=1).
 
-Each command imports its modules inside its function, so `slimtune --help` and usage errors answer
+What a command reports as it works goes through the ``slimtune`` logger (``logs.configure_logging``, called by ``main``); what a
+command answers (generated text, verify's report, inspect's listing, merge's and export's summaries, the
+error line) is printed here. Each command imports its modules inside its function, so `slimtune --help` and usage errors answer
 without loading torch or transformers (several seconds); the imports marked ``# lazy`` are those."""
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 
 from slimtune.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_OK, EXIT_PROBLEMS, REPORT_HINT, SlimtuneError
 from slimtune.formats.strict_json import safe_text
+from slimtune.logs import configure_logging
 from slimtune.memory import DEFAULT_SHARD_SIZE, parse_size
 
 
@@ -124,8 +127,13 @@ def cmd_export(args: argparse.Namespace) -> None:
         raise SlimtuneError("export: give SRC (a checkpoint) or both --base and --adapter")
     # beside the checkpoint, as checkpoint.gguf writes it: a file inside would not be in its manifest
     out = args.out or (args.src or args.adapter).resolve().parent / f"model-{args.type}.gguf"
-    options = GGUFOptions(args.type, args.merge_base, args.overwrite, args.verify)
+    options = GGUFOptions(args.type, args.merge_base, args.overwrite, args.verify, dry_run=args.dry_run)
     result = export_gguf(out, options, src=args.src, base=args.base, adapter=args.adapter)
+    if args.dry_run:
+        for slot in result.plan.slots:
+            print(f"{slot.source.name:<40} {slot.qtype.name:<5} {'x'.join(map(str, slot.source.shape)):>14} {slot.nbytes:>14,d} bytes")
+        print(f"{result.path}: {args.type}, {result.tensors} tensors, {result.bytes:,d} bytes (dry run: nothing written)")
+        return
     print(
         f"wrote {result.path}: {args.type}, {result.tensors} tensors, {result.bytes:,d} bytes in {result.seconds:.1f} s, "
         f"peak RSS {peak_rss_mb():.0f} MB"
@@ -218,13 +226,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("--format", choices=["gguf"], default="gguf", help="output format (gguf)")
     export.add_argument(
-        "--type", choices=["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"], default="f16", help="default: f16"
+        "--type",
+        default="f16",
+        help="f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1 (every 2-D weight), or llama.cpp's mixes q4_k_m, q4_k_s, q5_k_m, "
+        "q5_k_s, q6_k (default: f16)",
     )
     export.add_argument("--out", type=Path, default=None, help="output file (default: model-TYPE.gguf beside SRC)")
     export.add_argument("--base", type=Path, default=None, help="base model directory, to merge an adapter on the fly")
     export.add_argument("--adapter", type=Path, default=None, help="PEFT adapter directory (or a checkpoint holding adapter/)")
     export.add_argument("--merge-base", choices=["original", "quantized"], default="original", help="as for merge (default: original)")
     export.add_argument("--overwrite", action="store_true", help="replace an existing output file (atomically, once complete)")
+    export.add_argument("--dry-run", action="store_true", help="print each tensor's GGML type and the file's size; write nothing")
     _no_verify(export)
     export.set_defaults(func=cmd_export)
 
@@ -321,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         command = f"slimtune {args.command}"
+        configure_logging()
         quiet_library_logs()
         return args.func(args) or EXIT_OK
     except SlimtuneError as e:

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from slimtune.checkpoint.save import ADAPTER_DIR
 from slimtune.config import load_config
 from slimtune.fileio import write_atomic
+from slimtune.formats.layout import ADAPTER_DIR
 from slimtune.generate import SamplingOptions, generate, load_for_generation, prompt_ids
 from slimtune.recipes.finetune import run_finetune
 from slimtune.tiny import DEMO_TEXTS

@@ -10,3 +10,10 @@ REPORT_HINT = "this is a bug in slimtune: please report it with the command line
 
 class SlimtuneError(Exception):
     """Bad input or an unsafe situation; the message names the file, tensor or key and what was expected."""
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of ``e``'s message (its type name when the message is empty): what a one-line error
+    quotes of another library's exception. Example: ``first_line(ValueError("bad\\nmore")) == "bad"``"""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

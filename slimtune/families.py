@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from slimtune.errors import SlimtuneError
+from slimtune.errors import SlimtuneError, first_line
 from slimtune.formats.peft import ALL_LINEAR
 from slimtune.quant import base_rows, is_nf4
 
@@ -120,7 +120,7 @@ def resolve_targets(model: nn.Module, targets: list[str] | str) -> list[str]:
     leaves = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if is_linear(m) and m is not head}
     if leaves & reserved:
         names = sorted(leaves & reserved)
-        log.info("%s: layers named %s stay frozen: PEFT maps these names to the experts", family_name(model.config), names)
+        log.debug("%s: layers named %s stay frozen: PEFT maps these names to the experts", family_name(model.config), names)
     leaves -= reserved
     extra = [t for t in targets if t != ALL_LINEAR]
     if not leaves:
@@ -155,7 +155,7 @@ def meta_model(config, dtype: torch.dtype | None = None) -> nn.Module:
             return AutoModelForCausalLM.from_config(config, dtype=dtype)
     except ValueError as e:
         raise SlimtuneError(
-            f"model type {getattr(config, 'model_type', '?')!r} has no causal-LM class in transformers ({str(e).splitlines()[0]}); "
+            f"model type {getattr(config, 'model_type', '?')!r} has no causal-LM class in transformers ({first_line(e)}); "
             f"supported families: {supported_names()}"
         ) from None
 

@@ -31,12 +31,12 @@ from transformers.generation.streamers import BaseStreamer
 
 from slimtune.data import FALLBACK_CHAT_TEMPLATE, alpaca_prompt, parse_json
 from slimtune.errors import SlimtuneError
+from slimtune.formats.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS, CheckpointLayout
 from slimtune.formats.manifest import checks_done, read_check
-from slimtune.formats.peft import ADAPTER_WEIGHTS, read_adapter
+from slimtune.formats.peft import read_adapter
 from slimtune.lora import LoRAConfig
 from slimtune.model import load_adapter_weights, load_qlora_model, load_tokenizer, pick_device, pick_dtype
 
-FORMAT_NAME = "slimtune_format.json"
 PROMPT_FORMATS = ("chat", "alpaca", "text")
 
 
@@ -61,25 +61,6 @@ class Loaded:
     device: torch.device
 
 
-def prompt_format_of(shapes: dict[str, int]) -> str:
-    """The prompt format that matches training data of these row shapes (counts per shape)."""
-    if any(shapes.get(s) for s in ("chat", "sharegpt", "completion")):
-        return "chat"
-    return "alpaca" if shapes.get("alpaca") else "text"
-
-
-def format_record(shapes: dict[str, int], chat_template: str | None) -> dict:
-    """What ``slimtune_format.json`` holds: the training data's shapes, the prompt format, the chat
-    template training rendered conversations with, and the Alpaca prompt."""
-    return {
-        "format": "slimtune-format/1",
-        "prompt_format": prompt_format_of(shapes),
-        "shapes": dict(shapes),
-        "chat_template": chat_template or FALLBACK_CHAT_TEMPLATE,
-        "alpaca_prompt": alpaca_prompt("{instruction}"),
-    }
-
-
 def load_for_generation(
     path: str | Path, form: str = "auto", base: str | Path | None = None, device: str = "auto", dtype: str = "bf16", verify: bool = True
 ) -> Loaded:
@@ -90,10 +71,8 @@ def load_for_generation(
     path = Path(path)
     if not path.is_dir():
         raise SlimtuneError(f"{path}: no such checkpoint directory")
-    adapter_dir = path / "adapter" if (path / "adapter" / "adapter_config.json").is_file() else None
-    if (path / "adapter_config.json").is_file():
-        adapter_dir = path
-    has_merged = (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+    layout = CheckpointLayout(path)
+    adapter_dir, has_merged = layout.adapter_dir, layout.has_merged
     if form == "auto":
         form = "merged" if has_merged else "adapter"
     if form == "merged" and not has_merged:
@@ -129,7 +108,7 @@ def _load_adapter_on_nf4(
     targets = config.get("target_modules")
     targets = list(targets) if isinstance(targets, list) else None
     if not targets:
-        raise SlimtuneError(f"{adapter_dir / 'adapter_config.json'}: target_modules must be a list of module names here")
+        raise SlimtuneError(f"{adapter_dir / ADAPTER_CONFIG}: target_modules must be a list of module names here")
     on_base(base_dir)
     lora = LoRAConfig(int(config["r"]), float(config["lora_alpha"]), 0.0, bool(config.get("use_rslora")), targets)
     model = load_qlora_model(base_dir, lora, seed=0, progress=False, dtype=dtype)
@@ -144,7 +123,7 @@ def _load_adapter_on_nf4(
 def _recorded_base(path: Path, adapter_dir: Path, config: dict) -> Path:
     """The base the adapter was trained on: the recipe state's model.path, else the adapter config's."""
     candidates = []
-    state = path / "recipe_state.pt"
+    state = CheckpointLayout(path).recipe_state
     if state.is_file():
         try:
             saved = torch.load(state, map_location="cpu", weights_only=True)
@@ -163,12 +142,11 @@ def read_format_record(path: str | Path) -> dict:
     ``adapter/``); empty when there is none. The chat template training used is its ``chat_template``.
 
     Example: ``read_format_record("runs/x/step-10").get("chat_template")``"""
-    path = Path(path)
-    for candidate in (path / FORMAT_NAME, path.parent / FORMAT_NAME):
-        if candidate.is_file():
-            record = parse_json(candidate.read_bytes(), str(candidate))
-            return record if isinstance(record, dict) else {}
-    return {}
+    candidate = CheckpointLayout(path).format_record
+    if candidate is None:
+        return {}
+    record = parse_json(candidate.read_bytes(), str(candidate))
+    return record if isinstance(record, dict) else {}
 
 
 def _recorded_prompt_format(path: Path, tokenizer) -> str:

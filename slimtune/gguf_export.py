@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,12 +34,15 @@ from slimtune.checkpoint.writer import DEFAULT_CHUNK_BYTES, DEFAULT_INFLIGHT_BYT
 from slimtune.errors import SlimtuneError
 from slimtune.fileio import atomic_file, check_free_space, os_errors
 from slimtune.formats.gguf_arch import GGUFArch, gguf_arch
+from slimtune.formats.gguf_mix import MIXES, MixModel, mix_types
 from slimtune.formats.gguf_vocab import vocab_fields, write_modelfile
 from slimtune.formats.hf import export_config_dict, load_config
+from slimtune.formats.layout import CheckpointLayout
 from slimtune.formats.manifest import ReadCheck, checks_done, read_check
 from slimtune.generate import read_format_record
 from slimtune.merge import BaseCheckpoint, MergeBase, merged_file_stream
-from slimtune.tensors import StreamTensor, row_chunks
+from slimtune.quant import kquants
+from slimtune.tensors import StreamTensor, row_chunks, scalar_source
 
 Q = gguf.GGMLQuantizationType
 TYPES = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q5_0": Q.Q5_0, "q5_1": Q.Q5_1}
@@ -52,6 +56,10 @@ _FILE_TYPES = {
     "q5_0": gguf.LlamaFileType.MOSTLY_Q5_0,
     "q5_1": gguf.LlamaFileType.MOSTLY_Q5_1,
 }
+TYPE_NAMES = (*TYPES, *MIXES)
+"""Every ``--type``: the plain types (every 2-D weight takes it) and llama.cpp's K-quant mixes."""
+_FILE_TYPES.update({name: ftype for name, (_, ftype) in MIXES.items()})
+_KQUANTS = {Q.Q4_K: "Q4_K", Q.Q5_K: "Q5_K", Q.Q6_K: "Q6_K"}
 _TORCH = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 _F32_TENSORS = (gguf.MODEL_TENSOR.POS_EMBD, gguf.MODEL_TENSOR.ROPE_FREQS)  # kept F32 by llama.cpp's converter
 
@@ -62,7 +70,8 @@ class GGUFOptions:
 
     type: str = "f16"
     """f32, f16, bf16, q8_0, q4_0, q4_1, q5_0 or q5_1: the type of every 2-D weight (norms, biases and
-    position embeddings stay f32, as llama.cpp's converter keeps them)."""
+    position embeddings stay f32, as llama.cpp's converter keeps them); or a K-quant mix, q4_k_m, q4_k_s,
+    q5_k_m, q5_k_s or q6_k: each tensor's type as llama-quantize chooses it (``slimtune.formats.gguf_mix``)."""
     merge_base: str = "original"
     """Merge an adapter into W itself (original) or into dequant(NF4(W)) (quantized), as ``slimtune merge``."""
     overwrite: bool = False
@@ -72,6 +81,8 @@ class GGUFOptions:
     """fp32 bytes of one chunk of rows (at least one row); the quantizers' numpy temporaries are several
     times this, hence half the safetensors writer's chunk."""
     progress: bool = False
+    dry_run: bool = False
+    """Plan only: the result holds the plan and the file's size; nothing is written."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +116,7 @@ class GGUFResult:
     """Bytes written, header and padding included (equals the file's size)."""
     seconds: float
     modelfile: Path | None
+    plan: GGUFPlan | None = None
 
 
 def _pad(n: int, align: int) -> int:
@@ -120,14 +132,25 @@ def tensor_type(name: str, shape: tuple[int, ...], qtype: gguf.GGMLQuantizationT
     return qtype
 
 
-def plan_gguf(tensors: list[tuple[str, StreamTensor]], type_name: str) -> GGUFPlan:
+def _check_type(type_name: str) -> None:
+    if type_name not in TYPE_NAMES:
+        raise SlimtuneError(f"GGUF type {type_name!r}: expected one of {', '.join(TYPE_NAMES)}")
+
+
+def plan_gguf(tensors: list[tuple[str, StreamTensor]], type_name: str, model: MixModel | None = None) -> GGUFPlan:
     """Types, sizes and data offsets of every tensor, from shapes alone. ``tensors`` pairs each HF key
-    with its GGUF entry. A row that does not divide into the type's blocks is one error line."""
-    if type_name not in TYPES:
-        raise SlimtuneError(f"GGUF type {type_name!r}: expected one of {', '.join(TYPES)}")
+    with its GGUF entry; a mix needs the ``model`` its rules look at. A row that does not divide into a
+    plain type's blocks is one error line (a mix falls back as llama.cpp does)."""
+    _check_type(type_name)
+    if type_name in MIXES:
+        if model is None:
+            raise ValueError("a K-quant mix needs the model (MixModel)")
+        chosen = mix_types(type_name, [(t.name, t.shape) for _, t in tensors], model)
+        qtypes = [Q.F32 if q is None else q for q in chosen]
+    else:
+        qtypes = [tensor_type(t.name, t.shape, TYPES[type_name]) for _, t in tensors]
     slots, offset = [], 0
-    for key, t in tensors:
-        qtype = tensor_type(t.name, t.shape, TYPES[type_name])
+    for (key, t), qtype in zip(tensors, qtypes, strict=True):
         block, size = gguf.GGML_QUANT_SIZES[qtype]
         cols = t.shape[-1] if t.shape else 1
         if cols % block:
@@ -142,15 +165,17 @@ def plan_gguf(tensors: list[tuple[str, StreamTensor]], type_name: str) -> GGUFPl
 
 
 def encode_rows(rows: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> torch.Tensor:
-    """fp32 rows as the file stores them (one rounding): a cast for F32/F16/BF16, ``gguf.quants.quantize``
-    for the block types. Returned as a flat uint8 tensor; ``FloatingPointError`` where a value (or a block's
-    scale) overflows float16."""
+    """fp32 rows as the file stores them (one rounding): a cast for F32/F16/BF16, ``slimtune.quant.kquants``
+    for Q4_K/Q5_K/Q6_K, ``gguf.quants.quantize`` for the other block types. Returned as a flat uint8 tensor;
+    ``FloatingPointError`` where a value (or a block's scale) overflows float16."""
     if qtype in _TORCH:
         out = rows.to(_TORCH[qtype]).contiguous()
         if qtype == Q.F16 and not bool(torch.isfinite(out).all()):
             raise FloatingPointError("float16 overflow")
         return out.view(-1).view(torch.uint8)
     with np.errstate(over="raise", invalid="raise"):  # a block scale beyond float16 (finite rows: nothing invalid)
+        if qtype in _KQUANTS:
+            return kquants.quantize(rows, _KQUANTS[qtype])
         data = gguf.quants.quantize(rows.numpy(), qtype)
     return torch.from_numpy(np.ascontiguousarray(data).reshape(-1))
 
@@ -194,12 +219,7 @@ def write_gguf(path: Path, arch: GGUFArch, kv: list[tuple], plan: GGUFPlan, opti
     """Header, metadata and tensor infos through ``gguf.GGUFWriter``, then the data by row chunks, into a
     temporary sibling renamed onto ``path`` once complete (and ``before_rename()`` returned: the sources'
     hash checks). Returns the bytes written (the file size)."""
-    writer = gguf.GGUFWriter(None, arch.name)
-    for key, value, vtype in kv:
-        _add_kv(writer, key, value, vtype)
-    for slot in plan.slots:
-        t = slot.source
-        writer.add_tensor_info(t.name, t.shape or (1,), np.dtype(np.float32), slot.nbytes, raw_dtype=slot.qtype)
+    writer = _writer(arch, kv, plan)
     check_free_space(path.parent, plan.data_bytes)
     with atomic_file(path) as tmp, os_errors("write", path, plan.data_bytes):
         try:
@@ -219,6 +239,32 @@ def write_gguf(path: Path, arch: GGUFArch, kv: list[tuple], plan: GGUFPlan, opti
         if before_rename is not None:
             before_rename()
     return size
+
+
+def _writer(arch: GGUFArch, kv: list[tuple], plan: GGUFPlan) -> gguf.GGUFWriter:
+    """A ``gguf.GGUFWriter`` holding the metadata and every tensor's info, no file yet."""
+    writer = gguf.GGUFWriter(None, arch.name)
+    for key, value, vtype in kv:
+        _add_kv(writer, key, value, vtype)
+    for slot in plan.slots:
+        t = slot.source
+        writer.add_tensor_info(t.name, t.shape or (1,), np.dtype(np.float32), slot.nbytes, raw_dtype=slot.qtype)
+    return writer
+
+
+def planned_size(arch: GGUFArch, kv: list[tuple], plan: GGUFPlan) -> int:
+    """The size of the file ``write_gguf`` would write: the header, metadata and tensor infos (serialized
+    by the gguf package into a scratch file, a few MB at most), padded, then the planned data."""
+    writer = _writer(arch, kv, plan)
+    with tempfile.TemporaryDirectory(prefix="slimtune-gguf-plan-") as scratch:
+        try:
+            writer.write_header_to_file(path=Path(scratch) / "header.gguf")
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            start = writer.fout[0].tell()
+        finally:
+            writer.close()
+    return _pad(start, plan.alignment) + plan.data_bytes
 
 
 def _add_kv(writer: gguf.GGUFWriter, key: str, value, vtype) -> None:
@@ -247,16 +293,6 @@ class _Source:
     """The sha256 checks of the checkpoints read (``read_check``), done before the file is renamed into place."""
 
 
-def _has_merged(path: Path) -> bool:
-    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
-
-
-def _adapter_dir(path: Path) -> Path | None:
-    if (path / "adapter_config.json").is_file():
-        return path
-    return path / "adapter" if (path / "adapter" / "adapter_config.json").is_file() else None
-
-
 def _record(*dirs: Path) -> dict:
     """What training recorded (slimtune_format.json: the chat template it used) in the first of ``dirs`` that has it."""
     return next((r for r in map(read_format_record, dirs) if r), {})
@@ -270,7 +306,7 @@ def open_source(src: Path | None, base: Path | None, adapter: Path | None, merge
     resolved = MergeBase.named(merge_base)  # the one check of the name, and the row reader it means
     if src is not None and not Path(src).is_dir():
         raise SlimtuneError(f"{src}: no such checkpoint directory")
-    if src is not None and adapter is None and base is None and _has_merged(Path(src)):
+    if src is not None and adapter is None and base is None and CheckpointLayout(src).has_merged:
         check = read_check(src, verify)
         reader = BaseCheckpoint(src)
         try:
@@ -279,7 +315,7 @@ def open_source(src: Path | None, base: Path | None, adapter: Path | None, merge
         finally:
             reader.close()
         return
-    adapter = adapter if adapter is not None else (_adapter_dir(Path(src)) if src is not None else None)
+    adapter = adapter if adapter is not None else (CheckpointLayout(src).adapter_dir if src is not None else None)
     if adapter is None:
         raise SlimtuneError(f"{src}: neither a merged model (config.json, *.safetensors) nor an adapter; pass --base and --adapter")
     if base is None:
@@ -301,7 +337,7 @@ def open_source(src: Path | None, base: Path | None, adapter: Path | None, merge
 def _plain(reader: BaseCheckpoint, key: str) -> StreamTensor:
     shape = tuple(reader.shape(key))
     if not shape:
-        return StreamTensor(key, (), torch.float32, lambda s, e: reader.rows(key, 0, None).float())
+        return scalar_source(key, torch.float32, lambda: reader.rows(key, 0, None))
     return StreamTensor(key, shape, torch.float32, lambda s, e: reader.rows(key, s, e).float())
 
 
@@ -336,17 +372,16 @@ def export_gguf(
     with the tokenizer's vocabulary and chat template, and a Modelfile beside it for Ollama.
     Example: ``export_gguf(Path("m.gguf"), GGUFOptions("bf16"), base=Path("base"), adapter=Path("run/step-000010"))``"""
     out = Path(out)
-    if options.type not in TYPES:
-        raise SlimtuneError(f"GGUF type {options.type!r}: expected one of {', '.join(TYPES)}")
-    if out.exists() and not options.overwrite:
+    _check_type(options.type)
+    if out.exists() and not options.overwrite and not options.dry_run:
         raise SlimtuneError(f"{out} already exists; pass --overwrite to replace it")
     started = time.perf_counter()
-    with open_source(src, base, adapter, options.merge_base, options.verify) as source:
+    with open_source(src, base, adapter, options.merge_base, options.verify and not options.dry_run) as source:
         hf_config = load_config(source.config_dir)
         arch = gguf_arch(_with_norm_eps(source.config, hf_config), str(source.model_dir / "config.json"))
         tensors = gguf_tensors(arch, source.stream)
         arch.check_tensors([g for _, g in tensors])
-        plan = plan_gguf(tensors, options.type)
+        plan = plan_gguf(tensors, options.type, MixModel(arch.name, arch.layers, arch.heads, arch.kv_heads))
         template = source.record.get("chat_template")
         kv = [
             (gguf.Keys.General.FILE_TYPE, int(_FILE_TYPES[options.type]), gguf.GGUFValueType.UINT32),
@@ -354,13 +389,16 @@ def export_gguf(
             *arch.kv(),
             *vocab_fields(source.model_dir, hf_config, template),
         ]
+        if options.dry_run:
+            size = planned_size(arch, kv, plan)
+            return GGUFResult(out, options.type, len(plan.slots), size, time.perf_counter() - started, None, plan)
         try:
             size = write_gguf(out, arch, kv, plan, options, lambda: checks_done(*source.checks))
         except SlimtuneError:
             checks_done(*source.checks)  # damaged bytes are the cause of what they made fail: say so
             raise
     modelfile = write_modelfile(out, source.model_dir, template, source.record.get("system_prompt"))
-    return GGUFResult(out, options.type, len(plan.slots), size, time.perf_counter() - started, modelfile)
+    return GGUFResult(out, options.type, len(plan.slots), size, time.perf_counter() - started, modelfile, plan)
 
 
 def export_checkpoint_gguf(checkpoint: Path, type_name: str, base: Path, verify: bool = True) -> GGUFResult:
@@ -371,6 +409,6 @@ def export_checkpoint_gguf(checkpoint: Path, type_name: str, base: Path, verify:
     (``checkpoint.gguf_verify``).
     Example: ``export_checkpoint_gguf(Path("runs/1/step-000100"), "q8_0", Path("base"))``"""
     out = Path(checkpoint).parent / f"model-{type_name}.gguf"
-    if _has_merged(Path(checkpoint)):
+    if CheckpointLayout(checkpoint).has_merged:
         return export_gguf(out, GGUFOptions(type_name, overwrite=True, verify=verify), src=Path(checkpoint))
     return export_gguf(out, GGUFOptions(type_name, "quantized", overwrite=True, verify=verify), src=Path(checkpoint), base=Path(base))

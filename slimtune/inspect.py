@@ -7,8 +7,8 @@ from collections import Counter
 from pathlib import Path
 
 from slimtune.errors import SlimtuneError
-from slimtune.formats.manifest import MANIFEST_NAME, read_manifest
-from slimtune.formats.peft import ADAPTER_CONFIG
+from slimtune.formats.layout import ADAPTER_CONFIG, CheckpointLayout
+from slimtune.formats.manifest import read_manifest
 from slimtune.formats.safetensors import read_header
 from slimtune.formats.strict_json import load_json, safe_name
 
@@ -59,12 +59,12 @@ def inspect_path(path: str | Path) -> list[str]:
     if not path.is_dir():
         raise SlimtuneError(f"{path}: no such file or directory")
     lines: list[str] = []
-    if (path / MANIFEST_NAME).is_file():
+    layout = CheckpointLayout(path)
+    if layout.manifest.is_file():
         manifest = read_manifest(path)
         lines.append(f"slimtune checkpoint {path}: {len(manifest['files'])} files in the manifest ({manifest.get('kind', '?')})")
-    for adapter_dir in (path, path / "adapter"):
-        if (adapter_dir / ADAPTER_CONFIG).is_file():
-            lines += describe_adapter(adapter_dir)
+    if layout.adapter_dir is not None:
+        lines += describe_adapter(layout.adapter_dir)
     files = sorted(path.rglob("*.safetensors"))
     if not files and not lines:
         raise SlimtuneError(f"{path}: no safetensors files, adapter or manifest")

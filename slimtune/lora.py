@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -196,6 +197,29 @@ def merge_lora_rows(
             norm = torch.linalg.vector_norm(merged, dim=1, keepdim=True)
             merged = merged * (magnitude_rows.to(torch.float32).unsqueeze(1) / norm)
     return merged
+
+
+def lora_row_merge(
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor | Callable[[int, int], torch.Tensor],
+    scaling: float,
+    transposed: bool = False,
+    magnitude: torch.Tensor | None = None,
+) -> Callable[[torch.Tensor, int, int], torch.Tensor]:
+    """The one row merge both merges use (a live model's stream, the offline merge from files):
+    ``merge(base_rows, s, e)`` -> rows [s, e) of the merged weight in fp32 (``merge_lora_rows``).
+    ``lora_a`` [r, in] whole; ``lora_b`` [out, r] whole, or a reader ``(s, e) -> rows`` of a row-sharded
+    B; ``magnitude`` DoRA's [out]. ``transposed``: the weight is [in, out] (Conv1D with fan_in_fan_out,
+    an embedding), and rows of (B @ A)^T are A[:, s:e]^T @ B^T, so B is needed whole.
+
+    Example: ``merge = lora_row_merge(a, b, 2.0); merge(w[0:4], 0, 4)  # == w[0:4] + 2 * b[0:4] @ a``"""
+    if transposed:
+        if magnitude is not None or callable(lora_b):
+            raise ValueError("a transposed LoRA merge takes all of B and no DoRA magnitude")
+        bt = lora_b.t().contiguous()
+        return lambda w, s, e: merge_lora_rows(w, bt, lora_a[:, s:e].t(), scaling)
+    b_rows = lora_b if callable(lora_b) else lambda s, e: lora_b[s:e]
+    return lambda w, s, e: merge_lora_rows(w, lora_a, b_rows(s, e), scaling, None if magnitude is None else magnitude[s:e])
 
 
 def qlora_linears(model: nn.Module) -> dict[str, LoRALinear]:

@@ -25,8 +25,8 @@ from slimtune.formats.manifest import checks_done, read_check
 from slimtune.formats.peft import Adapter, AdapterModule, SavedTensor, read_adapter, resolve
 from slimtune.formats.safetensors import COMPUTE_DTYPES, SafetensorsReader
 from slimtune.formats.strict_json import safe_name
-from slimtune.lora import merge_lora_rows
-from slimtune.tensors import StreamTensor, ToHost
+from slimtune.lora import lora_row_merge
+from slimtune.tensors import StreamTensor, ToHost, scalar_source
 
 log = logging.getLogger(__name__)
 
@@ -184,15 +184,7 @@ def _merged_source(
         read_rows = merge_base.reader(base, key)
     a, b = m.lora_a.float().to(device), m.lora_b.float().to(device)
     magnitude = None if m.magnitude is None else m.magnitude.to(device)
-    if m.transposed:  # W is [in, out] (Conv1D, embedding): rows of (B @ A)^T are A[:, rows]^T @ B^T
-        bt = b.t().contiguous()
-
-        def merged(w: torch.Tensor, s: int, e: int) -> torch.Tensor:
-            return merge_lora_rows(w, bt, a[:, s:e].t(), m.scaling)
-    else:
-
-        def merged(w: torch.Tensor, s: int, e: int) -> torch.Tensor:
-            return merge_lora_rows(w, a, b[s:e], m.scaling, None if magnitude is None else magnitude[s:e])
+    merged = lora_row_merge(a, b, m.scaling, transposed=m.transposed, magnitude=magnitude)  # W [in, out] when transposed
 
     def rows(s: int, e: int) -> torch.Tensor:
         w = read_rows(s, e).to(device)
@@ -267,13 +259,14 @@ def merged_file_stream(
         elif key in frozen_nf4 and key not in base.bnb:
             read = merge_base.reader(base, key)
             stream.append(StreamTensor(key, tuple(base.shape(key)), out_dtype, lambda s, e, r=read, d=out_dtype: to_host(r(s, e), d)))
+        elif not base.shape(source_key):
+            stream.append(scalar_source(key, out_dtype, lambda k=source_key: base.rows(k, 0, None)))
         else:
-            rows = (
-                (lambda s, e, k=source_key, d=out_dtype: to_host(base.rows(k, s, e), d))
-                if base.shape(source_key)
-                else (lambda s, e, k=source_key, d=out_dtype: base.rows(k, 0, None).to(d))
+            stream.append(
+                StreamTensor(
+                    key, tuple(base.shape(source_key)), out_dtype, lambda s, e, k=source_key, d=out_dtype: to_host(base.rows(k, s, e), d)
+                )
             )
-            stream.append(StreamTensor(key, tuple(base.shape(source_key)), out_dtype, rows))
     return stream
 
 

@@ -52,6 +52,13 @@ class StreamTensor:
         return self.num_rows * self.row_bytes if self.shape else dtype_size(self.dtype)
 
 
+def scalar_source(name: str, dtype: torch.dtype, read: Callable[[], torch.Tensor]) -> StreamTensor:
+    """A 0-d tensor as a stream entry: its one value read whole (a row range means nothing for it), as
+    a CPU tensor of shape () in ``dtype``. Every stream that meets one (a live model's, a merge from
+    files, a GGUF source) makes it here. Example: ``scalar_source("s", torch.float32, lambda: torch.tensor(2))``"""
+    return StreamTensor(name, (), dtype, lambda s, e: read().to(device="cpu", dtype=dtype).reshape(()).contiguous())
+
+
 def row_chunks(t: StreamTensor, chunk_bytes: int, start: int = 0, end: int | None = None) -> Iterator[torch.Tensor]:
     """Rows [start, end) of the tensor (all by default) in consecutive chunks of at most ``chunk_bytes``
     (at least one row)."""

@@ -18,6 +18,13 @@ def assert_clean_failure(result, *needles, out=None):
         assert not out.exists()
 
 
+def test_first_line_quotes_one_line_of_another_librarys_error():
+    from slimtune.errors import first_line
+
+    assert first_line(ValueError("  bad thing\nTraceback details\n")) == "bad thing"
+    assert first_line(KeyError()) == "KeyError"  # an empty message: the type name
+
+
 def test_missing_directory(tmp_path):
     out = tmp_path / "out"
     r = run_cli("demo", "--base", str(tmp_path / "nope"), "--out", str(out), "--steps", "1")

@@ -116,7 +116,7 @@ def test_two_rank_checkpoint_is_the_single_process_save_of_its_adapter_and_verif
     """The 2-rank run's merged export, file for file, equals one process saving the same adapter weights
     on the same base, and `slimtune merge --merge-base quantized` of its own adapter; verify passes."""
     from slimtune import save_checkpoint
-    from slimtune.checkpoint.save import ADAPTER_DIR
+    from slimtune.formats.layout import ADAPTER_DIR
     from slimtune.formats.peft import ADAPTER_WEIGHTS
     from slimtune.lora import LoRAConfig
     from slimtune.model import load_adapter_weights, load_qlora_model

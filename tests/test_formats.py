@@ -68,3 +68,22 @@ def test_parse_lora_config_reads_peft_fields_and_refuses_what_the_merge_does_not
     for config, needle in faults:
         with pytest.raises(SlimtuneError, match=needle):
             parse_lora_config(config, "cfg")
+
+
+def test_checkpoint_layout_finds_the_adapter_the_merged_model_and_the_record(tmp_path):
+    from slimtune.formats.layout import ADAPTER_CONFIG, FORMAT_NAME, CheckpointLayout
+
+    step = tmp_path / "step-000001"
+    (step / "adapter").mkdir(parents=True)
+    layout = CheckpointLayout(str(step))
+    assert layout.root == step and layout.adapter_dir is None and not layout.has_merged and layout.format_record is None
+    (step / "adapter" / ADAPTER_CONFIG).write_text("{}")
+    (step / "config.json").write_text("{}")
+    assert layout.adapter_dir == step / "adapter" and not layout.has_merged  # config.json alone is no model
+    (step / "model.safetensors").write_bytes(b"")
+    (step / FORMAT_NAME).write_text("{}")
+    assert layout.has_merged and layout.format_record == step / FORMAT_NAME
+    inner = CheckpointLayout(step / "adapter")
+    assert inner.adapter_dir == step / "adapter" and inner.format_record == step / FORMAT_NAME  # the checkpoint's, from adapter/
+    (step / ADAPTER_CONFIG).write_text("{}")
+    assert layout.adapter_dir == step  # a PEFT save at the root is the adapter itself

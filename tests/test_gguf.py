@@ -32,8 +32,9 @@ from slimtune.families import family_of, tiny_config
 from slimtune.formats.gguf_arch import ARCHS, gguf_arch
 from slimtune.gguf_export import TYPES, gguf_tensors, open_source, tensor_type
 from slimtune.tiny import byte_tokenizer
+from tests.conftest import llama_cpp_oracle
 
-llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is in the dev extras (pip install -e .[dev])")
+llama_cpp = llama_cpp_oracle()
 
 LOGIT_BOUND = 0.03  # in units of std(transformers' logits); measured up to 0.005 (f16) on these models
 Q8_BOUND = 0.4  # q8_0 (llama.cpp also quantizes activations to 8 bits); measured 0.08-0.20 (tiny), 0.38 (SmolLM2)
@@ -354,3 +355,114 @@ def test_q8_0_real_model_top1(tmp_path):
         total += len(ids)
     # measured 119 of 123 (96.7%); the 4 misses are near-ties (top two within 0.05 std)
     assert total >= 100 and same / total >= 0.95, f"q8_0 top-1 agreement {same / total:.2%} over {total} positions"
+
+
+# --- K-quant mixes: slimtune's file equals llama_model_quantize(slimtune's f32 file) -------------------------
+
+MIXES = ["q4_k_m", "q4_k_s", "q5_k_m", "q5_k_s", "q6_k"]
+LLAMA_QUANTIZE_ADDS: frozenset[str] = frozenset()
+"""Metadata keys llama-quantize writes that slimtune's mix export does not: none (it sets general.file_type
+and general.quantization_version, which slimtune writes with the same values; measured on every mix here)."""
+
+
+def _kquant_llama(tmp_path_factory, width: int, layers: int, inter: int, tied: bool) -> Path:
+    d = tmp_path_factory.mktemp(f"kquant-llama-{width}-{layers}")
+    torch.manual_seed(0)
+    cfg = tiny_config(
+        family_of("llama"), hidden_size=width, intermediate_size=inter, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=tied,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    model.to(torch.bfloat16).save_pretrained(d)
+    byte_tokenizer().save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def kquant_models(tmp_path_factory):
+    """Tiny Llamas for the mixes: rows of 256 (tied embeddings: token_embd takes output's Q6_K), and rows
+    of 320 that need llama.cpp's fallbacks (untied; ffn_down's rows of 512 still take K-quants)."""
+    return {256: _kquant_llama(tmp_path_factory, 256, 2, 256, True), 320: _kquant_llama(tmp_path_factory, 320, 2, 512, False)}
+
+
+def llama_quantize(src: Path, out: Path, mix: str) -> Path:
+    """llama.cpp's own llama-quantize (llama_model_quantize, no importance matrix) of a GGUF file."""
+    from slimtune.formats.gguf_mix import MIXES as FTYPES
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.nthread = int(FTYPES[mix][1]), 2
+    assert llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), params) == 0
+    return out
+
+
+def assert_same_gguf(ours: Path, theirs: Path, ignore_keys: frozenset[str] = frozenset()) -> None:
+    """Tensor for tensor equal (name, GGML type, shape, data bytes) and metadata equal but for ``ignore_keys``."""
+    a, b = Reader(ours), Reader(theirs)
+    ta, tb = {t.name: t for t in a.tensors}, {t.name: t for t in b.tensors}
+    assert sorted(ta) == sorted(tb)
+    for name, t in ta.items():
+        u = tb[name]
+        assert t.tensor_type == u.tensor_type, f"{name}: {t.tensor_type.name}, llama.cpp {u.tensor_type.name}"
+        assert list(t.shape) == list(u.shape), name
+        assert np.asarray(t.data).tobytes() == np.asarray(u.data).tobytes(), f"{name} ({t.tensor_type.name}): data differ"
+    fa = {k: f.contents() for k, f in a.fields.items() if not k.startswith("GGUF.") and k not in ignore_keys}
+    fb = {k: f.contents() for k, f in b.fields.items() if not k.startswith("GGUF.") and k not in ignore_keys}
+    assert fa == fb, {k for k in fa.keys() | fb.keys() if fa.get(k) != fb.get(k)}
+
+
+@pytest.mark.parametrize("width", [256, 320])
+@pytest.mark.parametrize("mix", MIXES)
+def test_mix_equals_llama_quantize(kquant_models, tmp_path, mix, width):
+    """`slimtune export --type MIX` is byte for byte llama-quantize's MIX of slimtune's own f32 file, and loads."""
+    src = kquant_models[width]
+    f32 = export(src, "f32", tmp_path / "f32.gguf")
+    ours = export(src, mix, tmp_path / f"{mix}.gguf")
+    assert_same_gguf(ours, llama_quantize(f32, tmp_path / f"{mix}-llama.gguf", mix), LLAMA_QUANTIZE_ADDS)
+    types = {t.name: t.tensor_type.name for t in Reader(ours).tensors}
+    if width == 320:  # the fallbacks happened: rows of 320 in 32-blocks, ffn_down's 512 in K-quants
+        assert types["blk.0.attn_q.weight"] in ("Q5_0", "Q5_1", "Q8_0") and types["blk.0.ffn_down.weight"].endswith("_K")
+    else:
+        assert types["token_embd.weight"] == "Q6_K" and "output.weight" not in types  # tied
+    logits = cpp_logits(load_cpp(ours), PROMPT[:8])
+    assert np.isfinite(logits).all() and logits.std() > 0
+
+
+def test_mix_types_on_8_layers_equal_llama_quantize(tmp_path_factory, tmp_path, capsys):
+    """The per-layer rules (use_more_bits, q4_k_s's first 4 attn_v and first eighth of ffn_down) on 8
+    layers: `--dry-run`'s type table equals llama-quantize's types, and its size the written file's."""
+    src = _kquant_llama(tmp_path_factory, 256, 8, 256, False)
+    f32 = export(src, "f32", tmp_path / "f32.gguf")
+    for mix in MIXES:
+        out = tmp_path / f"{mix}.gguf"
+        capsys.readouterr()
+        assert slimtune_main(["export", str(src), "--type", mix, "--out", str(out), "--dry-run"]) == 0
+        lines = capsys.readouterr().out.strip().splitlines()
+        planned = {line.split()[0]: line.split()[1] for line in lines[:-1]}
+        assert not out.exists() and "nothing written" in lines[-1]
+        theirs = Reader(llama_quantize(f32, tmp_path / f"{mix}-llama.gguf", mix))
+        assert planned == {t.name: t.tensor_type.name for t in theirs.tensors}, mix
+        size = int(lines[-1].split(" tensors, ")[1].split(" bytes")[0].replace(",", ""))
+        if mix == "q4_k_m":
+            assert size == export(src, mix, out).stat().st_size
+    assert planned["blk.0.ffn_down.weight"] == "Q6_K"  # q6_k: everything
+
+
+@pytest.mark.parametrize("model_type", sorted(set(ARCHS) - {"llama"}))
+def test_q4_k_m_other_families_equal_llama_quantize(family_dirs, tmp_path, model_type):
+    src = family_dirs(model_type)
+    f32 = export(src, "f32", tmp_path / "f32.gguf")
+    ours = export(src, "q4_k_m", tmp_path / "q4_k_m.gguf")
+    assert_same_gguf(ours, llama_quantize(f32, tmp_path / "llama.gguf", "q4_k_m"), LLAMA_QUANTIZE_ADDS)
+    logits = cpp_logits(load_cpp(ours), PROMPT[:8])
+    assert np.isfinite(logits).all() and logits.std() > 0
+
+
+def test_unknown_type_is_one_line_exit_2(family_dirs, tmp_path, capsys):
+    out = tmp_path / "m.gguf"
+    assert slimtune_main(["export", str(family_dirs("llama")), "--type", "q4_k_x", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "q4_k_x" in err and "q4_k_m" in err
+    assert not out.exists() and not list(tmp_path.iterdir())

@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from slimtune.formats.peft import lora_scaling
-from slimtune.lora import merge_lora_rows
+from slimtune.lora import lora_row_merge, merge_lora_rows
+from slimtune.quant import resident_bytes
 from slimtune.quant.nf4 import (
     NF4RoundTrip,
     _torchao_linear_nf4,
@@ -99,6 +100,14 @@ def test_other_scaler_blocks_match_torchao(shape, scaler_block, dtype):
         assert torch.equal(round_trip.rows(start, end).contiguous().view(torch.uint8), expected), (start, end)
 
 
+def test_resident_bytes_of_a_plain_and_an_nf4_weight():
+    w = torch.randn(128, 64, dtype=torch.bfloat16)
+    assert resident_bytes(w) == 128 * 64 * 2
+    n = resident_bytes(quantize_nf4(w))
+    # 4-bit codes (4096 bytes), one 8-bit scaler per 64-block (128), fp32 factors per scaler block (at most 128)
+    assert 4096 + 128 < n <= 4096 + 128 + 4 * 128, n
+
+
 def test_weights_that_cannot_be_nf4():
     for shape in ((3, 50), (64,), (0, 64), (2, 3, 64)):
         assert scaler_block_size(shape) is None, shape
@@ -125,6 +134,22 @@ def test_merge_math_matches_independent_reference(use_rslora):
     # for different row counts, so the last fp32 bit can move; bf16 rounding hides it almost always)
     chunked = torch.cat([merge_lora_rows(w[i : i + 10], a, b[i : i + 10], scale) for i in range(0, out_f, 10)])
     assert ((chunked - merged).abs() <= 2e-7 * merged.abs().max()).all()
+
+
+def test_one_row_merge_for_plain_and_transposed_weights():
+    torch.manual_seed(3)
+    w, a, b = torch.randn(10, 12), torch.randn(4, 12), torch.randn(10, 4)
+    reference = w.double() + 0.5 * (b.double() @ a.double())
+    merge = lora_row_merge(a, b, 0.5)
+    plain = torch.cat([merge(w[i : i + 3], i, min(i + 3, 10)) for i in range(0, 10, 3)])
+    assert torch.allclose(plain.double(), reference, atol=1e-5)
+    merge_t = lora_row_merge(a, b, 0.5, transposed=True)  # a Conv1D weight [in, out]: rows of (B @ A)^T
+    wt = w.t().contiguous()
+    transposed = torch.cat([merge_t(wt[i : i + 5], i, min(i + 5, 12)) for i in range(0, 12, 5)])
+    assert torch.allclose(transposed.double(), reference.t(), atol=1e-5)
+    assert torch.equal(lora_row_merge(a, lambda s, e: b[s:e], 0.5)(w[2:5], 2, 5), merge(w[2:5], 2, 5))  # B read by rows
+    with pytest.raises(ValueError, match="transposed"):
+        lora_row_merge(a, b, 0.5, transposed=True, magnitude=torch.ones(10))
 
 
 def test_dora_merge_rescales_rows_to_magnitude():

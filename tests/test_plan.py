@@ -8,7 +8,7 @@ import struct
 import torch
 
 from slimtune.checkpoint.plan import ADAPTER_WEIGHTS_PATH, natural_key, plan_files, plan_save
-from slimtune.tensors import StreamTensor, dtype_size, row_chunks
+from slimtune.tensors import StreamTensor, dtype_size, row_chunks, scalar_source
 
 
 def _tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.bfloat16) -> StreamTensor:
@@ -94,3 +94,10 @@ def test_row_chunks_cover_exactly_the_asked_rows():
     assert [c.item() for c in row_chunks(scalar, 1024)] == [2.0]
     empty = StreamTensor("e", (2**40, 0), torch.bfloat16, lambda a, b: torch.empty((b - a, 0), dtype=torch.bfloat16))
     assert len(list(row_chunks(empty, 1024))) == 1  # an empty tensor is one chunk, never 2**40 of them
+
+
+def test_a_scalar_source_is_one_cpu_value_whatever_rows_are_asked():
+    t = scalar_source("s", torch.bfloat16, lambda: torch.tensor([3.0], dtype=torch.float64))
+    assert (t.shape, t.num_rows, t.nbytes) == ((), 1, 2)
+    [chunk] = list(row_chunks(t, chunk_bytes=1))
+    assert chunk.shape == () and chunk.dtype == torch.bfloat16 and chunk.device.type == "cpu" and float(chunk) == 3.0

@@ -85,6 +85,7 @@ from slimtune.checkpoint.manager import CheckpointManager
 from slimtune.checkpoint.save import SaveOptions
 from slimtune.distributed import SINGLE, PeerFailure, Ranks, current_ranks, device_mesh, is_dtensor, raise_on_sigterm, shutdown
 from slimtune.errors import SlimtuneError
+from slimtune.logs import configure_logging
 from slimtune.lora import LoRAConfig
 from slimtune.memory import peak_rss_mb, private_mb, reset_peak_rss
 from slimtune.model import load_qlora_model
@@ -621,12 +622,12 @@ def writer_main(fd: int, parent: int) -> None:
         return
     logging.disable(logging.WARNING)  # the trainer has said everything loading says (also set by _start_process's code)
     try:
-        _serve(Connection(fd))
+        _serve(Connection(fd), speak=True)
     except (SlimtuneError, KeyboardInterrupt):
         pass
 
 
-def _serve(conn: Connection) -> None:
+def _serve(conn: Connection, speak: bool = False) -> None:
     """Join the writers' group (under a process group), load the model as the trainer did, say ready,
     then write each request's checkpoint."""
     spec = None
@@ -640,7 +641,9 @@ def _serve(conn: Connection) -> None:
             return
         conn.send(("ready",))
         params = dict(model.named_parameters())
-        manager = CheckpointManager(out, log=lambda message: print(message, flush=True))
+        manager = CheckpointManager(out)
+        if speak:
+            _speak_after_loading()
         while data := conn.recv_bytes():
             conn.send(_write(model, manager, torch.load(io.BytesIO(data), map_location="cpu", weights_only=False), ranks, params))
     except EOFError:
@@ -649,6 +652,14 @@ def _serve(conn: Connection) -> None:
         conn.close()
         if spec is not None and spec.group is not None:
             shutdown()
+
+
+def _speak_after_loading() -> None:
+    """A writer process is silent while it loads (the trainer has said all that); once it serves, slimtune's
+    own lines (a damaged step-N the save moves aside) print as the trainer's do, the libraries' stay quiet."""
+    logging.disable(logging.NOTSET)
+    logging.getLogger().setLevel(logging.ERROR)
+    configure_logging()
 
 
 def _load(spec: WriterSpec, ranks: Ranks) -> nn.Module:

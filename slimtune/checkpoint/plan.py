@@ -30,11 +30,10 @@ import torch
 
 from slimtune.distributed import split_rows
 from slimtune.formats.hf import shard_name
-from slimtune.formats.peft import ADAPTER_DIR_NAME, ADAPTER_WEIGHTS
+from slimtune.formats.layout import ADAPTER_WEIGHTS_PATH
 from slimtune.formats.safetensors import build_header
 from slimtune.tensors import StreamTensor, dtype_size
 
-ADAPTER_WEIGHTS_PATH = f"{ADAPTER_DIR_NAME}/{ADAPTER_WEIGHTS}"
 SAFETENSORS_METADATA = {"format": "pt"}
 
 

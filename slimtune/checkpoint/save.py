@@ -26,15 +26,15 @@ from slimtune.errors import SlimtuneError
 from slimtune.facts import facts_of
 from slimtune.fileio import check_free_space, os_errors
 from slimtune.formats.hf import INDEX_NAME, export_config_dict, index_dict, read_config_dict, tokenizer_files
+from slimtune.formats.layout import ADAPTER_CONFIG, ADAPTER_DIR
 from slimtune.formats.manifest import FileRecord, sha256_file, write_manifest
-from slimtune.formats.peft import ADAPTER_CONFIG, ADAPTER_DIR_NAME, adapter_config_dict
+from slimtune.formats.peft import adapter_config_dict
 from slimtune.lora import lora_modules
 from slimtune.tensors import StreamTensor
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-ADAPTER_DIR = ADAPTER_DIR_NAME
 log = logging.getLogger(__name__)
 __all__ = ["CheckpointParts", "ExtraFile", "SaveOptions", "SaveResult", "save_checkpoint", "write_checkpoint"]
 

@@ -16,9 +16,9 @@ from slimtune.errors import SlimtuneError
 from slimtune.facts import facts_of
 from slimtune.families import NF4Experts
 from slimtune.formats.peft import lora_key
-from slimtune.lora import LoRALinear, lora_modules, merge_lora_rows, qlora_linears
+from slimtune.lora import LoRALinear, lora_modules, lora_row_merge, qlora_linears
 from slimtune.quant import base_rows
-from slimtune.tensors import StreamTensor, ToHost
+from slimtune.tensors import StreamTensor, ToHost, scalar_source
 
 
 class LocalRows:
@@ -63,7 +63,7 @@ def tensor_source(name: str, tensor: torch.Tensor, dtype: torch.dtype | None = N
     out_dtype = dtype or tensor.dtype
     if tensor.dim() == 0:
         data = full_tensor(tensor)
-        return StreamTensor(name, (), out_dtype, lambda s, e: plain_to_host(data.reshape(1), out_dtype).reshape(()))
+        return scalar_source(name, out_dtype, lambda: data)
     local = LocalRows(name, tensor)
     return StreamTensor(name, local.shape, out_dtype, lambda s, e: to_host(local(s, e), out_dtype))
 
@@ -79,19 +79,9 @@ def merged_lora_source(name: str, module: LoRALinear, dtype: torch.dtype, to_hos
     if module.lora_a is None:
         return StreamTensor(name, shape, dtype, lambda s, e: to_host(weight(s, e), dtype))
     a = full_tensor(module.lora_a.weight)
-    if module.fan_in_fan_out:
-        bt = full_tensor(module.lora_b.weight).t().contiguous()
-
-        def rows_t(start: int, end: int) -> torch.Tensor:
-            return to_host(merge_lora_rows(weight(start, end), bt, a[:, start:end].t(), module.scaling), dtype)
-
-        return StreamTensor(name, shape, dtype, rows_t)
-    b = LocalRows(name + " lora_B", module.lora_b.weight)
-
-    def rows(start: int, end: int) -> torch.Tensor:
-        return to_host(merge_lora_rows(weight(start, end), a, b(start, end), module.scaling), dtype)
-
-    return StreamTensor(name, shape, dtype, rows)
+    b = full_tensor(module.lora_b.weight) if module.fan_in_fan_out else LocalRows(name + " lora_B", module.lora_b.weight)
+    merge = lora_row_merge(a, b, module.scaling, transposed=module.fan_in_fan_out)
+    return StreamTensor(name, shape, dtype, lambda s, e: to_host(merge(weight(s, e), s, e), dtype))
 
 
 def merged_tensor_stream(model: nn.Module, dtype: torch.dtype | None = None, to_host: ToHost = plain_to_host) -> list[StreamTensor]:
@@ -131,7 +121,7 @@ def _rows_of(src: StreamTensor, place) -> StreamTensor:
     """The rows of a parameter (``src``: its [-1, last dim] view) that one published tensor holds."""
     r0, tail = place.row0, tuple(place.shape[1:])
     if not place.shape:
-        return StreamTensor(place.key, (), src.dtype, lambda s, e: src.rows(r0, r0 + 1).reshape(()))
+        return scalar_source(place.key, src.dtype, lambda: src.rows(r0, r0 + 1))
     per = place.num_rows // place.shape[0]
     return StreamTensor(place.key, tuple(place.shape), src.dtype, lambda s, e: src.rows(r0 + s * per, r0 + e * per).reshape(e - s, *tail))
 

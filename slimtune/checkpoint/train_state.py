@@ -3,7 +3,9 @@
 metadata), so a run resumes on another number of ranks through DCP's resharding: the adapters, optimizer,
 scheduler, loss scaler, data position and each rank's RNG states. Values that are not tensors are stored
 as tensors of ``torch.save`` bytes, read back with ``weights_only=True``; DCP's own ``.metadata`` is a
-pickle, so a run directory must come from a trusted source.
+pickle, so a run directory must come from a trusted source. The RNG streams it carries are captured, restored
+and seeded here (``rng_state``, ``set_rng_state``, ``seed_everything``); what the tree holds is
+``run_state.training_state``'s.
 
 Example::
 
@@ -22,8 +24,9 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.utils import _pytree as pytree
 
-from slimtune.errors import SlimtuneError
+from slimtune.errors import SlimtuneError, first_line
 
 TRAIN_STATE_DIR = "train_state"  # torch.distributed.checkpoint: every rank writes its shards
 
@@ -49,28 +52,34 @@ def save_train_state(state: dict, tmp: Path) -> list[str]:
 _PACKED = "packed_value"  # {"packed_value": uint8 tensor} stands for a value that is not a tensor
 
 
-def _pack(tree: dict, metadata: dict | None = None, prefix: str = "") -> dict:
+def _pack(tree: dict, metadata: dict | None = None) -> dict:
     """Nested dicts with tensors kept and every other value as ``{"packed_value": uint8 tensor}`` of its
     ``torch.save`` bytes (so loading never unpickles: ``weights_only=True``). With DCP ``metadata`` (for
     loading): packed values become empty tensors of the saved size, and entries the checkpoint lacks are
-    left out."""
-    out = {}
-    for key, value in tree.items():
-        flat = f"{prefix}{key}"
-        if isinstance(value, dict) and value and all(isinstance(k, str) for k in value) and _PACKED not in value:
-            inner = _pack(value, metadata, flat + ".")
-            if inner or metadata is None:
-                out[key] = inner
-        elif isinstance(value, torch.Tensor):
-            if metadata is None or flat in metadata:
-                out[key] = value
+    left out. The nodes are non-empty dicts of str keys; anything else (a list too) is one value."""
+    out: dict = {}
+    for path, value in pytree.tree_leaves_with_path(tree, is_leaf=lambda x: x is not tree and _is_value(x)):
+        keys = [k.key for k in path]
+        flat = ".".join(map(str, keys))  # DCP's name for it
+        if isinstance(value, torch.Tensor):
+            packed = value if metadata is None or flat in metadata else None
         elif metadata is None:
             buffer = io.BytesIO()
             torch.save(value, buffer)
-            out[key] = {_PACKED: torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)}
-        elif f"{flat}.{_PACKED}" in metadata:
-            out[key] = {_PACKED: torch.empty(tuple(metadata[f"{flat}.{_PACKED}"].size), dtype=torch.uint8)}
+            packed = {_PACKED: torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)}
+        else:
+            saved = metadata.get(f"{flat}.{_PACKED}")
+            packed = None if saved is None else {_PACKED: torch.empty(tuple(saved.size), dtype=torch.uint8)}
+        if packed is not None:
+            node = out
+            for key in keys[:-1]:
+                node = node.setdefault(key, {})
+            node[keys[-1]] = packed
     return out
+
+
+def _is_value(x: object) -> bool:
+    return not (isinstance(x, dict) and x and all(isinstance(k, str) for k in x) and _PACKED not in x)
 
 
 def _unpack(tree: dict) -> dict:
@@ -103,7 +112,7 @@ def load_train_state(path: Path, template: dict) -> dict:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(packed, checkpoint_id=str(where))
     except Exception as e:  # noqa: BLE001
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e)
         raise SlimtuneError(f"{where}: cannot load the training state ({first})") from None
     return _unpack(packed)
 
@@ -127,3 +136,12 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's generators (CUDA's too): the streams ``rng_state`` captures.
+
+    Example: ``seed_everything(cfg.seed + ranks.rank)``"""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

@@ -30,7 +30,7 @@ from pathlib import Path
 import gguf
 from gguf import GGUFValueType, Keys, TokenType
 
-from slimtune.errors import SlimtuneError
+from slimtune.errors import SlimtuneError, first_line
 from slimtune.fileio import atomic_file
 from slimtune.formats.gguf_pretokenizers import CHECK_TEXT, PRE_TOKENIZER_BY_HASH
 from slimtune.formats.strict_json import json_kind, load_json
@@ -102,8 +102,7 @@ def _load_tokenizer(model_dir: Path):
         tokenizer.decode(tokenizer.encode("a b", add_special_tokens=True))  # settings read only when used (model_max_length)
         return tokenizer
     except Exception as e:  # noqa: BLE001 - transformers and tokenizers refuse with many types (tokenizers: plain Exception)
-        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-        raise SlimtuneError(f"{model_dir}: the tokenizer does not load in transformers: {first}") from None
+        raise SlimtuneError(f"{model_dir}: the tokenizer does not load in transformers: {first_line(e)}") from None
 
 
 def _config_vocab_size(hf_config, path: Path) -> int:
@@ -250,7 +249,7 @@ def _special_vocab(model_dir: Path, n_vocab: int, merges: bool) -> gguf.SpecialV
     try:
         return gguf.SpecialVocab(model_dir, load_merges=merges, n_vocab=n_vocab)
     except (ValueError, TypeError, KeyError, AttributeError, IndexError, OSError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e)
         raise SlimtuneError(f"{model_dir}: the tokenizer's special tokens or merges are not readable: {first}") from None
 
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from slimtune.errors import SlimtuneError
+from slimtune.errors import SlimtuneError, first_line
 from slimtune.formats.safetensors import COMPUTE_DTYPES, SafetensorsHeader, read_header
 from slimtune.formats.strict_json import json_kind, load_json, safe_name, safe_text
 
@@ -182,14 +182,9 @@ def load_config(model_dir: str | Path) -> PretrainedConfig:
     try:
         config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
     except Exception as e:  # noqa: BLE001 - transformers raises many types for a bad config; all are bad input
-        raise SlimtuneError(f"{path}: not a usable model config ({type(e).__name__}: {_one_line(e)})") from None
+        raise SlimtuneError(f"{path}: not a usable model config ({type(e).__name__}: {safe_text(first_line(e))[:300]})") from None
     _check_buildable(config, data, path)
     return config
-
-
-def _one_line(e: BaseException) -> str:
-    text = safe_text(str(e)).strip().splitlines()
-    return (text[0] if text else "")[:300]
 
 
 # transformers' model families whose projections are Conv1D ([in, out] weights; PEFT forces fan_in_fan_out)

@@ -16,16 +16,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from slimtune.errors import SlimtuneError
+from slimtune.errors import SlimtuneError, first_line
+from slimtune.formats.layout import ADAPTER_BIN, ADAPTER_CONFIG, ADAPTER_WEIGHTS, CheckpointLayout
 from slimtune.formats.safetensors import COMPUTE_DTYPES, SafetensorsReader
 from slimtune.formats.strict_json import json_kind, load_json, safe_name
 
 log = logging.getLogger(__name__)
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_BIN = "adapter_model.bin"
-ADAPTER_DIR_NAME = "adapter"  # where a slimtune checkpoint keeps its adapter
 PEFT_PREFIX = "base_model.model."
 ALL_LINEAR = "all-linear"  # PEFT's convention: every linear layer except the output head, resolved per family
 # The one spelling of PEFT's tensor names: part -> suffix after the module path.
@@ -376,9 +373,7 @@ def _load_adapter_weights(path: Path) -> tuple[dict[str, torch.Tensor], dict[str
         try:
             state = torch.load(binary, map_location="cpu", weights_only=True, mmap=True)
         except Exception as e:  # noqa: BLE001 - any unpickling failure is bad input
-            raise SlimtuneError(
-                f"{binary}: cannot read ({type(e).__name__}: {safe_name(str(e).splitlines()[0] if str(e) else '')[:200]})"
-            ) from None
+            raise SlimtuneError(f"{binary}: cannot read ({type(e).__name__}: {safe_name(first_line(e))[:200]})") from None
         if not isinstance(state, dict):
             raise SlimtuneError(f"{binary}: holds a {type(state).__name__}, expected a dict of tensor name -> tensor")
         for k, v in state.items():
@@ -407,9 +402,7 @@ def read_adapter(path: str | Path) -> Adapter:
     """A PEFT LoRA adapter directory (slimtune's own ``adapter/`` or any PEFT save), checked: the config
     field by field, every tensor name a LoRA part or a saved module, shapes matching the ranks, values
     finite. Which base modules the adapter lands on is decided against the base (``resolve``)."""
-    path = Path(path)
-    if (path / ADAPTER_DIR_NAME / ADAPTER_CONFIG).is_file() and not (path / ADAPTER_CONFIG).is_file():
-        path = path / ADAPTER_DIR_NAME  # a slimtune checkpoint directory
+    path = CheckpointLayout(path).adapter_dir or Path(path)  # a slimtune checkpoint directory: its adapter/
     if not path.is_dir():
         raise SlimtuneError(f"{path}: no such adapter directory")
     config_path = path / ADAPTER_CONFIG

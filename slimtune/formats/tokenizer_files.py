@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from slimtune.errors import SlimtuneError
+from slimtune.errors import SlimtuneError, first_line
 from slimtune.formats.strict_json import json_kind, safe_repr
 
 _U32 = 2**32
@@ -98,7 +98,7 @@ def _check_with_library(spec: dict, path: Path) -> None:
         Tokenizer.from_str(json.dumps(spec))
         return
     except Exception as e:  # noqa: BLE001 - the library raises plain Exception for every refusal
-        whole = _first_line(e)
+        whole = first_line(e)
     for part in _PARTS:
         value = spec.get(part)
         if value is None or _parses({part: value}):
@@ -134,13 +134,8 @@ def _refusal(parts: dict, part: str, value: object) -> str:
         Tokenizer.from_str(_minimal(parts))
         detail = ""
     except Exception as e:  # noqa: BLE001 - see _check_with_library
-        detail = _first_line(e)
+        detail = first_line(e)
     return f"{what} is not a {part.replace('_', '-')} the tokenizers library reads ({detail})"
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:200] if text else type(e).__name__
 
 
 def check_chat_template(template: object, where: str) -> str:
@@ -154,7 +149,7 @@ def check_chat_template(template: object, where: str) -> str:
     try:
         _compile_jinja_template(template)
     except jinja2.TemplateSyntaxError as e:
-        raise SlimtuneError(f"{where}: Jinja syntax error on line {e.lineno}: {_first_line(e)}") from None
+        raise SlimtuneError(f"{where}: Jinja syntax error on line {e.lineno}: {first_line(e)}") from None
     except (jinja2.TemplateError, ValueError, TypeError, RecursionError) as e:
-        raise SlimtuneError(f"{where}: the chat template does not compile: {_first_line(e)}") from None
+        raise SlimtuneError(f"{where}: the chat template does not compile: {first_line(e)}") from None
     return template

@@ -1,0 +1,291 @@
+"""ggml's K-quant block formats Q4_K, Q5_K and Q6_K, quantized in torch, vectorized over blocks, byte for
+byte what ggml's reference quantizers (``quantize_row_q4_K_ref``, ``quantize_row_q5_K_ref``,
+``quantize_row_q6_K_ref`` in ``ggml-quants.c``, the path ``llama_model_quantize`` takes without an
+importance matrix) write. The ``gguf`` package only dequantizes these types, hence this module.
+
+The C was read to learn the algorithm (``make_qkx2_quants``, ``make_qx_quants``, ``nearest_int``); the code
+here is a vectorized re-derivation. What byte identity needs, each handled below:
+
+- every float operation is an IEEE float32 operation in the C's order: sums are accumulated one element
+  at a time (``_running_sum``; torch's reductions are pairwise), ``a * b + c`` is two roundings (ggml-base
+  is compiled without FMA contraction on x86-64: no ``-march`` flags reach ``ggml-quants.c``), and the
+  scalar constants (``rmin + rdelta * is + nmax``) are float32 arithmetic (numpy float32 scalars);
+- ``nearest_int`` is ggml's bit trick (add 1.5 * 2**23, keep the low mantissa bits): round half to even
+  inside its range and ggml's exact garbage outside it (an infinite or NaN argument);
+- comparisons are the C's strict ``<`` / ``>`` applied sequentially (first best wins, NaN never wins);
+- ``sqrtf`` is correctly rounded, torch's float32 ``sqrt`` is not (``_sqrtf``);
+- the block scales are rounded to fp16 by ggml's own ``ggml_compute_fp32_to_fp16`` (``fp16_bits``);
+- integer narrowing (``uint8_t ls = nearest_int(...)``, the int8 Q6_K scales) wraps modulo 256, as C does.
+
+Example::
+
+    rows = torch.randn(4, 512)
+    data = quantize(rows, "Q4_K")        # uint8, 4 rows x 2 blocks x 144 bytes
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+QK_K = 256
+BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+_PIECE_BLOCKS = {"Q4_K": 256, "Q5_K": 256, "Q6_K": 64}
+"""Superblocks quantized at once: bounds the temporaries whatever the chunk (Q6_K's 19 candidate scales
+over 256 values per superblock: 1.2 MB per float32 temporary) and keeps them in cache (measured fastest)."""
+
+_F32 = np.float32
+_GROUP_MAX_EPS = float(_F32(1e-15))  # 1e-15f
+
+
+def nearest_int(v: torch.Tensor) -> torch.Tensor:
+    """ggml's ``nearest_int`` of float32 values, as int32: ``(bits(v + 12582912.f) & 0x7fffff) - 0x400000``."""
+    return ((v + 12582912.0).view(torch.int32) & 0x7FFFFF) - 0x400000
+
+
+def fp16_bits(f: torch.Tensor) -> torch.Tensor:
+    """float32 -> IEEE fp16 bits (int32 values 0..65535) exactly as ggml's ``ggml_compute_fp32_to_fp16``
+    computes them (round to nearest even through float arithmetic; NaN -> 0x7e00 with its sign)."""
+    base = (f.abs() * 2.0**112) * 2.0**-110
+    w = f.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    shl1 = (w << 1) & 0xFFFFFFFF
+    sign = w & 0x80000000
+    bias = torch.clamp_min(shl1 & 0xFF000000, 0x71000000)
+    base = ((bias >> 1) + 0x07800000).to(torch.int32).view(torch.float32) + base
+    bits = base.view(torch.int32).to(torch.int64)
+    nonsign = ((bits >> 13) & 0x7C00) + (bits & 0x0FFF)
+    return ((sign >> 16) | torch.where(shl1 > 0xFF000000, 0x7E00, nonsign)).to(torch.int32)
+
+
+def fp16_value(bits: torch.Tensor) -> torch.Tensor:
+    """fp16 bits (int32 0..65535) -> float32 (exact)."""
+    return (bits - ((bits & 0x8000) << 1)).to(torch.int16).view(torch.float16).float()
+
+
+def _le16(bits: torch.Tensor) -> torch.Tensor:
+    """int32 fp16 bits (..., ) -> little-endian bytes (..., 2) as uint8."""
+    return torch.stack([bits & 0xFF, (bits >> 8) & 0xFF], dim=-1).to(torch.uint8)
+
+
+def _over(c: float, t: torch.Tensor) -> torch.Tensor:
+    """The float32 quotient ``c / t`` (one rounding: a Python scalar's ``c / t`` is ``t.reciprocal() * c``)."""
+    return torch.full_like(t, c) / t
+
+
+def _sqrtf(t: torch.Tensor) -> torch.Tensor:
+    """C's ``sqrtf``: the correctly rounded float32 square root. torch's float32 ``sqrt`` is not (1 ulp off on
+    0.66% of random inputs with this machine's AVX-512 torch); the float64 root rounded to float32 is (the
+    double rounding is harmless for sqrt: 53 >= 2 * 24 + 2 bits)."""
+    return t.double().sqrt().float()
+
+
+def _running_sum(terms: torch.Tensor, start: torch.Tensor | None = None) -> torch.Tensor:
+    """``s = start (or 0); for t in terms: s += t`` over the first dimension, float32 one addition at a time."""
+    s = torch.zeros_like(terms[0]) if start is None else start.clone()
+    for t in terms:
+        s = s + t
+    return s
+
+
+# --- Q4_K, Q5_K: 8 sub-blocks of 32 with a 6-bit scale and min ------------------------------------------
+
+
+def _make_qkx2(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int):
+    """ggml's ``make_qkx2_quants`` on sub-blocks ``x`` (n, M): values along dim 0, one sub-block per
+    column. Returns (scale (M,), the_min (M,), L (n, M) int32 in 0..nmax)."""
+    mn, mx = x[0].clone(), x[0].clone()
+    for xi in x[1:]:
+        mn = torch.where(xi < mn, xi, mn)
+        mx = torch.where(xi > mx, xi, mx)
+    sum_w = _running_sum(w[1:], w[0])
+    sum_x = _running_sum(w[1:] * x[1:], w[0] * x[0])
+    mn = torch.where(mn > 0, torch.zeros_like(mn), mn)
+    flat = mx == mn
+    iscale = _over(nmax, mx - mn)
+    scale = _over(1.0, iscale)
+    L = nearest_int(iscale * (x - mn)).clamp(0, nmax)
+    diff = (scale * L.float() + mn) - x
+    best_error = _running_sum(w * (diff * diff))
+    # the candidate scales in order: each one starts from the best min so far (the C updates ``min``)
+    steps = [float(_F32(rmin) + _F32(rdelta) * _F32(i) + _F32(nmax)) for i in range(nstep + 1)]
+    for step in steps:
+        span = mx - mn
+        laux = nearest_int(_over(step, span) * (x - mn)).clamp(0, nmax)
+        lf = laux.float()
+        wl = w * lf
+        sum_l, sum_l2, sum_xl = _running_sum(torch.stack([wl, wl * lf, wl * x], dim=1))
+        D = sum_w * sum_l2 - sum_l * sum_l
+        this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
+        this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
+        clipped = this_min > 0
+        this_min = torch.where(clipped, torch.zeros_like(this_min), this_min)
+        this_scale = torch.where(clipped, sum_xl / sum_l2, this_scale)
+        diff = (this_scale * lf + this_min) - x
+        cur_error = _running_sum(w * (diff * diff))
+        better = (D > 0) & (cur_error < best_error)
+        best_error = torch.where(better, cur_error, best_error)
+        scale = torch.where(better, this_scale, scale)
+        mn = torch.where(better, this_min, mn)
+        L = torch.where(better, laux, L)
+    scale = torch.where(flat, torch.zeros_like(scale), scale)
+    L = torch.where(flat, torch.zeros_like(L), L)
+    return scale, -mn, L
+
+
+def _max_positive(v: torch.Tensor) -> torch.Tensor:
+    """``m = 0; for x in v (last dim): if (x > m) m = x``."""
+    m = torch.zeros_like(v[..., 0])
+    for j in range(v.shape[-1]):
+        m = torch.where(v[..., j] > m, v[..., j], m)
+    return m
+
+
+def _quantize_qkx(x: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int):
+    """The shared part of Q4_K and Q5_K on superblocks ``x`` (N, 256): fp16 d and dmin bits (N,), the 12
+    packed scale bytes (N, 12) and the levels L (N, 256) in 0..nmax."""
+    n = x.shape[0]
+    sub = x.reshape(n * 8, 32).t().contiguous()  # (32, M): values along dim 0
+    av_x = _sqrtf(_running_sum(sub * sub) / 32.0)
+    w = av_x + sub.abs()
+    scales, mins, L = _make_qkx2(sub, w, nmax, rmin, rdelta, nstep)
+    scales, mins, L = scales.view(n, 8), mins.view(n, 8), L.t().reshape(n, 8, 32)
+    max_scale, max_min = _max_positive(scales), _max_positive(mins)
+    inv_scale = torch.where(max_scale > 0, _over(63.0, max_scale), torch.zeros_like(max_scale))
+    inv_min = torch.where(max_min > 0, _over(63.0, max_min), torch.zeros_like(max_min))
+    ls = (nearest_int(inv_scale[:, None] * scales) & 0xFF).clamp_max(63)
+    lm = (nearest_int(inv_min[:, None] * mins) & 0xFF).clamp_max(63)
+    packed = torch.cat(
+        [ls[:, :4] | ((ls[:, 4:] >> 4) << 6), lm[:, :4] | ((lm[:, 4:] >> 4) << 6), (ls[:, 4:] & 0xF) | ((lm[:, 4:] & 0xF) << 4)], dim=1
+    )
+    d_bits, dmin_bits = fp16_bits(max_scale / 63.0), fp16_bits(max_min / 63.0)
+    d = fp16_value(d_bits)[:, None] * ls.float()
+    dm = fp16_value(dmin_bits)[:, None] * lm.float()
+    xs = x.view(n, 8, 32)
+    requant = nearest_int((xs + dm[..., None]) / d[..., None]).clamp(0, nmax)
+    L = torch.where((d != 0)[..., None], requant, L)
+    return d_bits, dmin_bits, packed, L.reshape(n, 256)
+
+
+def _q4_k(x: torch.Tensor) -> torch.Tensor:
+    d, dmin, scales, L = _quantize_qkx(x, 15, -1.0, 0.1, 20)
+    pairs = L.view(-1, 4, 2, 32)
+    qs = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(-1, 128)
+    return torch.cat([_le16(d), _le16(dmin), scales.to(torch.uint8), qs.to(torch.uint8)], dim=1)
+
+
+def _q5_k(x: torch.Tensor) -> torch.Tensor:
+    d, dmin, scales, L = _quantize_qkx(x, 31, -0.5, 0.1, 15)
+    pairs = L.view(-1, 4, 2, 32)
+    low = pairs & 0xF
+    qs = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(-1, 128)
+    high = (pairs >> 4) & 1  # bit 2p of qh[j] from L[64p + j], bit 2p + 1 from L[64p + 32 + j]
+    shifts = torch.arange(8, dtype=torch.int32).view(1, 4, 2, 1)
+    qh = (high << shifts).sum(dim=(1, 2))
+    return torch.cat([_le16(d), _le16(dmin), scales.to(torch.uint8), qh.to(torch.uint8), qs.to(torch.uint8)], dim=1)
+
+
+# --- Q6_K: 16 sub-blocks of 16 with an 8-bit scale ------------------------------------------------------
+
+_QX_STEPS = [0, *range(-9, 0), *range(1, 10)]
+"""make_qx_quants' candidate scales: the first (-nmax / max), then is = -9..-1, 1..9 in the C's order."""
+
+
+def _make_qx(x: torch.Tensor, nmax: int):
+    """ggml's ``make_qx_quants(n, nmax, x, L, rmse_type=1, NULL)`` on sub-blocks ``x`` (n, M): values
+    along dim 0. Returns (scale (M,), L (n, M) int32 in 0..2*nmax-1)."""
+    amax, mx = torch.zeros_like(x[0]), torch.zeros_like(x[0])
+    for xi in x:
+        ax = xi.abs()
+        bigger = ax > amax
+        amax = torch.where(bigger, ax, amax)
+        mx = torch.where(bigger, xi, mx)
+    zero = amax < _GROUP_MAX_EPS
+    consts = np.array([-(_F32(nmax) + _F32(0.1) * _F32(i)) for i in _QX_STEPS], dtype=np.float32)
+    iscales = torch.from_numpy(consts)[:, None] / mx[None]  # (S, M)
+    ls = nearest_int(iscales[:, None, :] * x[None]).clamp(-nmax, nmax - 1)  # (S, n, M)
+    lf = ls.float()
+    w = x * x
+    sumlx = _running_sum(((w * x) * lf).transpose(0, 1))
+    suml2 = _running_sum(((w * lf) * lf).transpose(0, 1))
+    scale = torch.where(suml2[0] != 0, sumlx[0] / suml2[0], torch.zeros_like(suml2[0]))
+    best = scale * sumlx[0]
+    L = ls[0]
+    for s in range(1, len(_QX_STEPS)):
+        better = (suml2[s] > 0) & (sumlx[s] * sumlx[s] > best * suml2[s])
+        scale = torch.where(better, sumlx[s] / suml2[s], scale)
+        best = torch.where(better, scale * sumlx[s], best)
+        L = torch.where(better, ls[s], L)
+    scale = torch.where(zero, torch.zeros_like(scale), scale)
+    L = torch.where(zero, torch.full_like(L, -nmax), L) + nmax
+    return scale, L
+
+
+def _q6_k(x: torch.Tensor) -> torch.Tensor:
+    n = x.shape[0]
+    sub = x.reshape(n * 16, 16).t().contiguous()
+    scales, L = _make_qx(sub, 32)
+    scales, L = scales.view(n, 16), L.t().reshape(n, 16, 16)
+    max_abs, max_scale = torch.zeros_like(scales[:, 0]), torch.zeros_like(scales[:, 0])
+    for j in range(16):
+        a = scales[:, j].abs()
+        bigger = a > max_abs
+        max_abs = torch.where(bigger, a, max_abs)
+        max_scale = torch.where(bigger, scales[:, j], max_scale)
+    zero = max_abs < _GROUP_MAX_EPS
+    iscale = _over(-128.0, max_scale)
+    d_bits = fp16_bits(_over(1.0, iscale))
+    sc = nearest_int(iscale[:, None] * scales).clamp_max(127) & 0xFF  # stored as int8_t
+    sc_value = torch.where(sc > 127, sc - 256, sc)
+    d = fp16_value(d_bits)[:, None] * sc_value.float()
+    requant = nearest_int(x.view(n, 16, 16) / d[..., None]).clamp(-32, 31) + 32
+    L = torch.where((d != 0)[..., None], requant, L).reshape(n, 2, 4, 32)
+    low, high = L & 0xF, L >> 4
+    ql = torch.cat([low[:, :, 0] | (low[:, :, 2] << 4), low[:, :, 1] | (low[:, :, 3] << 4)], dim=2).reshape(n, 128)
+    qh = (high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)).reshape(n, 64)
+    out = torch.cat([ql.to(torch.uint8), qh.to(torch.uint8), sc.to(torch.uint8), _le16(d_bits)], dim=1)
+    return torch.where(zero[:, None], torch.zeros_like(out), out)
+
+
+_QUANTIZERS = {"Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+
+
+@contextmanager
+def _intraop_threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def quantize(rows: torch.Tensor, type_name: str, threads: int | None = None) -> torch.Tensor:
+    """fp32 rows (..., k * 256) quantized to ``type_name`` (Q4_K, Q5_K or Q6_K): the bytes ggml's reference
+    quantizer writes for them, as a flat uint8 tensor (rows one after the other, blocks in order).
+
+    The blocks go in pieces (a few hundred superblocks: cache-sized temporaries) to ``threads`` threads
+    (default: torch's intra-op thread count, the cores the process may use), each piece's torch ops on one
+    thread: the ops are small, and torch's own parallelism over them spent more time at its barriers than
+    computing (10x slower with 2 threads on a busy machine, measured).
+    Example: ``quantize(torch.randn(2, 256), "Q6_K").numel() == 2 * 210``"""
+    if type_name not in _QUANTIZERS:
+        raise ValueError(f"K-quant type {type_name!r}: expected one of {', '.join(_QUANTIZERS)}")
+    if rows.shape[-1] % QK_K:
+        raise ValueError(f"rows of {rows.shape[-1]} values do not divide into {type_name}'s blocks of {QK_K}")
+    blocks = rows.detach().to(torch.float32).reshape(-1, QK_K)
+    fn, piece = _QUANTIZERS[type_name], _PIECE_BLOCKS[type_name]
+    pieces = [blocks[i : i + piece] for i in range(0, blocks.shape[0], piece)]
+    if not pieces:
+        return torch.empty(0, dtype=torch.uint8)
+    threads = min(len(pieces), threads or torch.get_num_threads())
+    with torch.no_grad(), _intraop_threads(1):
+        if threads > 1:
+            with ThreadPoolExecutor(threads, thread_name_prefix="kquants") as pool:
+                parts = list(pool.map(fn, pieces))
+        else:
+            parts = [fn(p) for p in pieces]
+    return torch.cat(parts).reshape(-1)

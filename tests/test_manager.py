@@ -4,13 +4,18 @@ rule of what may change on resume."""
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
 import re
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from slimtune.checkpoint import manager as manager_module
 from slimtune.checkpoint.manager import STATE_NAME, CheckpointManager, checkpoint_problem
 from slimtune.checkpoint.run_state import STATE_FORMAT, ResumePoint, check_resumable, portable_config
 from slimtune.config import load_config
@@ -112,3 +117,34 @@ def test_what_may_change_on_resume(tmp_path, said):
     assert said.messages == ["resume: optimizer.lr changed from 0.001 to 0.002 (allowed)"]
     with pytest.raises(SlimtuneError, match="lora.rank is 4, the checkpoint has 8 \\(these must not change on resume\\)"):
         check_resumable(load_config("tiny", [f"output_dir={out}", "lora.rank=4"]), ResumePoint(Path(out), state))
+
+
+def test_a_run_waits_for_a_live_writer_in_its_output_dir(tmp_path, monkeypatch, caplog):
+    """A temporary directory whose lock a live process holds (a background writer of a run killed a moment
+    ago, still finishing) is waited for before the resume point is chosen; once it is free, ``prepare``
+    reclaims it. A lock held past the wait is one line: another run writes there."""
+    out = tmp_path / "run"
+    tmp = out / ".step-000002.tmp-0123abcd"
+    tmp.mkdir(parents=True)
+    lock = os.open(out / ".step-000002.tmp-0123abcd.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    threading.Timer(1.0, os.close, args=(lock,)).start()  # the writer ends a second from now
+    manager = CheckpointManager(out)
+    started = time.monotonic()
+    with caplog.at_level(logging.INFO):
+        assert manager.find_resume_point(resume=True, overwrite=False) is None
+    assert time.monotonic() - started >= 0.9
+    assert f"waiting for {tmp.name} in {out}: a process still writes it" in caplog.text
+    manager.prepare(fresh_start=True, overwrite=False)
+    assert not list(out.iterdir())
+
+    tmp.mkdir()
+    lock = os.open(out / ".step-000002.tmp-0123abcd.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    monkeypatch.setattr(manager_module, "WRITER_WAIT_S", 1.0)
+    try:
+        with pytest.raises(SlimtuneError, match=rf"^{re.escape(str(out))}: a live process still writes {tmp.name} after 1 s; "):
+            manager.find_resume_point(resume=True, overwrite=False)
+    finally:
+        os.close(lock)
+    assert tmp.is_dir()  # never reclaimed while its lock is held

@@ -95,6 +95,23 @@ def reclaim_leftovers(parent: Path, lockless: bool = False) -> list[str]:
     return removed
 
 
+def live_temporaries(parent: Path) -> list[str]:
+    """The temporary directories in ``parent`` that a live process is writing now (it holds their lock)."""
+    live = []
+    try:
+        entries = sorted(Path(parent).iterdir())
+    except OSError:
+        return live
+    for path in entries:
+        if _TEMP.match(path.name) and path.is_dir():
+            fd = _try_lock(_lock_path(path))
+            if fd is False:
+                live.append(path.name)
+            elif fd is not None:
+                os.close(fd)  # free: left by a killed process (reclaim_leftovers removes it)
+    return live
+
+
 def _lock_path(tmp: Path) -> Path:
     return tmp.with_name(tmp.name + ".lock")
 

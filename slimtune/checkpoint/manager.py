@@ -41,7 +41,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from slimtune.checkpoint.atomic import MANIFEST_NAME, is_complete_checkpoint, reclaim_leftovers
+from slimtune.checkpoint.atomic import MANIFEST_NAME, is_complete_checkpoint, live_temporaries, reclaim_leftovers
 from slimtune.checkpoint.run_state import ResumePoint, portable_config, state_problem
 from slimtune.checkpoint.save import ExtraFile, SaveOptions, SaveResult, save_checkpoint
 from slimtune.checkpoint.train_state import TRAIN_STATE_DIR, save_train_state
@@ -55,6 +55,9 @@ METRICS_NAME = "metrics.jsonl"
 PLOT_NAME = "loss.png"
 STEP_DIR = re.compile(r"^step-(\d+)$")
 log = logging.getLogger(__name__)
+# How long a run waits for a live process's temporary directory in its output_dir to go: a background
+# writer outlives its killed trainer by seconds (checkpoint/background/reaper.py); longer, another run writes there.
+WRITER_WAIT_S = 60.0
 _LEFTOVER = re.compile(r"^\.step-\d+\.deleting-[0-9a-f]{8}$|^\.recipe_state-")  # temporaries: atomic.reclaim_leftovers
 
 
@@ -85,7 +88,9 @@ class CheckpointManager:
 
     def find_resume_point(self, resume: bool, overwrite: bool) -> ResumePoint | None:
         """The newest complete checkpoint with recipe state, skipping incomplete or damaged ones; None
-        for a fresh start. Without resume, existing checkpoints are an error unless ``overwrite``."""
+        for a fresh start. Without resume, existing checkpoints are an error unless ``overwrite``. First
+        waits for the writers still at work in ``out`` (``wait_for_writers``)."""
+        self.wait_for_writers()
         existing = self.step_dirs()
         if not resume:
             if existing and not overwrite:
@@ -111,6 +116,24 @@ class CheckpointManager:
             return ResumePoint(path, state)
         log.info(f"resume: no complete checkpoint under {self.out}; starting from step 0")
         return None
+
+    def wait_for_writers(self, timeout: float | None = None) -> None:
+        """Wait until no live process writes a temporary directory in ``out`` (at most ``timeout`` s,
+        default ``WRITER_WAIT_S``): a background writer of a run killed a moment ago may still be finishing,
+        and a run must neither resume beside it nor clear or reclaim what it writes. After the wait its
+        temporary directory is reclaimed by its lock (``prepare``)."""
+        timeout = WRITER_WAIT_S if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        live = live_temporaries(self.out)
+        if live:
+            log.info(f"waiting for {', '.join(live)} in {self.out}: a process still writes it (the writer of a run that ended?)")
+        while live and time.monotonic() < deadline:
+            time.sleep(0.05)
+            live = live_temporaries(self.out)
+        if live:
+            raise SlimtuneError(
+                f"{self.out}: a live process still writes {live[0]} after {timeout:.0f} s; is another run writing to this output_dir?"
+            )
 
     def prepare(self, fresh_start: bool, overwrite: bool) -> None:
         """Create out, remove leftovers of interrupted saves and, for a fresh start with ``overwrite``,

@@ -189,6 +189,10 @@ class CheckpointSection:
             "Also write model-TYPE.gguf (+ an Ollama Modelfile) beside the run's final checkpoint, for llama.cpp/Ollama (docs/gguf.md).",
         )
     )
+    gguf_verify: bool = setting(
+        True,
+        "Check the final checkpoint's sha256 against its manifest while checkpoint.gguf reads it (false: read it unchecked).",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     gg.add_argument("--layers", type=int, default=None, help="override the number of layers")
     gg.add_argument("--tokenizer", type=Path, default=None, help="tokenizer files for the base (default: SmolLM2's)")
     gg.add_argument("--peer", choices=["llama.cpp"], help="also slimtune merge + llama.cpp's convert_hf_to_gguf.py on it")
+    gg.add_argument("--no-verify", dest="verify", action="store_false", help="export without the sha256 check of the base and adapter")
     args = parser.parse_args(argv)
     quiet_library_logs()
     if args.command == "train-step":
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(result))
     if args.command == "gguf":
         args.out.mkdir(parents=True, exist_ok=True)
-        print(json.dumps(bench_gguf(args.preset, args.out, args.type, args.layers, args.tokenizer, args.peer)))
+        print(json.dumps(bench_gguf(args.preset, args.out, args.type, args.layers, args.tokenizer, args.peer, args.verify)))
     if args.command == "dist-save":
         print(json.dumps(bench_dist_save(args.preset, args.out, args.nproc, args.layers)))
     if args.command == "load-moe":

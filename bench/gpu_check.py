@@ -118,8 +118,8 @@ def _timed(step, batches: list[dict], warmup: int, device: torch.device) -> dict
 def _slimtune(preset: str, layers: int | None, device: torch.device, compile: bool, batches: list[dict], warmup: int) -> dict:
     """The recipe's optimizer step (slimtune.step.optimizer_step, what the recipe's train_step calls after
     collating) on a synthetic QLoRA model of the shape."""
-    from slimtune.recipes.finetune import enable_activation_checkpointing, warmup_cosine
-    from slimtune.runtime import compile_decoder_layers
+    from slimtune.runtime import compile_decoder_layers, enable_activation_checkpointing
+    from slimtune.schedule import warmup_cosine
     from slimtune.step import StepParts, optimizer_step
 
     config = preset_config(preset, **({"num_hidden_layers": layers} if layers else {}))

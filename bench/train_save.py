@@ -43,8 +43,9 @@ def _train_save_run(base: Path, data: Path, out: Path, mode: str, steps: int, sa
     args += [f"dataset.path={data}", "dataset.create_builtin=false", "dataset.max_seq_len=64", "training.batch_size=1"]
     args += [f"training.max_steps={steps}", "training.total_epochs=1", "checkpoint.keep_last_n=null", "checkpoint.max_shard_size=2GB"]
     args += [f"device={device}", "logging.progress_bar=false", *saves]
-    env = {k: v for k, v in os.environ.items() if k != MECHANISM_ENV} | ({MECHANISM_ENV: mode} if mode in ("process", "thread") else {})
-    proc = subprocess.run([sys.executable, "-m", "slimtune", *args], capture_output=True, text=True, env=env)
+    env = {k: v for k, v in os.environ.items() if k != MECHANISM_ENV} | ({MECHANISM_ENV: mode} if mode == "process" else {})
+    cli = [str(Path(__file__).with_name("thread_writer.py"))] if mode == "thread" else ["-m", "slimtune"]  # thread: the bench's writer
+    proc = subprocess.run([sys.executable, *cli, *args], capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"train-save {mode}: {proc.stderr.strip()[-2000:]}")
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

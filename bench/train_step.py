@@ -31,8 +31,9 @@ from slimtune.config import load_config
 from slimtune.data import DataSpec, collate, epoch_order, epoch_steps, load_data, model_inputs, write_jsonl
 from slimtune.formats.hf import load_config as load_hf_config
 from slimtune.model import load_tokenizer
-from slimtune.recipes.finetune import run_finetune, warmup_cosine
+from slimtune.recipes import run_finetune
 from slimtune.runtime import choose_num_threads
+from slimtune.schedule import warmup_cosine
 
 WORDS = "the of and to in is was for on that with as by at from his her an which this be are or had not but".split()
 

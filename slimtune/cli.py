@@ -2,7 +2,9 @@
 2 bad input or environment (one line naming the file, key or tensor), 3 internal error (one line; the
 traceback with SLIMTUNE_DEBUG=1).
 
-Each command imports its modules inside its function, so `slimtune --help` and usage errors answer
+What a command reports as it works goes through the ``slimtune`` logger (``logs.configure_logging``, called by ``main``); what a
+command answers (generated text, verify's report, inspect's listing, merge's and export's summaries, the
+error line) is printed here. Each command imports its modules inside its function, so `slimtune --help` and usage errors answer
 without loading torch or transformers (several seconds); the imports marked ``# lazy`` are those."""
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 
 from slimtune.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_OK, EXIT_PROBLEMS, REPORT_HINT, SlimtuneError
 from slimtune.formats.strict_json import safe_text
+from slimtune.logs import configure_logging
 from slimtune.memory import DEFAULT_SHARD_SIZE, parse_size
 
 
@@ -72,7 +75,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     options = _sampling(args)
     messages = read_messages(args.messages) if args.messages is not None else None
-    loaded = load_for_generation(args.checkpoint, args.form, args.base, args.device)
+    loaded = load_for_generation(args.checkpoint, args.form, args.base, args.device, verify=args.verify)
     print(f"[{loaded.form} model, {args.format if args.format != 'auto' else loaded.prompt_format} format]", file=sys.stderr)
     ids = prompt_ids(loaded, prompt=args.prompt, messages=messages, fmt=None if args.format == "auto" else args.format)
     generate(loaded, ids, options, on_text=lambda text: print(text, end="", flush=True))
@@ -83,7 +86,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
     from slimtune.generate import chat_loop, load_for_generation  # lazy
 
     options = _sampling(args)
-    chat_loop(load_for_generation(args.checkpoint, args.form, args.base, args.device), options)
+    chat_loop(load_for_generation(args.checkpoint, args.form, args.base, args.device, verify=args.verify), options)
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
@@ -95,6 +98,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
         forwarded = ["merge", "--base", str(args.base), "--adapter", str(args.adapter), "--out", str(args.out)]
         forwarded += ["--merge-base", args.merge_base, "--max-shard-size", str(args.max_shard_size), "--device", args.device]
         forwarded += (["--dtype", args.dtype] if args.dtype else []) + (["--overwrite"] if args.overwrite else [])
+        forwarded += [] if args.verify else ["--no-verify"]
         return run_ranks(args.nproc, forwarded)
     from slimtune.checkpoint.writer import WriteOptions  # lazy
     from slimtune.merge import merge_from_files  # lazy
@@ -102,7 +106,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
     options = WriteOptions(args.max_shard_size, args.overwrite, dtype=args.dtype, device=args.device)
     ranks = init_distributed("cpu")  # the ranks exchange only small control messages: gloo
     try:
-        result = merge_from_files(args.base, args.adapter, args.out, options, args.merge_base, ranks)
+        result = merge_from_files(args.base, args.adapter, args.out, options, args.merge_base, ranks, args.verify)
     except BaseException:
         shutdown()
         raise
@@ -123,7 +127,7 @@ def cmd_export(args: argparse.Namespace) -> None:
         raise SlimtuneError("export: give SRC (a checkpoint) or both --base and --adapter")
     # beside the checkpoint, as checkpoint.gguf writes it: a file inside would not be in its manifest
     out = args.out or (args.src or args.adapter).resolve().parent / f"model-{args.type}.gguf"
-    options = GGUFOptions(args.type, args.merge_base, args.overwrite, dry_run=args.dry_run)
+    options = GGUFOptions(args.type, args.merge_base, args.overwrite, args.verify, dry_run=args.dry_run)
     result = export_gguf(out, options, src=args.src, base=args.base, adapter=args.adapter)
     if args.dry_run:
         for slot in result.plan.slots:
@@ -233,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--merge-base", choices=["original", "quantized"], default="original", help="as for merge (default: original)")
     export.add_argument("--overwrite", action="store_true", help="replace an existing output file (atomically, once complete)")
     export.add_argument("--dry-run", action="store_true", help="print each tensor's GGML type and the file's size; write nothing")
+    _no_verify(export)
     export.set_defaults(func=cmd_export)
 
     verify = sub.add_parser("verify", help="check a checkpoint against its manifest, the format rules and (optionally) its sources")
@@ -267,6 +272,16 @@ def _generation_args(p: argparse.ArgumentParser, temperature: float) -> None:
     p.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling (default: 0.9)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed: the same seed gives the same text (default: 0)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: cuda when available")
+    _no_verify(p)
+
+
+def _no_verify(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-verify",
+        dest="verify",
+        action="store_false",
+        help="do not check the sha256 of the checkpoint files read against their manifest (checked while reading by default)",
+    )
 
 
 def _add_merge(sub) -> None:
@@ -288,6 +303,7 @@ def _add_merge(sub) -> None:
     )
     merge.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the merge math runs (default: cpu)")
     merge.add_argument("--overwrite", action="store_true", help="replace an existing output directory (atomically, once complete)")
+    _no_verify(merge)
     merge.add_argument(
         "--nproc",
         type=int,
@@ -317,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         command = f"slimtune {args.command}"
+        configure_logging()
         quiet_library_logs()
         return args.func(args) or EXIT_OK
     except SlimtuneError as e:

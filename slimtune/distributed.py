@@ -7,7 +7,7 @@ Example::
 
     ranks = init_distributed("cpu")      # under torchrun: a gloo group; alone: Ranks(0, 1)
     if ranks.is_coordinator:
-        print("only rank 0 prints")
+        manager.prepare(...)             # only rank 0 writes the run directory's own files
     ranks.agree(None, "the export")      # raises on every rank if any rank reports an error
 """
 
@@ -33,6 +33,7 @@ from slimtune.lora import qlora_linears
 from slimtune.quant import is_nf4
 from slimtune.runtime import decoder_layers
 
+log = logging.getLogger(__name__)
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -206,6 +207,16 @@ def split_rows(num_rows: int, world_size: int) -> tuple[tuple[int, int], ...]:
     return tuple((min(r * per, num_rows), min((r + 1) * per, num_rows)) for r in range(world_size))
 
 
+def all_sum(value: torch.Tensor, ranks: Ranks) -> torch.Tensor:
+    """``value`` summed over the ranks (itself in one process).
+
+    Example: ``tokens = all_sum(torch.tensor(float(count)), ranks).item()``"""
+    if ranks.distributed and ranks.world_size > 1:
+        value = value.clone()
+        dist.all_reduce(value)
+    return value
+
+
 def run_ranks(nproc: int, args: list[str]) -> int:
     """Run ``python -m slimtune ARGS`` as ``nproc`` local ranks with torch's elastic launcher (what
     ``torchrun --standalone --nproc-per-node N`` runs): if any rank fails or is killed, the others are
@@ -235,7 +246,7 @@ def run_ranks(nproc: int, args: list[str]) -> int:
         for rank, failure in sorted(e.failures.items()):
             code = failure.exitcode
             parts.append(f"rank {rank} " + (f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"))
-        print(f"slimtune {args[0]}: {nproc} ranks: {', '.join(parts)}", file=sys.stderr)
+        log.error(f"slimtune {args[0]}: {nproc} ranks: {', '.join(parts)}")  # on stderr, configured or not
         return 2 if any(f.exitcode == 2 for f in e.failures.values()) else 1
     return 0
 

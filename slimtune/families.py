@@ -120,7 +120,7 @@ def resolve_targets(model: nn.Module, targets: list[str] | str) -> list[str]:
     leaves = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if is_linear(m) and m is not head}
     if leaves & reserved:
         names = sorted(leaves & reserved)
-        log.info("%s: layers named %s stay frozen: PEFT maps these names to the experts", family_name(model.config), names)
+        log.debug("%s: layers named %s stay frozen: PEFT maps these names to the experts", family_name(model.config), names)
     leaves -= reserved
     extra = [t for t in targets if t != ALL_LINEAR]
     if not leaves:

@@ -32,6 +32,7 @@ from transformers.generation.streamers import BaseStreamer
 from slimtune.data import FALLBACK_CHAT_TEMPLATE, alpaca_prompt, parse_json
 from slimtune.errors import SlimtuneError
 from slimtune.formats.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS, CheckpointLayout
+from slimtune.formats.manifest import checks_done, read_check
 from slimtune.formats.peft import read_adapter
 from slimtune.lora import LoRAConfig
 from slimtune.model import load_adapter_weights, load_qlora_model, load_tokenizer, pick_device, pick_dtype
@@ -60,30 +61,13 @@ class Loaded:
     device: torch.device
 
 
-def prompt_format_of(shapes: dict[str, int]) -> str:
-    """The prompt format that matches training data of these row shapes (counts per shape)."""
-    if any(shapes.get(s) for s in ("chat", "sharegpt", "completion")):
-        return "chat"
-    return "alpaca" if shapes.get("alpaca") else "text"
-
-
-def format_record(shapes: dict[str, int], chat_template: str | None) -> dict:
-    """What ``slimtune_format.json`` holds: the training data's shapes, the prompt format, the chat
-    template training rendered conversations with, and the Alpaca prompt."""
-    return {
-        "format": "slimtune-format/1",
-        "prompt_format": prompt_format_of(shapes),
-        "shapes": dict(shapes),
-        "chat_template": chat_template or FALLBACK_CHAT_TEMPLATE,
-        "alpaca_prompt": alpaca_prompt("{instruction}"),
-    }
-
-
 def load_for_generation(
-    path: str | Path, form: str = "auto", base: str | Path | None = None, device: str = "auto", dtype: str = "bf16"
+    path: str | Path, form: str = "auto", base: str | Path | None = None, device: str = "auto", dtype: str = "bf16", verify: bool = True
 ) -> Loaded:
     """A checkpoint (a ``step-N`` directory, a merged model directory or an adapter directory) loaded as
-    ``form``: merged, adapter (on the NF4 base), or auto (merged when there is one)."""
+    ``form``: merged, adapter (on the NF4 base), or auto (merged when there is one). With ``verify``, the
+    files read from a checkpoint with a manifest are hashed while the model loads, and a mismatch is one
+    error line before anything is generated."""
     path = Path(path)
     if not path.is_dir():
         raise SlimtuneError(f"{path}: no such checkpoint directory")
@@ -97,6 +81,7 @@ def load_for_generation(
         raise SlimtuneError(f"{path}: no adapter here (adapter/adapter_config.json)")
     dev = pick_device(device)
     compute = pick_dtype(dtype, dev)
+    checks = [read_check(path if form == "merged" else adapter_dir, verify)]
     if form == "merged":
         try:
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=compute, local_files_only=True)
@@ -104,13 +89,16 @@ def load_for_generation(
             raise SlimtuneError(f"{path}: cannot load the merged model ({e})") from None
         tokenizer_dir = path
     else:
-        model, tokenizer_dir = _load_adapter_on_nf4(path, adapter_dir, base, compute)
+        model, tokenizer_dir = _load_adapter_on_nf4(path, adapter_dir, base, compute, lambda d: checks.append(read_check(d, verify)))
+    checks_done(*checks)
     model.to(dev).eval()
     tokenizer = load_tokenizer(tokenizer_dir)
     return Loaded(model, tokenizer, form, _recorded_prompt_format(path, tokenizer), dev)
 
 
-def _load_adapter_on_nf4(path: Path, adapter_dir: Path, base: str | Path | None, dtype: torch.dtype) -> tuple[nn.Module, Path]:
+def _load_adapter_on_nf4(
+    path: Path, adapter_dir: Path, base: str | Path | None, dtype: torch.dtype, on_base: Callable[[Path], None]
+) -> tuple[nn.Module, Path]:
     config = read_adapter(adapter_dir).config
     if config.get("rank_pattern") or config.get("alpha_pattern") or config.get("use_dora"):
         raise SlimtuneError(
@@ -121,6 +109,7 @@ def _load_adapter_on_nf4(path: Path, adapter_dir: Path, base: str | Path | None,
     targets = list(targets) if isinstance(targets, list) else None
     if not targets:
         raise SlimtuneError(f"{adapter_dir / ADAPTER_CONFIG}: target_modules must be a list of module names here")
+    on_base(base_dir)
     lora = LoRAConfig(int(config["r"]), float(config["lora_alpha"]), 0.0, bool(config.get("use_rslora")), targets)
     model = load_qlora_model(base_dir, lora, seed=0, progress=False, dtype=dtype)
     weights = adapter_dir / ADAPTER_WEIGHTS

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
+from typing import TypeVar
 
 _MB = 1024 * 1024
 
@@ -63,6 +65,44 @@ def bytes_written_by_process() -> int:
 def bytes_read_by_process() -> int:
     """Bytes this process has read through read() calls (rchar in /proc/self/io)."""
     return _io_counter("rchar")
+
+
+T = TypeVar("T")
+
+
+class PeakMemory:
+    """Peak RSS of a whole run, and of each save on its own (VmHWM is reset around a save, so the run's
+    peak is carried across the reset). Peak GPU memory where the run's device is a GPU.
+
+    Example::
+
+        memory = PeakMemory(device)
+        result, rss_before, save_peak = memory.around_save(lambda: manager.save(...))
+        memory.snapshot()   # {"peak_rss_mb": ..., "peak_gpu_mb": ... on CUDA}
+    """
+
+    def __init__(self, device) -> None:
+        self.device = device  # a torch.device (only its type is read here: no torch import for the CLI)
+        self.run_peak = peak_rss_mb()
+
+    def around_save(self, save: Callable[[], T]) -> tuple[T, float, float]:
+        """``save()``'s result, the RSS before it and the peak RSS during it."""
+        self.run_peak = max(self.run_peak, peak_rss_mb())
+        before = rss_mb()
+        reset_peak_rss()
+        result = save()
+        save_peak = peak_rss_mb()
+        self.run_peak = max(self.run_peak, save_peak)
+        return result, before, save_peak
+
+    def snapshot(self) -> dict:
+        """The run's peak RSS so far (and peak GPU memory on CUDA), in MiB."""
+        figures = {"peak_rss_mb": max(self.run_peak, peak_rss_mb())}
+        if self.device.type == "cuda":
+            import torch  # only on a GPU: the CLI imports this module before torch
+
+            figures["peak_gpu_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
+        return figures
 
 
 DEFAULT_SHARD_SIZE = "5GB"  # the largest merged shard unless the config or command line says otherwise

@@ -21,6 +21,7 @@ from slimtune.errors import SlimtuneError
 from slimtune.families import frozen_nf4_keys
 from slimtune.formats.bnb import BnbNF4Weight, aux_owner, is_aux_key, load_bnb_weight
 from slimtune.formats.hf import checkpoint_files, export_config_dict, load_config, module_kinds, read_config_dict
+from slimtune.formats.manifest import checks_done, read_check
 from slimtune.formats.peft import Adapter, AdapterModule, SavedTensor, read_adapter, resolve
 from slimtune.formats.safetensors import COMPUTE_DTYPES, SafetensorsReader
 from slimtune.formats.strict_json import safe_name
@@ -128,6 +129,11 @@ class MergeBase:
         """Rows of the base weight ``key`` that the adapter is merged into."""
         if not self.quantized or key in base.bnb:
             return lambda s, e: base.rows(key, s, e)
+        if base.dtype(key) is None or not base.dtype(key).is_floating_point:
+            raise SlimtuneError(
+                f"{base.dir}: tensor {safe_name(key)} has dtype {base.location[key].entry(key).type_name}; "
+                "--merge-base quantized rounds a floating-point weight through NF4, an integer one has no NF4 form"
+            )
         # torchao (~80 MB of RSS) is imported only when a merge needs NF4: never for an original-base merge
         from slimtune.quant.nf4 import NF4RoundTrip, can_quantize, not_quantizable_reason
 
@@ -264,6 +270,11 @@ def merged_file_stream(
     return stream
 
 
+def _checked(checks) -> list[str]:
+    checks_done(*checks)
+    return []  # no files of its own
+
+
 def merge_from_files(
     base_dir: str | Path,
     adapter_dir: str | Path,
@@ -271,13 +282,16 @@ def merge_from_files(
     options: WriteOptions = WriteOptions(),
     merge_base: str = "original",
     ranks: Ranks = SINGLE,
+    verify: bool = True,
 ) -> SaveResult:
     """Merge ``adapter_dir`` into ``base_dir`` and write ``out_dir`` as a Hugging Face checkpoint
     (sharded safetensors, index, config without quantization_config, tokenizer files, manifest).
     ``options`` says how (shard size, dtype, overwrite, the device of the merge math); ``merge_base``
     which base weights the adapter is merged into (``original`` W, or ``quantized`` dequant(NF4(W))).
     With ``ranks`` of a process group (``slimtune merge --nproc N``), every rank calls this and merges
-    its row range of every tensor into the same files (see ``write_checkpoint``).
+    its row range of every tensor into the same files (see ``write_checkpoint``). With ``verify``, the
+    adapter and the base, where they are slimtune checkpoints with a manifest, have every file read hashed
+    while the merge reads it (on the coordinator), and a mismatch leaves no output.
 
     Example: ``merge_from_files("base", "run/step-000100/adapter", "merged", WriteOptions(dtype="bf16"))``"""
     options.shard_bytes  # noqa: B018 - parsed (and checked) once, before anything is read
@@ -291,9 +305,12 @@ def merge_from_files(
     if out_dir.exists() and not options.overwrite:
         raise SlimtuneError(f"{out_dir} already exists; pass --overwrite to replace it")
     pool = pool_for(chunk_bytes, options.inflight_bytes, pin_memory=device == "cuda")
+    checks = [read_check(base_dir, verify)] if ranks.is_coordinator else []
     base = BaseCheckpoint(base_dir, pool)
     try:
         adapter = read_adapter(adapter_dir)
+        if ranks.is_coordinator:  # the adapter is small and read whole already: checked now
+            checks_done(read_check(adapter.path, verify))
         stream = merged_file_stream(base, adapter, dtype, rows_of, device, pool.to_host)
         parts = CheckpointParts(
             merged=stream,
@@ -301,6 +318,7 @@ def merge_from_files(
             tokenizer_dir=base.dir,
             manifest_extra={"kind": "merged", "merge_base": merge_base, "base": str(Path(base_dir)), "adapter": str(adapter.path)},
             whole_below=chunk_bytes,  # every rank can make any rows: small tensors go whole to one rank
+            shared_write=lambda tmp: _checked(checks),  # the hashes, once every byte was read: before the manifest
         )
         return write_checkpoint(out_dir, parts, options, ranks)
     finally:

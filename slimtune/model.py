@@ -225,7 +225,7 @@ def load_qlora_model(
     for name, p in model.named_parameters():
         p.requires_grad_(".lora_a." in name or ".lora_b." in name)
     facts.source_dir = model_dir
-    log.info("%s", nf4_summary_line(nf4_report(model)))
+    log.debug("%s", nf4_summary_line(nf4_report(model)))  # the recipe states it at INFO, once
     return model
 
 
@@ -343,7 +343,7 @@ def _unshardable_nf4(model: nn.Module, ranks: Ranks, model_dir: Path) -> set[nn.
         raise SlimtuneError(f"{model_dir}: sharding mixture-of-experts models over several ranks is not supported yet; run one process")
     whole = unsplittable_nf4(model, ranks.world_size)
     if whole:
-        log.info(
+        log.debug(
             "%d NF4 weight(s) do not split into %d equal parts of whole scaler blocks: held whole on every rank",
             len(whole),
             ranks.world_size,

@@ -1,4 +1,5 @@
-"""How training uses the machine: torch's CPU thread count, and regional compilation of the decoder layers.
+"""How training uses the machine: torch's CPU thread count, regional compilation of the decoder layers and
+activation checkpointing.
 
 Threads: torch sizes its intra-op pool from the machine's cores, not from the cores this process may
 run on, and under torchrun every rank does so. When processes share the cores their spinning pools
@@ -58,3 +59,15 @@ def compile_decoder_layers(model: nn.Module) -> int:
     for layer in layers:
         layer.compile()
     return len(layers)
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Non-reentrant checkpointing per decoder layer: works with frozen inputs and restores the RNG for
+    the recomputation, so dropout masks (and exact resume) are unchanged. transformers 5 renamed the call.
+
+    Example: ``enable_activation_checkpointing(model)``"""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -1,7 +1,8 @@
-"""Where a run's metrics go: ``MetricsLog`` (metrics.jsonl in the run directory, one line per step) and the
-optional sinks beside it: TensorBoard (``logging.tensorboard=true``) and Weights &
-Biases (``logging.wandb.project=NAME``, offline by default: no network, ``wandb sync`` later). Neither
-package is required unless its sink is switched on; a missing one is a clear error before training.
+"""Where a run's metrics go: ``MetricsLog`` (metrics.jsonl in the run directory, one line per step), its
+loss curve (``plot_losses``: loss.png) and the optional sinks beside them: TensorBoard
+(``logging.tensorboard=true``) and Weights & Biases (``logging.wandb.project=NAME``, offline by default:
+no network, ``wandb sync`` later). Neither package is required unless its sink is switched on; a
+missing one is a clear error before training.
 
 Example::
 
@@ -112,3 +113,42 @@ class MetricsLog:
     def write(self, record: dict) -> None:
         with os_errors("write", self.path), open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+
+
+def plot_losses(metrics_path: Path, png_path: Path) -> Path | None:
+    """The loss curve of the whole run from metrics.jsonl as a PNG: train loss per step, eval loss where
+    evaluated, the learning rate, checkpoints (dotted) and resumes (dashed), integer step ticks. None
+    when metrics.jsonl has no line.
+
+    Example: ``plot_losses(Path("run/metrics.jsonl"), Path("run/loss.png"))``"""
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    if not rows:
+        return None
+    from matplotlib.figure import Figure  # no pyplot: no global backend state
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(7, 4), dpi=100)
+    ax = fig.add_subplot()
+    steps = [r["step"] for r in rows]
+    ax.plot(steps, [r["loss"] for r in rows], color="tab:blue", linewidth=1.2, label="train loss")
+    evaluated = [r for r in rows if "eval_loss" in r]
+    if evaluated:
+        eval_steps, eval_losses = [r["step"] for r in evaluated], [r["eval_loss"] for r in evaluated]
+        ax.plot(eval_steps, eval_losses, "o-", color="tab:green", markersize=3, label="eval loss")
+    for r in rows:
+        if "checkpoint" in r:
+            ax.axvline(r["step"], color="0.8", linewidth=0.8, linestyle=":")
+        if "resumed_from" in r:
+            ax.axvline(r["resumed_from"] + 0.5, color="tab:red", linewidth=1.0, linestyle="--", label="resumed")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss", color="tab:blue")
+    ax.legend(loc="upper right", fontsize=8)
+    lr_ax = ax.twinx()
+    lr_ax.plot(steps, [r["lr"] for r in rows], color="tab:orange", linewidth=1.0, alpha=0.7)
+    lr_ax.set_ylabel("learning rate", color="tab:orange")
+    ax.set_title(f"{metrics_path.parent.name}: loss per step (dotted: checkpoints, dashed: resumed)")
+    fig.tight_layout()
+    with os_errors("write the loss curve", png_path):
+        write_atomic(png_path, fig.savefig, suffix=".partial.png")  # the suffix tells matplotlib the format
+    return png_path

@@ -105,14 +105,15 @@ def smollm2_gguf(smollm2_dir) -> Path:
 def gone(pid: int, seconds: float = 30) -> bool:
     """``pid`` exits (or is a zombie) within ``seconds``."""
     deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    while True:
         try:
             if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
                 return True
         except (OSError, IndexError):
             return True
-        time.sleep(0.1)
-    return False
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(min(0.1, seconds))
 
 
 def llama_cpp_oracle():

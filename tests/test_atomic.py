@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import shutil
 from collections import namedtuple
@@ -46,7 +47,7 @@ def test_a_failure_leaves_the_earlier_directory_and_no_new_parents(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # p/ and p/q/ made for it are gone too
 
 
-def test_leftovers_of_a_dead_writer_go_and_a_live_lock_keeps_its_own(tmp_path):
+def test_leftovers_of_a_dead_writer_go_and_a_live_lock_keeps_its_own(tmp_path, caplog):
     dead, live = tmp_path / ".a.tmp-0000dead", tmp_path / ".b.tmp-00001ive"
     for d in (dead, live):
         d.mkdir()
@@ -54,13 +55,13 @@ def test_leftovers_of_a_dead_writer_go_and_a_live_lock_keeps_its_own(tmp_path):
     fd = os.open(live.with_name(live.name + ".lock"), os.O_RDWR)
     fcntl.flock(fd, fcntl.LOCK_EX)
     try:
-        said: list[str] = []
-        assert reclaim_leftovers(tmp_path, said.append) == [dead.name]
-        assert live.is_dir() and not dead.exists() and said == [f"removing {dead.name}, left by an interrupted save"]
+        caplog.set_level(logging.DEBUG, logger="slimtune")
+        assert reclaim_leftovers(tmp_path) == [dead.name]
+        assert live.is_dir() and not dead.exists() and caplog.messages == [f"removing {dead.name}, left by an interrupted save"]
         lockless = tmp_path / ".c.tmp-00000000"
         lockless.mkdir()
-        assert reclaim_leftovers(tmp_path, said.append) == []  # no lock file: maybe not ours
-        assert reclaim_leftovers(tmp_path, said.append, lockless=True) == [lockless.name]
+        assert reclaim_leftovers(tmp_path) == []  # no lock file: maybe not ours
+        assert reclaim_leftovers(tmp_path, lockless=True) == [lockless.name]
     finally:
         os.close(fd)
 

@@ -23,7 +23,7 @@ from slimtune.data import (
     tokenize,
 )
 from slimtune.errors import SlimtuneError
-from slimtune.recipes.finetune import warmup_cosine
+from slimtune.schedule import warmup_cosine
 from slimtune.tiny import byte_tokenizer
 from tests.conftest import ROOT
 

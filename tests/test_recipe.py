@@ -362,7 +362,7 @@ def test_chunked_loss_equals_the_plain_one(monkeypatch):
     assert torch.equal(chunked_grad, plain_grad)
 
 
-# --- checkpoint.async: the background writer (slimtune/checkpoint/background.py) ---
+# --- checkpoint.async: the background writer (slimtune/checkpoint/background/) ---
 
 WRITER_FAULT = ROOT / "tests" / "writer_fault"
 STEP2_ADAPTER = r"/\.step-000002\.tmp-[0-9a-f]+/adapter/adapter_model\.safetensors$"

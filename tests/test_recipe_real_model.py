@@ -27,6 +27,7 @@ from slimtune.checkpoint.atomic import read_manifest
 from slimtune.cli import main as slimtune_main
 from slimtune.config import load_config
 from slimtune.data import DataSpec, collate, epoch_order, epoch_steps, load_data
+from slimtune.logs import configure_logging
 from slimtune.lora import lora_modules
 from slimtune.quant import is_nf4
 from slimtune.recipes.finetune import run_finetune
@@ -67,6 +68,7 @@ def run(tmp_path_factory):
     train, held_out = write_docstring_data(root / "data")
     cfg = load_config("tiny", finetune_overrides(base, train, held_out, root / "run", STEPS))
     log = io.StringIO()
+    configure_logging()  # the recipe's lines printed as the CLI prints them
     started = time.perf_counter(), time.process_time()
     with contextlib.redirect_stdout(log):
         result = run_finetune(cfg)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from slimtune.config import load_config
+from slimtune.logs import configure_logging
 from slimtune.recipes.finetune import run_finetune
 from slimtune.runtime import choose_num_threads, decoder_layers, usable_cores
 
@@ -57,6 +58,7 @@ def _run(tiny_base, data, out, compile: bool, capsys) -> tuple[list[float], str]
         "logging.progress_bar": False,
     }
     cfg = load_config("tiny", [f"output_dir={out}"], values=values)
+    configure_logging()  # the recipe's lines printed as the CLI prints them
     losses = run_finetune(cfg).losses
     return losses, capsys.readouterr().out
 

@@ -18,7 +18,7 @@ import re
 import shutil
 import sys
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -62,12 +62,13 @@ def _exchange(a: Path, b: Path) -> bool:
     return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
 
 
-def reclaim_leftovers(parent: Path, say: Callable[[str], None] | None = None, lockless: bool = False) -> list[str]:
+def reclaim_leftovers(parent: Path, lockless: bool = False) -> list[str]:
     """Remove the temporary directories that killed processes left in ``parent`` (their lock is free);
     a live writer's lock keeps its own. Ones without a lock file (left by a version without locks, or
     not slimtune's) go only with ``lockless`` (a run directory, where that name is slimtune's).
-    Returns the names removed."""
-    say = say or log.info
+    Returns the names removed (each also logged at DEBUG; a run directory's owner reports them).
+
+    Example: ``removed = reclaim_leftovers(Path("out"), lockless=True)``"""
     removed = []
     try:
         entries = sorted(Path(parent).iterdir())
@@ -79,7 +80,7 @@ def reclaim_leftovers(parent: Path, say: Callable[[str], None] | None = None, lo
             fd = _try_lock(lock)
             if fd is False or (fd is None and not lockless):
                 continue  # a live process is writing it, or it may not be ours
-            say(f"removing {path.name}, left by an interrupted save")
+            log.debug(f"removing {path.name}, left by an interrupted save")
             shutil.rmtree(path, ignore_errors=True)
             _release(lock, fd)
             removed.append(path.name)
@@ -88,10 +89,27 @@ def reclaim_leftovers(parent: Path, say: Callable[[str], None] | None = None, lo
             if fd is not False:
                 _release(path, fd)
         elif (m := _OLD.match(path.name)) and (path.parent / m.group(1)).is_dir() and path.is_dir():
-            say(f"removing {path.name}, left by an interrupted save")  # the swap finished: the previous copy
+            log.debug(f"removing {path.name}, left by an interrupted save")  # the swap finished: the previous copy
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path.name)
     return removed
+
+
+def live_temporaries(parent: Path) -> list[str]:
+    """The temporary directories in ``parent`` that a live process is writing now (it holds their lock)."""
+    live = []
+    try:
+        entries = sorted(Path(parent).iterdir())
+    except OSError:
+        return live
+    for path in entries:
+        if _TEMP.match(path.name) and path.is_dir():
+            fd = _try_lock(_lock_path(path))
+            if fd is False:
+                live.append(path.name)
+            elif fd is not None:
+                os.close(fd)  # free: left by a killed process (reclaim_leftovers removes it)
+    return live
 
 
 def _lock_path(tmp: Path) -> Path:

@@ -1,6 +1,6 @@
 """The run directory of a fine-tuning run, as torchtitan's CheckpointManager owns it: ``step-NNNNNN``
 checkpoints (each written atomically by ``save_checkpoint``, with the recipe state inside), the resume
-point, what may change on resume, pruning (``keep_last_n``), leftovers of killed processes, damaged
+point, pruning (``keep_last_n``), leftovers of killed processes, damaged
 checkpoints, and where ``metrics.jsonl`` and ``loss.png`` live (``tracking.MetricsLog`` writes the former).
 
 Faults: every failed write is one ``SlimtuneError`` line (exit status 2) and never costs an earlier
@@ -13,7 +13,8 @@ Inside a checkpoint the state is in two parts: ``recipe_state.pt`` holds the run
 checks before anything is loaded (format, step, config, data hash), written by the coordinator; the
 training state (adapters, optimizer, scheduler, loss scaler, data position, each rank's RNG) is
 written by every rank together into ``train_state/`` (``checkpoint/train_state.py``, through
-``torch.distributed.checkpoint``).
+``torch.distributed.checkpoint``). What the state holds and what may change on resume: ``run_state.py``.
+Messages go to the ``slimtune.checkpoint.manager`` logger (``cli.configure_logging`` prints them).
 
 Example::
 
@@ -26,13 +27,13 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import shutil
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -40,38 +41,32 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from slimtune.checkpoint.atomic import MANIFEST_NAME, is_complete_checkpoint, reclaim_leftovers
+from slimtune.checkpoint.atomic import MANIFEST_NAME, is_complete_checkpoint, live_temporaries, reclaim_leftovers
+from slimtune.checkpoint.run_state import ResumePoint, portable_config, state_problem
 from slimtune.checkpoint.save import ExtraFile, SaveOptions, SaveResult, save_checkpoint
 from slimtune.checkpoint.train_state import TRAIN_STATE_DIR, save_train_state
-from slimtune.config import KEYS, PATH, PLACEHOLDER, Config
 from slimtune.distributed import SINGLE, Ranks
 from slimtune.errors import SlimtuneError
 from slimtune.fileio import os_errors
 from slimtune.formats.layout import ADAPTER_WEIGHTS_PATH, STATE_NAME
 from slimtune.formats.manifest import manifest_problems
 
-STATE_FORMAT = "slimtune-recipe-state/2"
 METRICS_NAME = "metrics.jsonl"
 PLOT_NAME = "loss.png"
 STEP_DIR = re.compile(r"^step-(\d+)$")
+log = logging.getLogger(__name__)
+# How long a run waits for a live process's temporary directory in its output_dir to go: a background
+# writer outlives its killed trainer by seconds (checkpoint/background/reaper.py); longer, another run writes there.
+WRITER_WAIT_S = 60.0
 _LEFTOVER = re.compile(r"^\.step-\d+\.deleting-[0-9a-f]{8}$|^\.recipe_state-")  # temporaries: atomic.reclaim_leftovers
-
-
-@dataclass(frozen=True)
-class ResumePoint:
-    """The newest complete checkpoint of a run and the recipe state saved in it."""
-
-    path: Path
-    state: dict
 
 
 class CheckpointManager:
     """Owns ``out``: which step directories exist, which one a run resumes from, writing and pruning them."""
 
-    def __init__(self, out: str | Path, keep_last_n: int | None = None, log: Callable[[str], None] = print):
+    def __init__(self, out: str | Path, keep_last_n: int | None = None):
         self.out = Path(out)
         self.keep_last_n = keep_last_n
-        self.log = log
 
     @property
     def metrics_path(self) -> Path:
@@ -93,7 +88,9 @@ class CheckpointManager:
 
     def find_resume_point(self, resume: bool, overwrite: bool) -> ResumePoint | None:
         """The newest complete checkpoint with recipe state, skipping incomplete or damaged ones; None
-        for a fresh start. Without resume, existing checkpoints are an error unless ``overwrite``."""
+        for a fresh start. Without resume, existing checkpoints are an error unless ``overwrite``. First
+        waits for the writers still at work in ``out`` (``wait_for_writers``)."""
+        self.wait_for_writers()
         existing = self.step_dirs()
         if not resume:
             if existing and not overwrite:
@@ -105,31 +102,38 @@ class CheckpointManager:
         for _, path in existing:
             problem = checkpoint_problem(path)
             if problem:
-                self.log(f"resume: skipping {path.name}: {problem}")
+                log.info(f"resume: skipping {path.name}: {problem}")
                 continue
             try:
                 state = torch.load(path / STATE_NAME, map_location="cpu", weights_only=True)
             except Exception as e:  # a damaged file is skipped like an incomplete checkpoint
-                self.log(f"resume: skipping {path.name}: cannot read {STATE_NAME} ({e})")
+                log.info(f"resume: skipping {path.name}: cannot read {STATE_NAME} ({e})")
                 continue
-            if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-                self.log(f"resume: skipping {path.name}: {STATE_NAME} is not {STATE_FORMAT}")
+            problem = state_problem(state)
+            if problem:
+                log.info(f"resume: skipping {path.name}: {STATE_NAME} {problem}")
                 continue
             return ResumePoint(path, state)
-        self.log(f"resume: no complete checkpoint under {self.out}; starting from step 0")
+        log.info(f"resume: no complete checkpoint under {self.out}; starting from step 0")
         return None
 
-    def check_resumable(self, cfg: Config, point: ResumePoint) -> None:
-        """Fields that define the model, the data order or the step arithmetic must match the checkpoint's;
-        the others may change (each change is logged)."""
-        then, now = portable_config(point.state["config"]), portable_config(cfg.values)
-        fixed = [k for k, key in KEYS.items() if key.fixed and k in then and then[k] != now[k]]
-        if fixed:
-            changes = "; ".join(f"{k} is {now[k]!r}, the checkpoint has {then[k]!r}" for k in fixed)
-            raise SlimtuneError(f"cannot resume from {point.path}: {changes} (these must not change on resume)")
-        for k, key in KEYS.items():
-            if not key.fixed and k not in ("resume", "overwrite") and k in then and then[k] != now[k]:
-                self.log(f"resume: {k} changed from {then[k]!r} to {now[k]!r} (allowed)")
+    def wait_for_writers(self, timeout: float | None = None) -> None:
+        """Wait until no live process writes a temporary directory in ``out`` (at most ``timeout`` s,
+        default ``WRITER_WAIT_S``): a background writer of a run killed a moment ago may still be finishing,
+        and a run must neither resume beside it nor clear or reclaim what it writes. After the wait its
+        temporary directory is reclaimed by its lock (``prepare``)."""
+        timeout = WRITER_WAIT_S if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        live = live_temporaries(self.out)
+        if live:
+            log.info(f"waiting for {', '.join(live)} in {self.out}: a process still writes it (the writer of a run that ended?)")
+        while live and time.monotonic() < deadline:
+            time.sleep(0.05)
+            live = live_temporaries(self.out)
+        if live:
+            raise SlimtuneError(
+                f"{self.out}: a live process still writes {live[0]} after {timeout:.0f} s; is another run writing to this output_dir?"
+            )
 
     def prepare(self, fresh_start: bool, overwrite: bool) -> None:
         """Create out, remove leftovers of interrupted saves and, for a fresh start with ``overwrite``,
@@ -143,10 +147,11 @@ class CheckpointManager:
     def remove_leftovers(self) -> None:
         """Temporary directories of saves or deletions killed processes left behind (never checkpoints,
         never the temporaries of a live writer)."""
-        reclaim_leftovers(self.out, self.log, lockless=True)
+        for name in reclaim_leftovers(self.out, lockless=True):
+            log.info(f"removing {name}, left by an interrupted save")
         for path in self.out.iterdir():
             if _LEFTOVER.match(path.name):
-                self.log(f"removing {path.name}, left by an interrupted save")
+                log.info(f"removing {path.name}, left by an interrupted save")
                 shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
 
     def clear_previous_run(self) -> None:
@@ -157,7 +162,7 @@ class CheckpointManager:
         for path in (self.metrics_path, self.plot_path):
             path.unlink(missing_ok=True)
         if doomed:
-            self.log(f"overwrite: {len(doomed)} checkpoint(s) of the previous run in {self.out} removed")
+            log.info(f"overwrite: {len(doomed)} checkpoint(s) of the previous run in {self.out} removed")
 
     def save(
         self, model: nn.Module, step: int, state: dict, options: SaveOptions, train_state: dict | None = None, ranks: Ranks = SINGLE
@@ -187,7 +192,7 @@ class CheckpointManager:
         with os_errors("move aside the damaged checkpoint", path):
             os.rename(path, aside)
         problem = checkpoint_problem(aside) or "not the run's checkpoint"
-        self.log(f"{path.name} was damaged ({problem}); moved aside to {aside.name} (kept: delete it yourself once unneeded)")
+        log.info(f"{path.name} was damaged ({problem}); moved aside to {aside.name} (kept: delete it yourself once unneeded)")
         return aside
 
     def prune(self) -> list[str]:
@@ -216,7 +221,7 @@ class CreatedByRun:
         try:
             train()
         except BaseException:
-            created.undo(print)
+            created.undo()
             raise
     """
 
@@ -227,7 +232,7 @@ class CreatedByRun:
         self.had_checkpoint = any(is_complete_checkpoint(p) for _, p in CheckpointManager(self.out).step_dirs())
         self.others = [Path(p) for p in others if not Path(p).exists() and not Path(p).is_relative_to(self.out)]
 
-    def undo(self, log: Callable[[str], None]) -> None:
+    def undo(self) -> None:
         if self.had_checkpoint or any(is_complete_checkpoint(p) for _, p in CheckpointManager(self.out).step_dirs()):
             return
         if not self.existed:
@@ -247,24 +252,7 @@ class CreatedByRun:
             if not path.exists():
                 removed.append(path.name)
         if removed:
-            log(f"the run failed before its first checkpoint: removed what it created ({', '.join(sorted(removed))})")
-
-
-def portable_config(values: dict) -> dict:
-    """Config values with paths under output_dir written as ``{output_dir}/...``: what a checkpoint stores
-    and what resume compares, so a run directory that was moved still resumes."""
-    root = values.get("output_dir")
-    if not root:
-        return dict(values)
-    portable = {}
-    for k, v in values.items():
-        key = KEYS.get(k)
-        if key is not None and key.kind is PATH and isinstance(v, str):
-            v = v.replace(PLACEHOLDER, root)
-            if Path(v).is_relative_to(root):
-                v = str(PLACEHOLDER / Path(v).relative_to(root))
-        portable[k] = v
-    return portable
+            log.info(f"the run failed before its first checkpoint: removed what it created ({', '.join(sorted(removed))})")
 
 
 def _state_size(state: object) -> int:

@@ -3,7 +3,9 @@
 metadata), so a run resumes on another number of ranks through DCP's resharding: the adapters, optimizer,
 scheduler, loss scaler, data position and each rank's RNG states. Values that are not tensors are stored
 as tensors of ``torch.save`` bytes, read back with ``weights_only=True``; DCP's own ``.metadata`` is a
-pickle, so a run directory must come from a trusted source.
+pickle, so a run directory must come from a trusted source. The RNG streams it carries are captured, restored
+and seeded here (``rng_state``, ``set_rng_state``, ``seed_everything``); what the tree holds is
+``run_state.training_state``'s.
 
 Example::
 
@@ -134,3 +136,12 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's generators (CUDA's too): the streams ``rng_state`` captures.
+
+    Example: ``seed_everything(cfg.seed + ranks.rank)``"""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

@@ -180,11 +180,15 @@ class CheckpointSection:
         "the run's last step.",
         name="async",
     )
-    gguf: Literal[
-        "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k_m", "q4_k_s", "q5_k_m", "q5_k_s", "q6_k"
-    ] | None = setting(  # fmt: skip
-        None,
-        "Also write model-TYPE.gguf (+ an Ollama Modelfile) beside the run's final checkpoint, for llama.cpp/Ollama (docs/gguf.md).",
+    gguf: Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k_m", "q4_k_s", "q5_k_m", "q5_k_s", "q6_k"] | None = (
+        setting(  # fmt: skip
+            None,
+            "Also write model-TYPE.gguf (+ an Ollama Modelfile) beside the run's final checkpoint, for llama.cpp/Ollama (docs/gguf.md).",
+        )
+    )
+    gguf_verify: bool = setting(
+        True,
+        "Check the final checkpoint's sha256 against its manifest while checkpoint.gguf reads it (false: read it unchecked).",
     )
 
 

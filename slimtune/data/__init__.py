@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from slimtune.data.packing import collate, epoch_order, epoch_steps, model_inputs, pack
+from slimtune.data.packing import collate, epoch_order, epoch_steps, model_inputs, pack, rank_batch
 from slimtune.data.readers import (
     FILE_TYPES,
     MAX_LINE_BYTES,
@@ -30,14 +30,10 @@ from slimtune.data.readers import (
     write_jsonl,
 )
 from slimtune.data.shapes import (
-    ALPACA_PROMPT,
-    ALPACA_PROMPT_WITH_INPUT,
-    FALLBACK_CHAT_TEMPLATE,
     FORMATS,
     IGNORE_INDEX,
     SHAREGPT_ROLES,
     Example,
-    alpaca_prompt,
     detect_format,
     encode_prefix,
     segments,
@@ -45,6 +41,7 @@ from slimtune.data.shapes import (
 )
 from slimtune.errors import SlimtuneError
 from slimtune.formats.manifest import sha256_bytes, sha256_file
+from slimtune.prompts import ALPACA_PROMPT, ALPACA_PROMPT_WITH_INPUT, FALLBACK_CHAT_TEMPLATE, alpaca_prompt
 
 __all__ = [
     "ALPACA_PROMPT",
@@ -71,6 +68,7 @@ __all__ = [
     "load_dataset",
     "model_inputs",
     "pack",
+    "rank_batch",
     "parse_json",
     "parse_json_object",
     "read_jsonl",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from slimtune.data.shapes import IGNORE_INDEX, Example
+from slimtune.distributed import Ranks, split_rows
 
 
 def pack(examples: list[Example], max_seq_len: int, seed: int) -> list[Example]:
@@ -89,3 +90,17 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     if "position_ids" in batch:
         return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
     return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
+
+
+def rank_batch(examples: list[Example], batch: list[int], ranks: Ranks, pad_id: int) -> dict[str, torch.Tensor]:
+    """This rank's contiguous slice of a global micro-batch (``split_rows``), collated. A rank whose
+    slice is empty (a short last batch) still runs the forward and backward passes FSDP2's collectives
+    need, on one example with no trained token: it adds nothing to the loss or the gradients.
+
+    Example: ``rank_batch(data.train, [0, 1, 2], Ranks(1, 2), pad_id=0)`` collates examples 2 only"""
+    start, end = split_rows(len(batch), ranks.world_size)[ranks.rank]
+    if end > start:
+        return collate([examples[i] for i in batch[start:end]], pad_id)
+    filler = collate([examples[batch[0]]], pad_id)
+    filler["labels"].fill_(IGNORE_INDEX)
+    return filler

@@ -6,7 +6,7 @@ file's columns to these keys first):
 
 - alpaca:     ``{"instruction", "input"? , "output"}``; the prompt is the Alpaca template.
 - chat:       ``{"messages": [{"role", "content"}, ...]}``; rendered with the tokenizer's chat
-  template when it has one, else the plain ``<|role|>`` format of ``FALLBACK_CHAT_TEMPLATE``.
+  template when it has one, else the plain ``<|role|>`` format of ``prompts.FALLBACK_CHAT_TEMPLATE``.
   Only assistant turns are trained on.
 - sharegpt:   ``{"conversations": [{"from": "human"|"gpt"|"system", "value"}, ...]}``; as chat.
 - completion: ``{"prompt", "completion"}`` (TRL): strings (the completion is trained on), or lists of
@@ -26,32 +26,12 @@ import torch
 
 from slimtune.data.readers import Record
 from slimtune.errors import SlimtuneError
+from slimtune.prompts import alpaca_prompt
 
 IGNORE_INDEX = -100
 
 
 FORMATS = ("alpaca", "chat", "sharegpt", "completion", "text")
-
-
-ALPACA_PROMPT = (
-    "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n"
-    "### Instruction:\n{instruction}\n\n### Response:\n"
-)
-
-
-ALPACA_PROMPT_WITH_INPUT = (
-    "Below is an instruction that describes a task, paired with an input that provides further context. "
-    "Write a response that appropriately completes the request.\n\n"
-    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
-)
-
-
-# The format chat rows train in when the tokenizer has no chat template, as a Jinja template: saved with
-# the checkpoint's tokenizer, so `apply_chat_template` reproduces the training token ids.
-FALLBACK_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
 
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant", "system": "system"}
@@ -105,11 +85,6 @@ def _string(record: Record, key: str, optional: bool = False) -> str:
     if not isinstance(value, str):
         raise SlimtuneError(f"{record.where}: {key!r} must be a string, got {type(value).__name__}")
     return value
-
-
-def alpaca_prompt(instruction: str, extra: str = "") -> str:
-    """The Alpaca prompt training uses (and ``slimtune generate`` for models trained on alpaca rows)."""
-    return ALPACA_PROMPT_WITH_INPUT.format(instruction=instruction, input=extra) if extra else ALPACA_PROMPT.format(instruction=instruction)
 
 
 def segments(record: Record, fmt: str, tokenizer) -> list[tuple[str, bool]]:

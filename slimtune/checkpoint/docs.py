@@ -1,0 +1,105 @@
+"""What a fine-tuning checkpoint carries beside its weights: the tokenizer files (with the chat template
+training rendered conversations with), the model card (README.md, ``checkpoint/card.py``) at the root and
+in ``adapter/``, and ``slimtune_format.json`` (the prompt format: ``format_record``; read back by
+``generate.read_format_record``). ``CheckpointDocs`` stages them once per run and hands each save its
+files, which the save copies in under its manifest.
+
+Example::
+
+    docs = CheckpointDocs(tokenizer, cfg, data, hf_config, torch.bfloat16, nf4_report(model))
+    options = SaveOptions(write, extra_files=docs.files(step=10, total_steps=10, epoch=1, train_loss=1.2, merged=True),
+                          tokenizer_dir=docs.tokenizer_dir)
+    docs.close()
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from slimtune.checkpoint.card import CardFacts, model_card
+from slimtune.config import Config
+from slimtune.formats.hf import tokenizer_files
+from slimtune.formats.layout import ADAPTER_DIR, FORMAT_NAME
+from slimtune.model import load_tokenizer
+from slimtune.prompts import FALLBACK_CHAT_TEMPLATE, alpaca_prompt
+
+
+def prompt_format_of(shapes: dict[str, int]) -> str:
+    """The prompt format that matches training data of these row shapes (counts per shape).
+
+    Example: ``prompt_format_of({"alpaca": 10}) == "alpaca"``"""
+    if any(shapes.get(s) for s in ("chat", "sharegpt", "completion")):
+        return "chat"
+    return "alpaca" if shapes.get("alpaca") else "text"
+
+
+def format_record(shapes: dict[str, int], chat_template: str | None) -> dict:
+    """What ``slimtune_format.json`` holds: the training data's shapes, the prompt format, the chat
+    template training rendered conversations with, and the Alpaca prompt.
+
+    Example: ``format_record({"chat": 4}, None)["prompt_format"] == "chat"``"""
+    return {
+        "format": "slimtune-format/1",
+        "prompt_format": prompt_format_of(shapes),
+        "shapes": dict(shapes),
+        "chat_template": chat_template or FALLBACK_CHAT_TEMPLATE,
+        "alpaca_prompt": alpaca_prompt("{instruction}"),
+    }
+
+
+class CheckpointDocs:
+    """The tokenizer files with the chat template training rendered conversations with (the fallback one
+    when the base tokenizer had none), the model card and slimtune_format.json (the prompt format).
+    Staged in a temporary directory (``close`` removes it) and copied in by each save, under its manifest."""
+
+    def __init__(self, tokenizer, cfg: Config, data, hf_config, merged_dtype: torch.dtype, nf4: dict):
+        self._tmp = tempfile.TemporaryDirectory(prefix="slimtune-docs-")
+        self.root = Path(self._tmp.name)
+        self.tokenizer_dir = self.root / "tokenizer"
+        base_files = tokenizer_files(Path(cfg.model.path))
+        if getattr(tokenizer, "chat_template", None) and base_files:  # the base's files as they are, as an offline merge
+            self.tokenizer_dir.mkdir()  # copies them (a save_pretrained would add its load arguments to tokenizer_config.json)
+            for src in base_files:
+                shutil.copyfile(src, self.tokenizer_dir / src.name)
+        else:  # the saved copy gets the template training rendered chat rows with
+            tokenizer.save_pretrained(str(self.tokenizer_dir))
+            load_tokenizer(self.tokenizer_dir, chat_template=FALLBACK_CHAT_TEMPLATE).save_pretrained(str(self.tokenizer_dir))
+            generation = Path(cfg.model.path) / "generation_config.json"  # the base's, as an offline merge copies it
+            if generation.is_file():
+                shutil.copyfile(generation, self.tokenizer_dir / generation.name)
+        self.record = {**format_record(data.shapes, getattr(tokenizer, "chat_template", None) or FALLBACK_CHAT_TEMPLATE), "nf4": nf4}
+        self.common = dict(
+            base=cfg.model.path,
+            model_type=str(getattr(hf_config, "model_type", "unknown")),
+            lora=dict(
+                rank=cfg.lora.rank,
+                alpha=cfg.lora.alpha,
+                dropout=cfg.lora.dropout,
+                use_rslora=cfg.lora.use_rslora,
+                target_modules=list(cfg.lora.target_modules),
+            ),
+            files=data.files,
+            shapes=dict(data.shapes),
+            prompt_format=self.record["prompt_format"],
+            merged_dtype=str(merged_dtype).removeprefix("torch."),
+            nf4=nf4,
+        )
+
+    def files(self, **facts) -> dict[str, Path]:
+        """The save's extra files by their path in the checkpoint; ``facts``: this step's ``CardFacts``
+        beyond the run's (step, total_steps, epoch, train_loss, merged, eval)."""
+        card = self.root / "README.md"
+        card.write_text(model_card(CardFacts(**self.common, **facts)))
+        fmt = self.root / FORMAT_NAME
+        fmt.write_text(json.dumps(self.record, indent=2) + "\n")
+        extra = {"README.md": card, f"{ADAPTER_DIR}/README.md": card, FORMAT_NAME: fmt}
+        extra.update({f"{ADAPTER_DIR}/{p.name}": p for p in tokenizer_files(self.tokenizer_dir)})
+        return extra
+
+    def close(self) -> None:
+        self._tmp.cleanup()

@@ -1,0 +1,133 @@
+"""What a run holds between its steps: ``Run``, made by a recipe's ``setup`` by keyword, advanced by the
+steps (``recipes/steps.py``). The parts that travel together are small objects of their own:
+``Placement`` (ranks, device, dtype, threads), ``Inputs`` (tokenizer, data), ``Span`` (how many steps),
+``Progress`` (where the run is), ``Optimization`` (``checkpoint/run_state.py``: optimizer, schedule, loss
+scaler) and ``Sinks`` (metrics.jsonl, trackers, memory figures, progress bar). ``FinetuneResult`` is
+what a run leaves behind.
+
+Example: ``run = Run(cfg=cfg, where=where, manager=manager, resume=None, inputs=inputs, model=model, optim=optim, span=span)``
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from slimtune.checkpoint.background import BackgroundSaver
+from slimtune.checkpoint.docs import CheckpointDocs
+from slimtune.checkpoint.manager import CheckpointManager
+from slimtune.checkpoint.run_state import Optimization, ResumePoint
+from slimtune.checkpoint.save import SaveResult
+from slimtune.config import Config
+from slimtune.data import Data
+from slimtune.distributed import Ranks
+from slimtune.memory import PeakMemory
+from slimtune.model import config_dtype
+from slimtune.tracking import MetricsLog, Trackers
+
+
+@dataclass
+class FinetuneResult:
+    """What a run leaves behind, for the CLI summary and the demo's checks."""
+
+    model: nn.Module
+    tokenizer: object
+    output_dir: Path
+    global_step: int
+    losses: list[float] = field(default_factory=list)  # this invocation's steps
+    checkpoint: Path | None = None  # the newest checkpoint written by this invocation
+    last_save: SaveResult | None = None
+    rss_before_last_save_mb: float = 0.0
+    peak_rss_last_save_mb: float = 0.0
+    peak_rss_mb: float = 0.0  # the whole process, loading included
+    peak_gpu_mb: float | None = None
+    metrics_path: Path | None = None
+    plot_path: Path | None = None
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the run computes: this process's ranks, the device, the compute dtype, the CPU threads."""
+
+    ranks: Ranks
+    device: torch.device
+    dtype: torch.dtype
+    threads: int
+
+
+@dataclass
+class Inputs:
+    """What the run reads before its model: the tokenizer, the base's HF config, the tokenized data and
+    the built-in rows ``restore`` writes (None when the data file exists)."""
+
+    tokenizer: object
+    hf_config: object
+    data: Data
+    builtin_rows: list[dict] | None = None
+
+    @property
+    def pad_id(self) -> int:
+        """What batches are padded with: the tokenizer's pad token, else its eos, else 0."""
+        return next(i for i in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0) if i is not None)
+
+
+@dataclass(frozen=True)
+class Span:
+    """The run's step arithmetic: optimizer steps per epoch, in all, and where this invocation stops."""
+
+    steps_per_epoch: int
+    total_steps: int
+    stop_at: int  # training.stop_after_steps, or total_steps
+
+
+@dataclass
+class Progress:
+    """Where the run is: the last optimizer step taken and the data position of the next one."""
+
+    global_step: int = 0
+    epoch: int = 0  # 0-based
+    step_in_epoch: int = 0  # the next step of the epoch, 0-based
+    position: tuple[int, int] = (0, 0)  # (epoch, step_in_epoch) after the step being taken
+    first_step: int = 1  # this invocation's first step
+
+
+@dataclass
+class Sinks:
+    """Where each step's record goes (the coordinator's metrics.jsonl, the trackers, the progress bar)
+    and the run's memory figures. Opened by ``restore``."""
+
+    metrics: MetricsLog | None = None
+    trackers: Trackers = field(default_factory=Trackers)
+    memory: PeakMemory | None = None
+    bar: tqdm | None = None
+
+
+@dataclass(kw_only=True)
+class Run:
+    """Everything a run holds between its steps: made by a recipe's ``setup`` (keyword arguments only),
+    advanced by the other steps."""
+
+    cfg: Config
+    where: Placement
+    manager: CheckpointManager
+    resume: ResumePoint | None  # None: a fresh start
+    inputs: Inputs
+    model: nn.Module
+    optim: Optimization
+    span: Span
+    at: Progress = field(default_factory=Progress)  # where the run is: run.at.global_step
+    record: dict = field(default_factory=dict)  # the metrics record of the step being taken
+    last_eval: dict | None = None
+    docs: CheckpointDocs | None = None
+    sinks: Sinks = field(default_factory=Sinks)
+    result: FinetuneResult | None = None
+    saver: BackgroundSaver | None = None  # checkpoint.async: the background writer
+
+    @property
+    def base_dtype(self) -> torch.dtype:
+        """The base checkpoint's dtype: the merged model's."""
+        return config_dtype(self.model.config)

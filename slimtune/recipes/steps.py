@@ -198,7 +198,7 @@ def restore(run: Run) -> None:
         run.sinks.trackers = Trackers.from_config(cfg, run.manager.out, resume_step=at.global_step)
     if cfg.checkpoint.async_ and _saves_before_the_end(run):  # on a GPU / under torchrun its writers load now
         spec = WriterSpec(Path(cfg.model.path), lora_config(cfg), cfg.seed, run.where.dtype)
-        run.saver = BackgroundSaver(spec, run.manager, log.info, ranks=ranks, model=run.model)
+        run.saver = BackgroundSaver(spec, run.manager, ranks=ranks, model=run.model)
     run.sinks.memory = PeakMemory(run.where.device)
     run.result = FinetuneResult(run.model, inputs.tokenizer, run.manager.out, at.global_step, metrics_path=run.manager.metrics_path)
     if at.global_step >= run.span.stop_at:

@@ -384,6 +384,7 @@ def export_gguf(
         plan = plan_gguf(tensors, options.type, MixModel(arch.name, arch.layers, arch.heads, arch.kv_heads))
         template = source.record.get("chat_template")
         kv = [
+            (gguf.Keys.General.TYPE, gguf.GGUFType.MODEL, gguf.GGUFValueType.STRING),  # as llama.cpp's converter writes it
             (gguf.Keys.General.FILE_TYPE, int(_FILE_TYPES[options.type]), gguf.GGUFValueType.UINT32),
             (gguf.Keys.General.QUANTIZATION_VERSION, gguf.GGML_QUANT_VERSION, gguf.GGUFValueType.UINT32),
             *arch.kv(),

@@ -204,6 +204,8 @@ class GGUFArch:
         cfg, a, mt = self.cfg, self.name, self.model_type
         K = gguf.Keys
         out: list[tuple[str, object, gguf.GGUFValueType]] = []
+        if mt in ("llama", "mistral"):  # the converter's LlamaModel writes {arch}.vocab_size (llama.cpp's n_vocab when present)
+            out.append((K.LLM.VOCAB_SIZE.format(arch=a), int(_need(cfg, "vocab_size", self.where)), T.UINT32))
         if mt in _SWA_PERIOD:
             out.append(
                 (

@@ -17,6 +17,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	# The CPU wheel of torch lies on this machine's disk; an unpinned torch would pull a CUDA build.
 	$(BIN)/python -m pip install -q torch==2.13.0
+	# llama.cpp (llama-cpp-python), the GGUF tests' oracle, built from source with no floating-point contraction:
+	# slimtune's K-quants are byte for byte ggml's reference quantizers as C evaluates them, one rounding per
+	# operation; a build that fuses a * b + c into FMAs (GCC's default wherever the target has FMA: aarch64,
+	# or -march=native) writes other bytes (docs/gguf.md). No wheel cache: a cached wheel may have other flags.
+	CMAKE_ARGS="-DCMAKE_C_FLAGS=-ffp-contract=off -DCMAKE_CXX_FLAGS=-ffp-contract=off" \
+		$(BIN)/python -m pip install -q --no-cache-dir llama-cpp-python==0.3.36
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 

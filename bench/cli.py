@@ -76,11 +76,12 @@ def main(argv: list[str] | None = None) -> None:
     ts.add_argument("--keep", action="store_true", help="keep the run directories")
     gg = sub.add_parser("gguf", help="GGUF export of a synthetic base + adapter (merged on the fly): peak RSS, bytes, time vs disk")
     gg.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
-    gg.add_argument("--type", default="q8_0", help="f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1 (default q8_0)")
+    gg.add_argument("--type", default="q8_0", help="any slimtune export --type, the K-quant mixes included (default q8_0)")
     gg.add_argument("--out", type=Path, default=Path("bench-out"))
     gg.add_argument("--layers", type=int, default=None, help="override the number of layers")
     gg.add_argument("--tokenizer", type=Path, default=None, help="tokenizer files for the base (default: SmolLM2's)")
     gg.add_argument("--peer", choices=["llama.cpp"], help="also slimtune merge + llama.cpp's convert_hf_to_gguf.py on it")
+    gg.add_argument("--no-verify", dest="verify", action="store_false", help="export without the sha256 check of the base and adapter")
     args = parser.parse_args(argv)
     quiet_library_logs()
     if args.command == "train-step":
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(result))
     if args.command == "gguf":
         args.out.mkdir(parents=True, exist_ok=True)
-        print(json.dumps(bench_gguf(args.preset, args.out, args.type, args.layers, args.tokenizer, args.peer)))
+        print(json.dumps(bench_gguf(args.preset, args.out, args.type, args.layers, args.tokenizer, args.peer, args.verify)))
     if args.command == "dist-save":
         print(json.dumps(bench_dist_save(args.preset, args.out, args.nproc, args.layers)))
     if args.command == "load-moe":

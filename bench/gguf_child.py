@@ -1,4 +1,4 @@
-"""The child of ``python -m bench gguf``: ``python -m bench.gguf_child BASE ADAPTER OUT TYPE`` exports the
+"""The child of ``python -m bench gguf``: ``python -m bench.gguf_child BASE ADAPTER OUT TYPE VERIFY`` exports the
 GGUF file and prints one JSON line: seconds, bytes written, the export's own report, RSS before (after
 imports) and at peak (reset with clear_refs first)."""
 
@@ -14,11 +14,11 @@ from slimtune.memory import bytes_written_by_process, peak_rss_mb, reset_peak_rs
 
 
 def main(argv: list[str]) -> None:
-    base, adapter, out, qtype = argv
+    base, adapter, out, qtype, verify = argv
     before = rss_mb()
     reset = reset_peak_rss()
     w0, t0 = bytes_written_by_process(), time.perf_counter()
-    result = export_gguf(Path(out), GGUFOptions(qtype, overwrite=True), base=Path(base), adapter=Path(adapter))
+    result = export_gguf(Path(out), GGUFOptions(qtype, overwrite=True, verify=verify == "True"), base=Path(base), adapter=Path(adapter))
     figures = {"export_s": time.perf_counter() - t0, "bytes_written": bytes_written_by_process() - w0}
     figures |= {"reported_bytes": result.bytes, "tensors": result.tensors, "rss_before_mb": before}
     print(json.dumps(figures | {"peak_rss_mb": peak_rss_mb(), "peak_reset": reset}))

@@ -31,9 +31,9 @@ def _tokenizer_vocab(tokenizer: Path) -> int:
     return max(AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True).get_vocab().values()) + 1
 
 
-def _gguf_in_child(base: Path, adapter: Path, target: Path, qtype: str) -> dict:
+def _gguf_in_child(base: Path, adapter: Path, target: Path, qtype: str, verify: bool = True) -> dict:
     """slimtune's GGUF export in a fresh child process: its figures (bench/gguf_child.py); the file stays."""
-    return run_child("bench.gguf_child", str(base), str(adapter), str(target), qtype, what="GGUF export")
+    return run_child("bench.gguf_child", str(base), str(adapter), str(target), qtype, str(verify), what="GGUF export")
 
 
 LLAMA_CPP_PEER = Path(__file__).resolve().parent / "peers" / "llama_cpp_convert.sh"
@@ -79,14 +79,21 @@ def _llama_cpp_peer(base: Path, adapter: Path, out: Path, tag: str, qtype: str) 
 
 
 def bench_gguf(
-    preset: str, out: Path, qtype: str, layers: int | None = None, tokenizer: Path | None = None, peer: str | None = None
+    preset: str,
+    out: Path,
+    qtype: str,
+    layers: int | None = None,
+    tokenizer: Path | None = None,
+    peer: str | None = None,
+    verify: bool = True,
 ) -> dict:
     """GGUF export of a synthetic base + adapter (made once under ``out``, reused), merged on the fly, in a
     fresh child process that reports its peak RSS over its own baseline (RSS after imports, peak reset
     with clear_refs), the bytes it wrote and the file's size; the disk's sequential write speed is
     measured in the same run. ``tokenizer``: a directory whose tokenizer files the base gets (the GGUF
     needs a vocabulary; SmolLM2's by default). ``peer="llama.cpp"``: then the merge + llama.cpp converter
-    path on the same base + adapter (``_llama_cpp_peer``), its figures added.
+    path on the same base + adapter (``_llama_cpp_peer``), its figures added. ``verify``: the export checks
+    the sha256 of the base's and the adapter's files against their manifests while reading (``--no-verify``: not).
 
     Example: ``bench_gguf("tiny", Path("bench-out"), "q8_0", peer="llama.cpp")``"""
     if peer is not None:
@@ -105,7 +112,7 @@ def bench_gguf(
     disk = disk_write_mb_s(out, min(base_bytes, 2 * 1024**3))
     copied = [Path(shutil.copy(f, base / f.name)) for f in tokenizer.glob("*token*") if not (base / f.name).exists()]
     try:  # the base is reused only while its manifest lists every file: the tokenizer goes back out
-        stats = _gguf_in_child(base, adapter, target, qtype)
+        stats = _gguf_in_child(base, adapter, target, qtype, verify)
         size = target.stat().st_size
         target.unlink()
         peer_stats = _llama_cpp_peer(base, adapter, out, tag, qtype) if peer else {}  # the merge copies the tokenizer
@@ -118,6 +125,7 @@ def bench_gguf(
     return {
         "preset": preset + (f"[{layers} layers]" if layers else ""),
         "type": qtype,
+        "verify": verify,
         "base_bytes": base_bytes,
         "file_bytes": size,
         "bytes_written": stats["bytes_written"],

@@ -30,7 +30,11 @@ def quiet_library_logs() -> None:
     import transformers  # lazy
 
     transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()  # huggingface_hub's bars too: downloads show theirs again
+    from huggingface_hub import constants, utils  # lazy
+
+    if constants.HF_HUB_DISABLE_PROGRESS_BARS is not True:
+        utils.enable_progress_bars("huggingface_hub")
     for name in ("torchao", "torch.utils._pytree"):
         logging.getLogger(name).setLevel(logging.ERROR)
 
@@ -75,7 +79,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     options = _sampling(args)
     messages = read_messages(args.messages) if args.messages is not None else None
-    loaded = load_for_generation(args.checkpoint, args.form, args.base, args.device)
+    loaded = load_for_generation(args.checkpoint, args.form, args.base, args.device, verify=args.verify)
     print(f"[{loaded.form} model, {args.format if args.format != 'auto' else loaded.prompt_format} format]", file=sys.stderr)
     ids = prompt_ids(loaded, prompt=args.prompt, messages=messages, fmt=None if args.format == "auto" else args.format)
     generate(loaded, ids, options, on_text=lambda text: print(text, end="", flush=True))
@@ -86,7 +90,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
     from slimtune.generate import chat_loop, load_for_generation  # lazy
 
     options = _sampling(args)
-    chat_loop(load_for_generation(args.checkpoint, args.form, args.base, args.device), options)
+    chat_loop(load_for_generation(args.checkpoint, args.form, args.base, args.device, verify=args.verify), options)
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
@@ -98,6 +102,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
         forwarded = ["merge", "--base", str(args.base), "--adapter", str(args.adapter), "--out", str(args.out)]
         forwarded += ["--merge-base", args.merge_base, "--max-shard-size", str(args.max_shard_size), "--device", args.device]
         forwarded += (["--dtype", args.dtype] if args.dtype else []) + (["--overwrite"] if args.overwrite else [])
+        forwarded += [] if args.verify else ["--no-verify"]
         return run_ranks(args.nproc, forwarded)
     from slimtune.checkpoint.writer import WriteOptions  # lazy
     from slimtune.merge import merge_from_files  # lazy
@@ -105,7 +110,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
     options = WriteOptions(args.max_shard_size, args.overwrite, dtype=args.dtype, device=args.device)
     ranks = init_distributed("cpu")  # the ranks exchange only small control messages: gloo
     try:
-        result = merge_from_files(args.base, args.adapter, args.out, options, args.merge_base, ranks)
+        result = merge_from_files(args.base, args.adapter, args.out, options, args.merge_base, ranks, args.verify)
     except BaseException:
         shutdown()
         raise
@@ -126,7 +131,7 @@ def cmd_export(args: argparse.Namespace) -> None:
         raise SlimtuneError("export: give SRC (a checkpoint) or both --base and --adapter")
     # beside the checkpoint, as checkpoint.gguf writes it: a file inside would not be in its manifest
     out = args.out or (args.src or args.adapter).resolve().parent / f"model-{args.type}.gguf"
-    options = GGUFOptions(args.type, args.merge_base, args.overwrite, dry_run=args.dry_run)
+    options = GGUFOptions(args.type, args.merge_base, args.overwrite, args.verify, dry_run=args.dry_run)
     result = export_gguf(out, options, src=args.src, base=args.base, adapter=args.adapter)
     if args.dry_run:
         for slot in result.plan.slots:
@@ -164,6 +169,22 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     print("\n".join(inspect_path(args.path)))
 
 
+class _Version(argparse.Action):
+    """``slimtune --version``: ``slimtune 0.1.0 (torch 2.13.0, transformers 5.24.0, ...)``, from the package
+    metadata (nothing imported), read only when asked."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from slimtune.checkpoint.card import software_versions  # lazy
+
+        versions = software_versions()
+        others = ", ".join(f"{name} {version}" for name, version in versions.items() if name != "slimtune")
+        print(f"slimtune {versions['slimtune']} ({others}; python {sys.version.split()[0]})")
+        parser.exit()
+
+
 def _size(text: str) -> int:
     """--max-shard-size, parsed here once (a bad size is argparse's usage error, exit 2)."""
     try:
@@ -174,11 +195,14 @@ def _size(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="slimtune", description="QLoRA fine-tuning with bounded-memory checkpoints.")
+    parser.add_argument("--version", action=_Version, help="print the versions of slimtune and the libraries it runs on, and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="train and save the embedded tiny model end to end (offline)")
     demo.add_argument("--out", type=Path, default=Path("slimtune-demo"), help="output directory (default: ./slimtune-demo)")
-    demo.add_argument("--base", type=Path, default=None, help="use this local Hugging Face checkpoint instead of the embedded tiny model")
+    demo.add_argument(
+        "--base", default=None, help="use this Hugging Face checkpoint (a directory or a hub id org/name[@rev]) instead of the tiny model"
+    )
     demo.add_argument("--steps", type=int, default=60, help="training steps (default: 60)")
     demo.add_argument("--targets", default=None, help="comma-separated LoRA target modules (default: all attention and MLP projections)")
     demo.set_defaults(func=cmd_demo)
@@ -231,16 +255,17 @@ def build_parser() -> argparse.ArgumentParser:
         "q5_k_s, q6_k (default: f16)",
     )
     export.add_argument("--out", type=Path, default=None, help="output file (default: model-TYPE.gguf beside SRC)")
-    export.add_argument("--base", type=Path, default=None, help="base model directory, to merge an adapter on the fly")
+    export.add_argument("--base", type=Path, default=None, help="base model (a directory or hub id), to merge an adapter on the fly")
     export.add_argument("--adapter", type=Path, default=None, help="PEFT adapter directory (or a checkpoint holding adapter/)")
     export.add_argument("--merge-base", choices=["original", "quantized"], default="original", help="as for merge (default: original)")
     export.add_argument("--overwrite", action="store_true", help="replace an existing output file (atomically, once complete)")
     export.add_argument("--dry-run", action="store_true", help="print each tensor's GGML type and the file's size; write nothing")
+    _no_verify(export)
     export.set_defaults(func=cmd_export)
 
     verify = sub.add_parser("verify", help="check a checkpoint against its manifest, the format rules and (optionally) its sources")
     verify.add_argument("path", type=Path, help="checkpoint directory")
-    verify.add_argument("--base", type=Path, default=None, help="base checkpoint, to recompute each merged tensor")
+    verify.add_argument("--base", type=Path, default=None, help="base checkpoint (directory or hub id), to recompute each merged tensor")
     verify.add_argument("--adapter", type=Path, default=None, help="adapter, to recompute each merged tensor")
     verify.add_argument("--merge-base", choices=["original", "quantized"], default="original", help="as given to merge")
     verify.add_argument(
@@ -264,18 +289,33 @@ def _generation_args(p: argparse.ArgumentParser, temperature: float) -> None:
         help="merged: the merged model with plain transformers; adapter: the adapter on the NF4 base it was trained on "
         "(bounded memory, as finetune loads it); auto: merged when the checkpoint has it",
     )
-    p.add_argument("--base", type=Path, default=None, help="base model for --form adapter (default: the one training used)")
+    p.add_argument(
+        "--base", type=Path, default=None, help="base model for --form adapter, a directory or a hub id (default: the one training used)"
+    )
     p.add_argument("--max-new-tokens", type=int, default=128, help="default: 128")
     p.add_argument("--temperature", type=float, default=temperature, help=f"0: greedy (default: {temperature})")
     p.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling (default: 0.9)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed: the same seed gives the same text (default: 0)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: cuda when available")
+    _no_verify(p)
+
+
+def _no_verify(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-verify",
+        dest="verify",
+        action="store_false",
+        help="do not check the sha256 of the checkpoint files read against their manifest (checked while reading by default)",
+    )
 
 
 def _add_merge(sub) -> None:
     merge = sub.add_parser("merge", help="merge a PEFT LoRA adapter into a Hugging Face base, from files, in bounded memory")
     merge.add_argument(
-        "--base", type=Path, required=True, help="base checkpoint directory (safetensors; bf16/fp16/fp32 or bitsandbytes NF4)"
+        "--base",
+        type=Path,
+        required=True,
+        help="base checkpoint: a directory or a hub id org/name[@revision] (safetensors; bf16/fp16/fp32 or bitsandbytes NF4)",
     )
     merge.add_argument("--adapter", type=Path, required=True, help="PEFT adapter directory (or a slimtune checkpoint holding adapter/)")
     merge.add_argument("--out", type=Path, required=True, help="output directory (must not exist unless --overwrite)")
@@ -291,6 +331,7 @@ def _add_merge(sub) -> None:
     )
     merge.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the merge math runs (default: cpu)")
     merge.add_argument("--overwrite", action="store_true", help="replace an existing output directory (atomically, once complete)")
+    _no_verify(merge)
     merge.add_argument(
         "--nproc",
         type=int,

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from slimtune.config import load_config
 from slimtune.fileio import write_atomic
+from slimtune.formats.hub import resolve_model
 from slimtune.formats.layout import ADAPTER_DIR
 from slimtune.generate import SamplingOptions, generate, load_for_generation, prompt_ids
 from slimtune.recipes.finetune import run_finetune
@@ -51,8 +52,8 @@ def run_demo(
     t0 = time.perf_counter()
     values = {"output_dir": str(out_dir), "training.max_steps": steps, "training.total_epochs": 10**6, "seed": seed, "overwrite": True}
     values["checkpoint.async"] = False  # the demo reports the peak RSS of the save itself, made in this process
-    if base_dir is not None:
-        values.update({"model.path": str(Path(base_dir).resolve()), "model.create_tiny": False})
+    if base_dir is not None:  # a directory or a hub id
+        values.update({"model.path": os.fspath(base_dir), "model.create_tiny": False})
     if targets is not None:
         values["lora.target_modules"] = targets
     if lr is not None:
@@ -75,7 +76,7 @@ def run_demo(
     else:
         cfg, run = load_config("tiny", values=values), first
     model, tokenizer, result = run.model, run.tokenizer, run.last_save
-    base_dir = Path(cfg.model.path)
+    base_dir = resolve_model(cfg.model.path).path  # resolved once already by the recipe (no second fetch)
     ckpt = out_dir / "checkpoint"
     _link(ckpt, run.checkpoint)
     batch = demo_batch(tokenizer, DEMO_TEXTS)

@@ -25,6 +25,7 @@ class ModelFacts:
     targets: list[str] = field(default_factory=list)  # the linears holding adapters
     rename: Callable[[str], str] = str  # a checkpoint key -> the model's key (transformers' renamings)
     source_dir: Path | None = None  # the base checkpoint the model was loaded from (None: built in memory)
+    base_name: str | None = None  # what checkpoints record as its base: the hub id, or source_dir (formats.hub.ModelSource.name)
     staging: dict = field(default_factory=dict)  # sharded loading: parameter -> (whole tensor, elements filled)
 
 

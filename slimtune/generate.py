@@ -31,7 +31,9 @@ from transformers.generation.streamers import BaseStreamer
 
 from slimtune.data import FALLBACK_CHAT_TEMPLATE, alpaca_prompt, parse_json
 from slimtune.errors import SlimtuneError
+from slimtune.formats.hub import is_hub_id, resolve_model
 from slimtune.formats.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS, CheckpointLayout
+from slimtune.formats.manifest import checks_done, read_check
 from slimtune.formats.peft import read_adapter
 from slimtune.lora import LoRAConfig
 from slimtune.model import load_adapter_weights, load_qlora_model, load_tokenizer, pick_device, pick_dtype
@@ -61,10 +63,12 @@ class Loaded:
 
 
 def load_for_generation(
-    path: str | Path, form: str = "auto", base: str | Path | None = None, device: str = "auto", dtype: str = "bf16"
+    path: str | Path, form: str = "auto", base: str | Path | None = None, device: str = "auto", dtype: str = "bf16", verify: bool = True
 ) -> Loaded:
     """A checkpoint (a ``step-N`` directory, a merged model directory or an adapter directory) loaded as
-    ``form``: merged, adapter (on the NF4 base), or auto (merged when there is one)."""
+    ``form``: merged, adapter (on the NF4 base), or auto (merged when there is one). With ``verify``, the
+    files read from a checkpoint with a manifest are hashed while the model loads, and a mismatch is one
+    error line before anything is generated."""
     path = Path(path)
     if not path.is_dir():
         raise SlimtuneError(f"{path}: no such checkpoint directory")
@@ -78,6 +82,7 @@ def load_for_generation(
         raise SlimtuneError(f"{path}: no adapter here (adapter/adapter_config.json)")
     dev = pick_device(device)
     compute = pick_dtype(dtype, dev)
+    checks = [read_check(path if form == "merged" else adapter_dir, verify)]
     if form == "merged":
         try:
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=compute, local_files_only=True)
@@ -85,23 +90,27 @@ def load_for_generation(
             raise SlimtuneError(f"{path}: cannot load the merged model ({e})") from None
         tokenizer_dir = path
     else:
-        model, tokenizer_dir = _load_adapter_on_nf4(path, adapter_dir, base, compute)
+        model, tokenizer_dir = _load_adapter_on_nf4(path, adapter_dir, base, compute, lambda d: checks.append(read_check(d, verify)))
+    checks_done(*checks)
     model.to(dev).eval()
     tokenizer = load_tokenizer(tokenizer_dir)
     return Loaded(model, tokenizer, form, _recorded_prompt_format(path, tokenizer), dev)
 
 
-def _load_adapter_on_nf4(path: Path, adapter_dir: Path, base: str | Path | None, dtype: torch.dtype) -> tuple[nn.Module, Path]:
+def _load_adapter_on_nf4(
+    path: Path, adapter_dir: Path, base: str | Path | None, dtype: torch.dtype, on_base: Callable[[Path], None]
+) -> tuple[nn.Module, Path]:
     config = read_adapter(adapter_dir).config
     if config.get("rank_pattern") or config.get("alpha_pattern") or config.get("use_dora"):
         raise SlimtuneError(
             f"{adapter_dir}: rank/alpha patterns and DoRA are not supported on the NF4 base; merge it and use --form merged"
         )
-    base_dir = Path(base) if base is not None else _recorded_base(path, adapter_dir, config)
+    base_dir = resolve_model(base).path if base is not None else _recorded_base(path, adapter_dir, config)
     targets = config.get("target_modules")
     targets = list(targets) if isinstance(targets, list) else None
     if not targets:
         raise SlimtuneError(f"{adapter_dir / ADAPTER_CONFIG}: target_modules must be a list of module names here")
+    on_base(base_dir)
     lora = LoRAConfig(int(config["r"]), float(config["lora_alpha"]), 0.0, bool(config.get("use_rslora")), targets)
     model = load_qlora_model(base_dir, lora, seed=0, progress=False, dtype=dtype)
     weights = adapter_dir / ADAPTER_WEIGHTS
@@ -113,19 +122,24 @@ def _load_adapter_on_nf4(path: Path, adapter_dir: Path, base: str | Path | None,
 
 
 def _recorded_base(path: Path, adapter_dir: Path, config: dict) -> Path:
-    """The base the adapter was trained on: the recipe state's model.path, else the adapter config's."""
+    """The base the adapter was trained on: the recipe state's model.path (at the hub commit training
+    resolved it to), else the adapter config's base_model_name_or_path (a directory or a hub id)."""
     candidates = []
     state = CheckpointLayout(path).recipe_state
     if state.is_file():
         try:
             saved = torch.load(state, map_location="cpu", weights_only=True)
-            candidates.append(saved["config"]["model.path"])
+            recorded = saved.get("base") or {}
+            pinned = f"{recorded['name']}@{recorded['revision']}" if is_hub_id(recorded.get("name")) and recorded.get("revision") else None
+            candidates += [c for c in (pinned, saved["config"]["model.path"]) if c]
         except Exception:  # an unreadable state only loses this hint
             pass
     candidates.append(config.get("base_model_name_or_path"))
     for candidate in candidates:
         if isinstance(candidate, str) and candidate and (Path(candidate) / "config.json").is_file():
             return Path(candidate)
+        if is_hub_id(candidate):
+            return resolve_model(candidate).path
     raise SlimtuneError(f"{adapter_dir}: cannot find the base model it was trained on ({candidates}); pass --base DIR")
 
 

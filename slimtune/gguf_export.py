@@ -36,8 +36,9 @@ from slimtune.fileio import atomic_file, check_free_space, os_errors
 from slimtune.formats.gguf_arch import GGUFArch, gguf_arch
 from slimtune.formats.gguf_mix import MIXES, MixModel, mix_types
 from slimtune.formats.gguf_vocab import vocab_fields, write_modelfile
-from slimtune.formats.hf import load_config
+from slimtune.formats.hf import export_config_dict, load_config
 from slimtune.formats.layout import CheckpointLayout
+from slimtune.formats.manifest import ReadCheck, checks_done, read_check
 from slimtune.generate import read_format_record
 from slimtune.merge import BaseCheckpoint, MergeBase, merged_file_stream
 from slimtune.quant import kquants
@@ -74,6 +75,8 @@ class GGUFOptions:
     merge_base: str = "original"
     """Merge an adapter into W itself (original) or into dequant(NF4(W)) (quantized), as ``slimtune merge``."""
     overwrite: bool = False
+    verify: bool = True
+    """Check the sha256 of every checkpoint file read against its manifest, while reading (``--no-verify``: off)."""
     chunk_bytes: int = DEFAULT_CHUNK_BYTES // 2
     """fp32 bytes of one chunk of rows (at least one row); the quantizers' numpy temporaries are several
     times this, hence half the safetensors writer's chunk."""
@@ -163,12 +166,17 @@ def plan_gguf(tensors: list[tuple[str, StreamTensor]], type_name: str, model: Mi
 
 def encode_rows(rows: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> torch.Tensor:
     """fp32 rows as the file stores them (one rounding): a cast for F32/F16/BF16, ``slimtune.quant.kquants``
-    for Q4_K/Q5_K/Q6_K, ``gguf.quants.quantize`` for the other block types. Returned as a flat uint8 tensor."""
+    for Q4_K/Q5_K/Q6_K, ``gguf.quants.quantize`` for the other block types. Returned as a flat uint8 tensor;
+    ``FloatingPointError`` where a value (or a block's scale) overflows float16."""
     if qtype in _TORCH:
-        return rows.to(_TORCH[qtype]).contiguous().view(-1).view(torch.uint8)
-    if qtype in _KQUANTS:
-        return kquants.quantize(rows, _KQUANTS[qtype])
-    data = gguf.quants.quantize(rows.numpy(), qtype)
+        out = rows.to(_TORCH[qtype]).contiguous()
+        if qtype == Q.F16 and not bool(torch.isfinite(out).all()):
+            raise FloatingPointError("float16 overflow")
+        return out.view(-1).view(torch.uint8)
+    with np.errstate(over="raise", invalid="raise"):  # a block scale beyond float16 (finite rows: nothing invalid)
+        if qtype in _KQUANTS:
+            return kquants.quantize(rows, _KQUANTS[qtype])
+        data = gguf.quants.quantize(rows.numpy(), qtype)
     return torch.from_numpy(np.ascontiguousarray(data).reshape(-1))
 
 
@@ -192,7 +200,14 @@ def _data_chunks(plan: GGUFPlan, chunk_bytes: int, start: int) -> Iterator[torch
         cols = t.shape[-1] if len(t.shape) > 1 else 1
         made = 0
         for rows in row_chunks(t, chunk_bytes):  # entries are fp32: chunk_bytes of fp32 rows
-            out = encode_rows(rows.float().reshape(-1, cols), slot.qtype)
+            if not bool(torch.isfinite(rows).all()):
+                raise SlimtuneError(f"tensor {slot.hf_key}: holds NaN or infinite values; llama.cpp would compute garbage from them")
+            try:
+                out = encode_rows(rows.float().reshape(-1, cols), slot.qtype)
+            except FloatingPointError:
+                raise SlimtuneError(
+                    f"tensor {slot.hf_key}: values too large for {slot.qtype.name} (they overflow float16); choose bf16 or f32"
+                ) from None
             made += out.numel()
             yield out
         if made != slot.nbytes:
@@ -200,9 +215,10 @@ def _data_chunks(plan: GGUFPlan, chunk_bytes: int, start: int) -> Iterator[torch
         yield torch.zeros(_pad(slot.nbytes, plan.alignment) - slot.nbytes, dtype=torch.uint8)
 
 
-def write_gguf(path: Path, arch: GGUFArch, kv: list[tuple], plan: GGUFPlan, options: GGUFOptions) -> int:
+def write_gguf(path: Path, arch: GGUFArch, kv: list[tuple], plan: GGUFPlan, options: GGUFOptions, before_rename=None) -> int:
     """Header, metadata and tensor infos through ``gguf.GGUFWriter``, then the data by row chunks, into a
-    temporary sibling renamed onto ``path`` once complete. Returns the bytes written (the file size)."""
+    temporary sibling renamed onto ``path`` once complete (and ``before_rename()`` returned: the sources'
+    hash checks). Returns the bytes written (the file size)."""
     writer = _writer(arch, kv, plan)
     check_free_space(path.parent, plan.data_bytes)
     with atomic_file(path) as tmp, os_errors("write", path, plan.data_bytes):
@@ -220,6 +236,8 @@ def write_gguf(path: Path, arch: GGUFArch, kv: list[tuple], plan: GGUFPlan, opti
             writer.close()
         if size != _pad(start, plan.alignment) + plan.data_bytes or os.path.getsize(tmp) != size:
             raise SlimtuneError(f"{path}: wrote {size:,} bytes, the plan says {_pad(start, plan.alignment) + plan.data_bytes:,}")
+        if before_rename is not None:
+            before_rename()
     return size
 
 
@@ -271,6 +289,8 @@ class _Source:
     config_dir: Path
     record: dict
     """What training recorded in slimtune_format.json (chat template), if anything."""
+    checks: tuple[ReadCheck | None, ...] = ()
+    """The sha256 checks of the checkpoints read (``read_check``), done before the file is renamed into place."""
 
 
 def _record(*dirs: Path) -> dict:
@@ -279,17 +299,19 @@ def _record(*dirs: Path) -> dict:
 
 
 @contextmanager
-def open_source(src: Path | None, base: Path | None, adapter: Path | None, merge_base: str) -> Iterator[_Source]:
+def open_source(src: Path | None, base: Path | None, adapter: Path | None, merge_base: str, verify: bool = False) -> Iterator[_Source]:
     """The merged model as an fp32 tensor stream: SRC's merged model, or an adapter (``--adapter``, or
-    SRC's ``adapter/``) merged on the fly into ``base`` exactly as ``slimtune merge`` merges it."""
+    SRC's ``adapter/``) merged on the fly into ``base`` exactly as ``slimtune merge`` merges it. With
+    ``verify``, each checkpoint read that has a manifest is hashed while it is read (``_Source.checks``)."""
     resolved = MergeBase.named(merge_base)  # the one check of the name, and the row reader it means
     if src is not None and not Path(src).is_dir():
         raise SlimtuneError(f"{src}: no such checkpoint directory")
     if src is not None and adapter is None and base is None and CheckpointLayout(src).has_merged:
+        check = read_check(src, verify)
         reader = BaseCheckpoint(src)
         try:
             stream = [_plain(reader, k) for k in reader.keys]
-            yield _Source(reader.config, stream, Path(src), Path(src), _record(Path(src)))
+            yield _Source(reader.config, stream, Path(src), Path(src), _record(Path(src)), (check,))
         finally:
             reader.close()
         return
@@ -297,15 +319,17 @@ def open_source(src: Path | None, base: Path | None, adapter: Path | None, merge
     if adapter is None:
         raise SlimtuneError(f"{src}: neither a merged model (config.json, *.safetensors) nor an adapter; pass --base and --adapter")
     if base is None:
-        raise SlimtuneError(f"{adapter}: an adapter needs the base it was trained on: pass --base DIR")
+        raise SlimtuneError(f"{adapter}: an adapter needs the base it was trained on: pass --base DIR (or a hub id)")
     from slimtune.formats.peft import read_adapter
 
+    lora = read_adapter(adapter)
+    checks = (read_check(lora.path, verify), read_check(base, verify))
     reader = BaseCheckpoint(base)
     try:
-        stream = merged_file_stream(reader, read_adapter(adapter), torch.float32, resolved)
+        stream = merged_file_stream(reader, lora, torch.float32, resolved)
         dirs = [d for d in (Path(adapter), Path(src) if src else None) if d is not None]
-        tok_dir = next((d for d in dirs if (d / "tokenizer_config.json").is_file()), Path(base))
-        yield _Source(reader.config, stream, tok_dir, Path(base), _record(*dirs))
+        tok_dir = next((d for d in dirs if (d / "tokenizer_config.json").is_file()), reader.dir)
+        yield _Source(export_config_dict(reader.config, stream), stream, tok_dir, reader.dir, _record(*dirs), checks)
     finally:
         reader.close()
 
@@ -333,6 +357,14 @@ def gguf_tensors(arch: GGUFArch, stream: list[StreamTensor]) -> list[tuple[str, 
     return out
 
 
+def _with_norm_eps(cfg: dict, hf_config) -> dict:
+    """config.json with the norm epsilon transformers computes with where the file has none (its config
+    class's default): llama.cpp requires the key, and refuses a file without it."""
+    text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    defaults = {k: getattr(text_config, k, None) for k in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon") if k not in cfg}
+    return {**cfg, **{k: v for k, v in defaults.items() if v is not None}}
+
+
 def export_gguf(
     out: Path, options: GGUFOptions, src: Path | None = None, base: Path | None = None, adapter: Path | None = None
 ) -> GGUFResult:
@@ -344,31 +376,40 @@ def export_gguf(
     if out.exists() and not options.overwrite and not options.dry_run:
         raise SlimtuneError(f"{out} already exists; pass --overwrite to replace it")
     started = time.perf_counter()
-    with open_source(src, base, adapter, options.merge_base) as source:
-        arch = gguf_arch(source.config, str(source.model_dir / "config.json"))
-        plan = plan_gguf(gguf_tensors(arch, source.stream), options.type, MixModel(arch.name, arch.layers, arch.heads, arch.kv_heads))
+    with open_source(src, base, adapter, options.merge_base, options.verify and not options.dry_run) as source:
+        hf_config = load_config(source.config_dir)
+        arch = gguf_arch(_with_norm_eps(source.config, hf_config), str(source.model_dir / "config.json"))
+        tensors = gguf_tensors(arch, source.stream)
+        arch.check_tensors([g for _, g in tensors])
+        plan = plan_gguf(tensors, options.type, MixModel(arch.name, arch.layers, arch.heads, arch.kv_heads))
         template = source.record.get("chat_template")
         kv = [
+            (gguf.Keys.General.TYPE, gguf.GGUFType.MODEL, gguf.GGUFValueType.STRING),  # as llama.cpp's converter writes it
             (gguf.Keys.General.FILE_TYPE, int(_FILE_TYPES[options.type]), gguf.GGUFValueType.UINT32),
             (gguf.Keys.General.QUANTIZATION_VERSION, gguf.GGML_QUANT_VERSION, gguf.GGUFValueType.UINT32),
             *arch.kv(),
-            *vocab_fields(source.model_dir, load_config(source.config_dir), template),
+            *vocab_fields(source.model_dir, hf_config, template),
         ]
         if options.dry_run:
             size = planned_size(arch, kv, plan)
             return GGUFResult(out, options.type, len(plan.slots), size, time.perf_counter() - started, None, plan)
-        size = write_gguf(out, arch, kv, plan, options)
+        try:
+            size = write_gguf(out, arch, kv, plan, options, lambda: checks_done(*source.checks))
+        except SlimtuneError:
+            checks_done(*source.checks)  # damaged bytes are the cause of what they made fail: say so
+            raise
     modelfile = write_modelfile(out, source.model_dir, template, source.record.get("system_prompt"))
     return GGUFResult(out, options.type, len(plan.slots), size, time.perf_counter() - started, modelfile, plan)
 
 
-def export_checkpoint_gguf(checkpoint: Path, type_name: str, base: Path) -> GGUFResult:
+def export_checkpoint_gguf(checkpoint: Path, type_name: str, base: Path, verify: bool = True) -> GGUFResult:
     """What ``checkpoint.gguf: TYPE`` writes after training: ``model-TYPE.gguf`` (+ Modelfile) beside the
     final checkpoint (in the run directory: the checkpoint stays as its manifest lists it), from its
     merged model, or from its adapter merged into dequant(NF4(base)) (the weights training saw) when
-    the checkpoint holds no merged model.
+    the checkpoint holds no merged model. ``verify``: the checkpoint's hashes checked while it is read
+    (``checkpoint.gguf_verify``).
     Example: ``export_checkpoint_gguf(Path("runs/1/step-000100"), "q8_0", Path("base"))``"""
     out = Path(checkpoint).parent / f"model-{type_name}.gguf"
     if CheckpointLayout(checkpoint).has_merged:
-        return export_gguf(out, GGUFOptions(type_name, overwrite=True), src=Path(checkpoint))
-    return export_gguf(out, GGUFOptions(type_name, "quantized", overwrite=True), src=Path(checkpoint), base=Path(base))
+        return export_gguf(out, GGUFOptions(type_name, overwrite=True, verify=verify), src=Path(checkpoint))
+    return export_gguf(out, GGUFOptions(type_name, "quantized", overwrite=True, verify=verify), src=Path(checkpoint), base=Path(base))

@@ -19,8 +19,10 @@ from slimtune.checkpoint.writer import DEFAULT_CHUNK_BYTES, WriteOptions
 from slimtune.distributed import SINGLE, Ranks
 from slimtune.errors import SlimtuneError
 from slimtune.families import frozen_nf4_keys
-from slimtune.formats.bnb import BnbNF4Weight, aux_owner, is_aux_key, load_bnb_weight
+from slimtune.formats.bnb import BnbNF4Weight, aux_owner, is_aux_key, load_bnb_weight, quant_state_key, refuse_8bit
 from slimtune.formats.hf import checkpoint_files, export_config_dict, load_config, module_kinds, read_config_dict
+from slimtune.formats.hub import ModelSource, resolve_model
+from slimtune.formats.manifest import checks_done, read_check
 from slimtune.formats.peft import Adapter, AdapterModule, SavedTensor, read_adapter, resolve
 from slimtune.formats.safetensors import COMPUTE_DTYPES, SafetensorsReader
 from slimtune.formats.strict_json import safe_name
@@ -36,14 +38,15 @@ MERGE_BASES = ("original", "quantized")  # MergeBase(quantized=False / True)
 
 
 class BaseCheckpoint:
-    """A base checkpoint on disk: tensor names, shapes and dtypes from the headers, rows on demand."""
+    """A base checkpoint on disk (a directory, or a hub id ``resolve_model`` fetches): tensor names,
+    shapes and dtypes from the headers, rows on demand."""
 
-    def __init__(self, model_dir: str | Path, pool: BufferPool | None = None):
-        self.dir = Path(model_dir)
+    def __init__(self, model_dir: str | Path | ModelSource, pool: BufferPool | None = None):
+        self.source = resolve_model(model_dir)
+        self.dir = self.source.path
         self.pool = pool
-        if not self.dir.is_dir():
-            raise SlimtuneError(f"{self.dir}: no such base model directory")
         self.config = read_config_dict(self.dir)
+        refuse_8bit(self.config, str(self.dir / "config.json"))
         self._kinds: tuple[dict[str, str], str | None] | None = None
         self.readers = [SafetensorsReader(h.path) for h in checkpoint_files(self.dir)]
         self.location = {key: r for r in self.readers for key in r.tensors}
@@ -52,8 +55,9 @@ class BaseCheckpoint:
         self.bnb: dict[str, BnbNF4Weight] = {}
         for key, reader in self.location.items():
             if key + ".absmax" in self.location and key.endswith(".weight"):
-                entry = reader.entry(key)
-                self.bnb[key] = load_bnb_weight(key, self._read_whole, self._byte_reader(key), str(reader.path), entry.nbytes)
+                state = quant_state_key(key, self.location) or key + ".quant_state.bitsandbytes__nf4"  # missing: named as NF4's
+                packed = reader.entry(key).nbytes
+                self.bnb[key] = load_bnb_weight(key, self._read_whole, self._byte_reader(key), str(reader.path), packed, state)
         self.keys = [k for k in self.location if not (is_aux_key(k) and aux_owner(k) in self.bnb)]
 
     @property
@@ -69,12 +73,20 @@ class BaseCheckpoint:
         return self.location[key].read(key)
 
     def _byte_reader(self, key: str):
+        """Bytes [b0, b1) of a packed 4-bit weight, held in a [k, 1] tensor of any bnb_4bit_quant_storage dtype
+        (u8, bf16, ...): the rows that hold those bytes are read and viewed as bytes."""
         reader = self.location[key]
         entry = reader.entry(key)
-        per_row = entry.nbytes // entry.shape[0] if entry.shape and entry.shape[0] else 1
-        if per_row != 1 or entry.dtype != torch.uint8 or len(entry.shape) != 2:
-            raise SlimtuneError(f"{reader.path}: tensor {key}: packed 4-bit weight of shape {list(entry.shape)}, expected u8 [n, 1]")
-        return lambda b0, b1: reader.read(key, b0, b1).view(-1)
+        width = entry.nbytes // entry.shape[0] if len(entry.shape) == 2 and entry.shape[0] else 0
+        if len(entry.shape) != 2 or entry.shape[1] != 1 or entry.dtype is None or width != entry.dtype.itemsize:
+            found = f"{entry.dtype_name} {list(entry.shape)}"
+            raise SlimtuneError(f"{reader.path}: tensor {key}: packed 4-bit weight of {found}, expected [n, 1]")
+
+        def read(b0: int, b1: int) -> torch.Tensor:
+            r0, r1 = b0 // width, -(-b1 // width)
+            return reader.read(key, r0, r1).contiguous().view(torch.uint8).view(-1)[b0 - r0 * width : b1 - r0 * width]
+
+        return read
 
     def shape(self, key: str) -> tuple[int, ...]:
         return self.bnb[key].shape if key in self.bnb else self.location[key].entry(key).shape
@@ -128,6 +140,11 @@ class MergeBase:
         """Rows of the base weight ``key`` that the adapter is merged into."""
         if not self.quantized or key in base.bnb:
             return lambda s, e: base.rows(key, s, e)
+        if base.dtype(key) is None or not base.dtype(key).is_floating_point:
+            raise SlimtuneError(
+                f"{base.dir}: tensor {safe_name(key)} has dtype {base.location[key].entry(key).type_name}; "
+                "--merge-base quantized rounds a floating-point weight through NF4, an integer one has no NF4 form"
+            )
         # torchao (~80 MB of RSS) is imported only when a merge needs NF4: never for an original-base merge
         from slimtune.quant.nf4 import NF4RoundTrip, can_quantize, not_quantizable_reason
 
@@ -264,20 +281,28 @@ def merged_file_stream(
     return stream
 
 
+def _checked(checks) -> list[str]:
+    checks_done(*checks)
+    return []  # no files of its own
+
+
 def merge_from_files(
-    base_dir: str | Path,
+    base_dir: str | Path | ModelSource,
     adapter_dir: str | Path,
     out_dir: str | Path,
     options: WriteOptions = WriteOptions(),
     merge_base: str = "original",
     ranks: Ranks = SINGLE,
+    verify: bool = True,
 ) -> SaveResult:
-    """Merge ``adapter_dir`` into ``base_dir`` and write ``out_dir`` as a Hugging Face checkpoint
+    """Merge ``adapter_dir`` into ``base_dir`` (a directory or a hub id) and write ``out_dir`` as a Hugging Face checkpoint
     (sharded safetensors, index, config without quantization_config, tokenizer files, manifest).
     ``options`` says how (shard size, dtype, overwrite, the device of the merge math); ``merge_base``
     which base weights the adapter is merged into (``original`` W, or ``quantized`` dequant(NF4(W))).
     With ``ranks`` of a process group (``slimtune merge --nproc N``), every rank calls this and merges
-    its row range of every tensor into the same files (see ``write_checkpoint``).
+    its row range of every tensor into the same files (see ``write_checkpoint``). With ``verify``, the
+    adapter and the base, where they are slimtune checkpoints with a manifest, have every file read hashed
+    while the merge reads it (on the coordinator), and a mismatch leaves no output.
 
     Example: ``merge_from_files("base", "run/step-000100/adapter", "merged", WriteOptions(dtype="bf16"))``"""
     options.shard_bytes  # noqa: B018 - parsed (and checked) once, before anything is read
@@ -291,16 +316,21 @@ def merge_from_files(
     if out_dir.exists() and not options.overwrite:
         raise SlimtuneError(f"{out_dir} already exists; pass --overwrite to replace it")
     pool = pool_for(chunk_bytes, options.inflight_bytes, pin_memory=device == "cuda")
+    checks = [read_check(base_dir, verify)] if ranks.is_coordinator else []
     base = BaseCheckpoint(base_dir, pool)
     try:
         adapter = read_adapter(adapter_dir)
+        if ranks.is_coordinator:  # the adapter is small and read whole already: checked now
+            checks_done(read_check(adapter.path, verify))
         stream = merged_file_stream(base, adapter, dtype, rows_of, device, pool.to_host)
         parts = CheckpointParts(
             merged=stream,
             config=export_config_dict(base.config, stream),
             tokenizer_dir=base.dir,
-            manifest_extra={"kind": "merged", "merge_base": merge_base, "base": str(Path(base_dir)), "adapter": str(adapter.path)},
+            manifest_extra={"kind": "merged", "merge_base": merge_base, "base": base.source.name, "adapter": str(adapter.path)}
+            | ({"base_revision": base.source.revision} if base.source.revision else {}),
             whole_below=chunk_bytes,  # every rank can make any rows: small tensors go whole to one rank
+            shared_write=lambda tmp: _checked(checks),  # the hashes, once every byte was read: before the manifest
         )
         return write_checkpoint(out_dir, parts, options, ranks)
     finally:

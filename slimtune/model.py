@@ -41,7 +41,9 @@ from slimtune.families import (
     output_head,
     resolve_targets,
 )
-from slimtune.formats.hf import checkpoint_files, load_config
+from slimtune.formats.bnb import bnb_quantization, refuse_8bit
+from slimtune.formats.hf import checkpoint_files, load_config, read_config_dict
+from slimtune.formats.hub import ModelSource, resolve_model
 from slimtune.formats.peft import ALL_LINEAR, lora_key
 from slimtune.formats.safetensors import SafetensorsReader
 from slimtune.lora import LoRAConfig, LoRALinear, lora_modules, qlora_linears
@@ -158,14 +160,15 @@ def expected_checkpoint_keys(model: nn.Module) -> dict[str, tuple[torch.Size, to
 
 
 def load_qlora_model(
-    model_dir: str | Path,
+    model_dir: str | Path | ModelSource,
     lora: LoRAConfig | None = None,
     seed: int = 0,
     progress: bool = True,
     ranks: Ranks = SINGLE,
     dtype: torch.dtype | None = None,
 ) -> nn.Module:
-    """Load a local HF causal-LM checkpoint as a QLoRA model (NF4 targets + fresh LoRA adapters).
+    """Load a HF causal-LM checkpoint (a directory, or a hub id resolved by ``resolve_model``) as a QLoRA
+    model (NF4 targets + fresh LoRA adapters).
     Each tensor is read, converted as transformers converts it (renamed, or placed as rows of a fused
     parameter), quantized when it is an NF4 weight, and dropped before the next one is read. With the
     ``ranks`` of a process group the model comes out FSDP2-sharded, each rank holding only its rows
@@ -174,8 +177,10 @@ def load_qlora_model(
     from the checkpoint's dtype as they arrive (default: the checkpoint's dtype).
 
     Example: ``model = load_qlora_model("path/to/Qwen3-0.6B", LoRAConfig(rank=16, alpha=32))``"""
-    model_dir = Path(model_dir)
+    source = resolve_model(model_dir)
+    model_dir = source.path
     lora = lora or LoRAConfig()
+    _refuse_prequantized(read_config_dict(model_dir), model_dir)
     config = load_config(model_dir)
     model = build_qlora_skeleton(config, lora)  # an unsupported architecture fails here, before any file is read
     if dtype is not None:
@@ -224,9 +229,21 @@ def load_qlora_model(
                 set_tensor(model, name, p.data.to(torch.device("cuda", torch.cuda.current_device())))
     for name, p in model.named_parameters():
         p.requires_grad_(".lora_a." in name or ".lora_b." in name)
-    facts.source_dir = model_dir
+    facts.source_dir, facts.base_name = model_dir, source.name
     log.debug("%s", nf4_summary_line(nf4_report(model)))  # the recipe states it at INFO, once
     return model
+
+
+def _refuse_prequantized(config: dict, model_dir: Path) -> None:
+    """A bitsandbytes base, before anything is built: 8-bit never; 4-bit is read by merge, export and verify,
+    and training from it is not built yet (said plainly, not a shape error on the first packed tensor)."""
+    where = str(model_dir / "config.json")
+    refuse_8bit(config, where)
+    if bnb_quantization(config) == "4bit":
+        raise SlimtuneError(
+            f"{where}: a bitsandbytes 4-bit checkpoint (quantization_config.load_in_4bit); training from one is not "
+            "supported yet (merge, export and verify --base read it): use the model's 16-bit checkpoint"
+        )
 
 
 def nf4_report(model: nn.Module) -> dict:

@@ -148,5 +148,5 @@ def verify_checkpoint(
     location = check_safetensors_and_index(ckpt, report)
     if base_dir is not None:
         rows_of = MergeBase.named(merge_base)
-        _check_recomputed(ckpt, location, Path(base_dir), Path(adapter_dir), rows_of, ulps, report, progress)
+        _check_recomputed(ckpt, location, base_dir, Path(adapter_dir), rows_of, ulps, report, progress)
     return report

@@ -47,8 +47,8 @@ def qlora_model(tiny_base):
     return model.eval()
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def run_cli(*args: str, cwd: Path | None = None, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**(os.environ if env is None else env), "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-m", "slimtune", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
 
 

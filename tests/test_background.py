@@ -47,6 +47,11 @@ def snapshot(tiny_base):
     return model, {"format": "test", "global_step": 1}, train_state
 
 
+def said_by_writers(caplog) -> list[str]:
+    """What the background package logged (torch's own INFO records, DCP's, left out)."""
+    return [r.getMessage() for r in caplog.records if r.name.startswith("slimtune.checkpoint.background")]
+
+
 @pytest.mark.parametrize("mechanism", ["fork", "process"])
 def test_background_checkpoint_equals_the_synchronous_save(tiny_base, snapshot, tmp_path, mechanism, monkeypatch):
     """The writer forked with the trainer's model (its memory, copy-on-write, is the snapshot), and the
@@ -63,9 +68,8 @@ def test_background_checkpoint_equals_the_synchronous_save(tiny_base, snapshot, 
     options = SaveOptions(WriteOptions("300KB"), extra_files={"README.md": card, "adapter/README.md": card})
     CheckpointManager(tmp_path / "sync").save(model, 1, state, options, train_state)
 
-    logged = []
     shared = model if mechanism == "fork" else None  # the process writer knows nothing of the trainer's model
-    saver = BackgroundSaver(WriterSpec(tiny_base, LORA, seed=5), CheckpointManager(tmp_path / "async"), logged.append, model=shared)
+    saver = BackgroundSaver(WriterSpec(tiny_base, LORA, seed=5), CheckpointManager(tmp_path / "async"), model=shared)
     assert saver.kind == WriterKind(mechanism) and saver.available(1)
     stall = saver.submit(1, state, options, train_state)
     card.write_text("# changed after the save point\n")  # the snapshot holds the bytes of the save point
@@ -91,30 +95,32 @@ def test_background_checkpoint_equals_the_synchronous_save(tiny_base, snapshot, 
     assert record["checkpoint_writer_private_mb"] > 0 and record["checkpoint_peak_rss_mb"] > 0
 
 
-def test_changed_base_files_fall_back_to_the_synchronous_save(tiny_base, snapshot, tmp_path):
+def test_changed_base_files_fall_back_to_the_synchronous_save(tiny_base, snapshot, tmp_path, caplog):
     """The writer that rebuilds the model from the base files falls back (one line); a forked writer,
     which reads no base file (the trainer's model is its snapshot), goes on in the background."""
     base = tmp_path / "base"
     base.mkdir()
     for p in tiny_base.iterdir():
         (base / p.name).write_bytes(p.read_bytes())
-    logged = []
-    saver = BackgroundSaver(WriterSpec(base, LORA), CheckpointManager(tmp_path / "run"), logged.append)
-    shared = BackgroundSaver(WriterSpec(base, LORA), CheckpointManager(tmp_path / "forked"), logged.append, model=snapshot[0])
+    caplog.set_level(logging.INFO, logger="slimtune")
+    saver = BackgroundSaver(WriterSpec(base, LORA), CheckpointManager(tmp_path / "run"))
+    shared = BackgroundSaver(WriterSpec(base, LORA), CheckpointManager(tmp_path / "forked"), model=snapshot[0])
     assert base_fingerprint(base) == saver.writer.fingerprint
     config = base / "config.json"
     config.write_text(config.read_text() + " ")
     assert not saver.available(3) and not saver.available(4)
-    assert logged == [f"checkpoint.async: the base files in {base} changed since the run started; saving synchronously from step 3 on"]
+    assert said_by_writers(caplog) == [
+        f"checkpoint.async: the base files in {base} changed since the run started; saving synchronously from step 3 on"
+    ]
     saver.close()
     assert saver.writer.exit_code() is not None
-    assert shared.kind == WriterKind.FORK and shared.available(3) and len(logged) == 1
+    assert shared.kind == WriterKind.FORK and shared.available(3) and len(said_by_writers(caplog)) == 1
     shared.close()
 
 
 def test_a_dead_writer_is_one_line(tiny_base, snapshot, tmp_path):
     _, state, train_state = snapshot
-    saver = BackgroundSaver(WriterSpec(tiny_base, LORA), CheckpointManager(tmp_path / "run"), print)
+    saver = BackgroundSaver(WriterSpec(tiny_base, LORA), CheckpointManager(tmp_path / "run"))
     assert saver.available(1)
     os.kill(saver.writer.pid, signal.SIGKILL)
     with pytest.raises(SlimtuneError, match=r"^the checkpoint writer died \(killed by SIGKILL\) while writing step-000001; "):
@@ -125,7 +131,7 @@ def test_a_dead_writer_is_one_line(tiny_base, snapshot, tmp_path):
 def test_a_killed_forked_writer_is_one_line_and_leaves_no_temporary(tiny_base, snapshot, tmp_path):
     model, state, train_state = snapshot
     manager = CheckpointManager(tmp_path / "run")
-    saver = BackgroundSaver(WriterSpec(tiny_base, LORA), manager, print, model=model)
+    saver = BackgroundSaver(WriterSpec(tiny_base, LORA), manager, model=model)
     saver.submit(1, state, SaveOptions(WriteOptions("300KB")), train_state)
     os.kill(saver.writer.pid, signal.SIGKILL)
     with pytest.raises(SlimtuneError, match=r"^the checkpoint writer died \(killed by SIGKILL\) while writing step-000001; "):
@@ -140,10 +146,10 @@ def test_the_mechanism_follows_where_the_model_lives(tiny_base, snapshot, tmp_pa
     assert choose_kind("fork", SINGLE, None) == WriterKind.PROCESS  # no model to share: rebuilt from the base files
     assert choose_kind(WriterKind.PROCESS, SINGLE, model) == WriterKind.PROCESS
     with pytest.raises(SlimtuneError, match=r"^SLIMTUNE_ASYNC_WRITER='thread': expected one of fork, process$"):
-        BackgroundSaver(spec, manager, print, kind="thread", model=model)
+        BackgroundSaver(spec, manager, kind="thread", model=model)
 
 
-def test_a_failed_fork_saves_in_the_trainer(tiny_base, snapshot, tmp_path, monkeypatch):
+def test_a_failed_fork_saves_in_the_trainer(tiny_base, snapshot, tmp_path, monkeypatch, caplog):
     """fork() refused (ENOMEM, as under strict overcommit): that save is written by the trainer itself,
     the same files, one log line, and its figures reach the step's record."""
     model, state, train_state = snapshot
@@ -154,13 +160,14 @@ def test_a_failed_fork_saves_in_the_trainer(tiny_base, snapshot, tmp_path, monke
         raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
 
     monkeypatch.setattr(forked.os, "fork", refused)
-    logged = []
-    saver = BackgroundSaver(WriterSpec(tiny_base, LORA), CheckpointManager(tmp_path / "async"), logged.append, model=model)
+    caplog.set_level(logging.INFO, logger="slimtune")
+    saver = BackgroundSaver(WriterSpec(tiny_base, LORA), CheckpointManager(tmp_path / "async"), model=model)
     stall = saver.submit(1, state, options, train_state)
     record = {"step": 1, "tokens_per_s": 100.0}
     saver.annotate(record)
     saver.close()
-    assert logged[0] == "checkpoint.async: cannot fork the checkpoint writer (Cannot allocate memory); saving step-000001 in the trainer"
+    said = said_by_writers(caplog)[0]
+    assert said == "checkpoint.async: cannot fork the checkpoint writer (Cannot allocate memory); saving step-000001 in the trainer"
     assert record["checkpoint_saved"] == "step-000001" and stall >= record["checkpoint_save_s"] > 0
     assert_same_checkpoint(tmp_path / "sync" / "step-000001", tmp_path / "async" / "step-000001")
 

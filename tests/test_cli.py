@@ -70,3 +70,15 @@ def test_demo_end_to_end(tmp_path, steps):
     shown = text.split("--max-new-tokens 24\n", 1)[1].splitlines()
     assert shown[0][0] in "'\"" and shown[1].startswith("(token ids: [") and "random tiny Llama" in shown[2]  # repr: spaces show
     assert (out / "checkpoint" / "slimtune_manifest.json").is_file()
+
+
+def test_version_names_slimtune_and_its_libraries(capsys):
+    import torch
+    import transformers
+
+    from slimtune import __version__
+    from slimtune.cli import main
+
+    assert main(["--version"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(f"slimtune {__version__} (torch {torch.__version__}, transformers {transformers.__version__}, "), line

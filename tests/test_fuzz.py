@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.conftest import run_python
 
 
@@ -21,3 +23,22 @@ def test_fuzzed_readers_refuse_cleanly_fast_and_in_bounded_memory():
     assert figures["slowest_case_s"] < 10
     assert figures["largest_input_bytes"] < 1 << 20
     assert figures["peak_rss_growth_mb"] < 256
+
+
+BAD_OUTCOMES = ("internal", "crash", "refused", "hang", "memory", "leftover")
+
+
+def test_fuzzed_gguf_export_inputs_refuse_cleanly_or_load_in_llama_cpp():
+    """tests/fuzz_export.py: 200 mutated copies of a tiny merged checkpoint (tokenizer.json, tokenizer_config.json,
+    chat template, config.json, shard bytes) through `slimtune export`; each file written loads in llama.cpp
+    (one long-lived process: full load, a few tokens evaluated). No internal error, crash, refusal by
+    llama.cpp, hang, memory growth or leftover."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is in the dev extras")
+    result = run_python("from tests.fuzz_export import main; main(['--seed', '3', '--cases', '200'])", timeout=600)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    assert lines, result.stderr[-3000:]
+    figures = json.loads(lines[-1])
+    print(f"gguf export fuzz figures: {json.dumps({k: v for k, v in figures.items() if k != 'failures'})}")
+    assert figures["cases"] >= 200
+    assert all(figures[k] == 0 for k in BAD_OUTCOMES), figures["failures"]
+    assert figures["ok"] >= 20 and figures["clean"] >= 20, figures

@@ -466,3 +466,13 @@ def test_unknown_type_is_one_line_exit_2(family_dirs, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "q4_k_x" in err and "q4_k_m" in err
     assert not out.exists() and not list(tmp_path.iterdir())
+
+
+def test_metadata_keys_the_converter_writes(family_dirs, tmp_path):
+    """general.type = model (every family) and llama.vocab_size (the converter's LlamaModel), as convert_hf_to_gguf.py writes them."""
+    src = family_dirs("llama")
+    fields = Reader(export(src, "f16", tmp_path / "m.gguf")).fields
+    assert fields["general.type"].contents() == "model"
+    assert fields["llama.vocab_size"].contents() == 49152 == len(fields["tokenizer.ggml.tokens"].data)
+    qwen = Reader(export(family_dirs("qwen3"), "f16", tmp_path / "q.gguf")).fields
+    assert qwen["general.type"].contents() == "model" and "qwen3.vocab_size" not in qwen

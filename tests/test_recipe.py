@@ -503,3 +503,13 @@ def test_a_save_point_reached_during_a_save_waits_and_counts_as_stall(settings, 
     assert "checkpoint.async: the save before step 2's was still running; the next writers run at nice 10" in stdout
     assert third["checkpoint_also_saved"][0]["checkpoint_saved"] == "step-000002" and third["checkpoint_saved"] == "step-000003"
     assert "checkpoint_final_wait_s" in third and sorted(p.name for p in out.glob("step-*")) == [f"step-00000{i}" for i in (1, 2, 3)]
+
+
+def test_targets_vllm_would_refuse_warn_in_one_line_at_start(tmp_path, capsys):
+    run = ["training.max_steps=1", "checkpoint.merged=never", "checkpoint.async=false", "logging.progress_bar=false"]
+    code, out, err = run_main(capsys, f"output_dir={tmp_path / 'run'}", "lora.target_modules=[q_proj,lm_head]", *run)
+    assert code == 0, err
+    assert [line for line in err.splitlines() if "vLLM" in line] == [
+        "warning: vLLM will not load this run's adapter: LoRA on lm_head (vLLM adapts neither the output head nor the embeddings) "
+        "(docs/checkpoints.md: serving)"
+    ]

@@ -96,7 +96,7 @@ def _trainer(model: nn.Module, base: Path, out: Path, inside_call: bool, report:
     try:
         if inside_call:
             _hold_at_the_adapter_fsync(report)
-        saver = BackgroundSaver(WriterSpec(base, LORA), CheckpointManager(out), lambda _: None, model=model)
+        saver = BackgroundSaver(WriterSpec(base, LORA), CheckpointManager(out), model=model)
         assert saver.kind == WriterKind.FORK
         train_state = {"adapter": {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}, "position": {"epoch": 0}}
         saver.submit(1, {"format": "test", "global_step": 1}, SaveOptions(WriteOptions("300KB")), train_state)

@@ -9,13 +9,30 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from importlib import metadata
+
+VERSIONED = ("slimtune", "torch", "transformers", "peft", "huggingface_hub")
+
+
+def software_versions(names: tuple[str, ...] = VERSIONED) -> dict[str, str]:
+    """Installed versions of slimtune and the libraries a checkpoint's numbers depend on, read from the
+    package metadata (nothing is imported); "not installed" where one is missing.
+
+    Example: ``software_versions()["torch"]`` -> ``"2.13.0+cpu"``"""
+    found = {}
+    for name in names:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = "not installed"
+    return found
 
 
 @dataclass
 class CardFacts:
     """Everything the card states; filled by the recipe at each checkpoint."""
 
-    base: str
+    base: str  # the hub id, or the base directory
     model_type: str
     step: int
     total_steps: int
@@ -30,6 +47,8 @@ class CardFacts:
     eval: dict | None = None  # eval_loss, eval_ppl, eval_tokens
     settings: dict = field(default_factory=dict)  # a few more config values worth stating
     nf4: dict | None = None  # slimtune.model.nf4_report: NF4 count, scaler blocks, what kept its dtype
+    base_revision: str | None = None  # the hub commit the base was resolved to (None: a local directory)
+    versions: dict = field(default_factory=software_versions)
 
 
 def model_card(f: CardFacts) -> str:
@@ -61,6 +80,7 @@ Fine-tuned with slimtune (QLoRA) on an NF4-quantized `{f.model_type}` base: step
 | | |
 | --- | --- |
 | base model | `{f.base}` |
+| base revision | {f"`{f.base_revision}` (hub commit)" if f.base_revision else "a local directory (no hub revision)"} |
 | steps | {f.step} of {f.total_steps} |
 | train loss (this step) | {f.train_loss:.4f} |
 | eval loss | {evaluated} |{_merged_eval_row(f)}
@@ -69,6 +89,7 @@ Fine-tuned with slimtune (QLoRA) on an NF4-quantized `{f.model_type}` base: step
 | data rows | {shapes} |
 | prompt format | {f.prompt_format} (see below) |
 | merge base | {"quantized: dequant(NF4(W))" if f.merged else "n/a (adapter only)"} |
+| software | {", ".join(f"{name} {version}" for name, version in f.versions.items())} |
 
 ## Data files
 
@@ -106,7 +127,7 @@ Adapter on the plain (unquantized) base with PEFT:
 ```python
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
-base = AutoModelForCausalLM.from_pretrained("{f.base}")
+base = AutoModelForCausalLM.from_pretrained("{f.base}"{f', revision="{f.base_revision}"' if f.base_revision else ""})
 model = PeftModel.from_pretrained(base, "CHECKPOINT/adapter")
 ```
 

@@ -24,6 +24,7 @@ import torch
 from slimtune.checkpoint.card import CardFacts, model_card
 from slimtune.config import Config
 from slimtune.formats.hf import tokenizer_files
+from slimtune.formats.hub import ModelSource
 from slimtune.formats.layout import ADAPTER_DIR, FORMAT_NAME
 from slimtune.model import load_tokenizer
 from slimtune.prompts import FALLBACK_CHAT_TEMPLATE, alpaca_prompt
@@ -57,11 +58,11 @@ class CheckpointDocs:
     when the base tokenizer had none), the model card and slimtune_format.json (the prompt format).
     Staged in a temporary directory (``close`` removes it) and copied in by each save, under its manifest."""
 
-    def __init__(self, tokenizer, cfg: Config, data, hf_config, merged_dtype: torch.dtype, nf4: dict):
+    def __init__(self, tokenizer, cfg: Config, base: ModelSource, data, hf_config, merged_dtype: torch.dtype, nf4: dict):
         self._tmp = tempfile.TemporaryDirectory(prefix="slimtune-docs-")
         self.root = Path(self._tmp.name)
         self.tokenizer_dir = self.root / "tokenizer"
-        base_files = tokenizer_files(Path(cfg.model.path))
+        base_files = tokenizer_files(base.path)
         if getattr(tokenizer, "chat_template", None) and base_files:  # the base's files as they are, as an offline merge
             self.tokenizer_dir.mkdir()  # copies them (a save_pretrained would add its load arguments to tokenizer_config.json)
             for src in base_files:
@@ -69,12 +70,14 @@ class CheckpointDocs:
         else:  # the saved copy gets the template training rendered chat rows with
             tokenizer.save_pretrained(str(self.tokenizer_dir))
             load_tokenizer(self.tokenizer_dir, chat_template=FALLBACK_CHAT_TEMPLATE).save_pretrained(str(self.tokenizer_dir))
-            generation = Path(cfg.model.path) / "generation_config.json"  # the base's, as an offline merge copies it
+            generation = base.path / "generation_config.json"  # the base's, as an offline merge copies it
             if generation.is_file():
                 shutil.copyfile(generation, self.tokenizer_dir / generation.name)
-        self.record = {**format_record(data.shapes, getattr(tokenizer, "chat_template", None) or FALLBACK_CHAT_TEMPLATE), "nf4": nf4}
+        template = getattr(tokenizer, "chat_template", None) or FALLBACK_CHAT_TEMPLATE
+        self.record = {**format_record(data.shapes, template), "nf4": nf4, "base": base.record()}
         self.common = dict(
-            base=cfg.model.path,
+            base=base.name,
+            base_revision=base.revision,
             model_type=str(getattr(hf_config, "model_type", "unknown")),
             lora=dict(
                 rank=cfg.lora.rank,

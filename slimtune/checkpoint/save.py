@@ -204,7 +204,7 @@ def save_checkpoint(
         config=config,
         tokenizer_dir=options.tokenizer_dir or source_dir,
         adapter=adapter_tensor_stream(model),
-        adapter_config=adapter_config_dict(lora_modules(model), str(source_dir or "")),
+        adapter_config=adapter_config_dict(lora_modules(model), _base_name(model)),
         extra_files=options.extra_files,
         manifest_extra={"kind": "adapter" if write.adapter_only else "adapter+merged"},
         shared_write=shared_write,
@@ -228,6 +228,12 @@ def _base_config(model: nn.Module) -> dict | PretrainedConfig | None:
 def _source_dir(model: nn.Module) -> Path | None:
     facts = facts_of(model)
     return facts.source_dir if facts is not None else None
+
+
+def _base_name(model: nn.Module) -> str:
+    """The adapter's ``base_model_name_or_path``: the hub id the base came from, else its directory."""
+    facts = facts_of(model)
+    return (facts.base_name or str(facts.source_dir or "")) if facts is not None else ""
 
 
 def _prefixed(record: FileRecord) -> FileRecord:

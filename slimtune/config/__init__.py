@@ -20,11 +20,12 @@ from typing import Any
 import yaml
 
 from slimtune.config.keys import KEYS, SCHEMA, Config
-from slimtune.config.schema import PATH, PLACEHOLDER, Key, build
+from slimtune.config.schema import MODEL, PATH, PLACEHOLDER, Key, build
 from slimtune.errors import SlimtuneError
 
 __all__ = [
     "KEYS",
+    "MODEL",
     "PATH",
     "PLACEHOLDER",
     "SCHEMA",

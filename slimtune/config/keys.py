@@ -7,7 +7,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from slimtune.config.schema import PLACEHOLDER, REQUIRED, ConfigPath, Key, RunDir, Size, setting, walk
+from slimtune.config.schema import PLACEHOLDER, REQUIRED, ConfigPath, Key, ModelPath, RunDir, Size, setting, walk
 from slimtune.lora import DEFAULT_TARGETS
 from slimtune.memory import DEFAULT_SHARD_SIZE
 
@@ -16,13 +16,16 @@ from slimtune.memory import DEFAULT_SHARD_SIZE
 class ModelSection:
     """model.*: the base checkpoint the adapters train on."""
 
-    path: ConfigPath = setting(
+    path: ModelPath = setting(
         REQUIRED,
-        f"Local Hugging Face checkpoint directory of a supported family (README: Model families); '{PLACEHOLDER}' "
-        "is replaced by output_dir.",
+        "Hugging Face checkpoint of a supported family (README: Model families): a local directory, or a hub id org/name "
+        "(org/name@revision pins a branch, tag or commit) fetched through huggingface_hub's cache (HF_HOME, HF_HUB_OFFLINE, "
+        f"HF_TOKEN); a local directory of the same name wins. '{PLACEHOLDER}' is replaced by output_dir.",
         fixed=True,
     )
-    create_tiny: bool = setting(False, "When model.path does not exist, write the embedded tiny Llama there (offline demo).")
+    create_tiny: bool = setting(
+        False, "When model.path does not exist and is not a hub id, write the embedded tiny Llama there (offline demo)."
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,11 +183,15 @@ class CheckpointSection:
         "the run's last step.",
         name="async",
     )
-    gguf: Literal[
-        "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k_m", "q4_k_s", "q5_k_m", "q5_k_s", "q6_k"
-    ] | None = setting(  # fmt: skip
-        None,
-        "Also write model-TYPE.gguf (+ an Ollama Modelfile) beside the run's final checkpoint, for llama.cpp/Ollama (docs/gguf.md).",
+    gguf: Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k_m", "q4_k_s", "q5_k_m", "q5_k_s", "q6_k"] | None = (
+        setting(  # fmt: skip
+            None,
+            "Also write model-TYPE.gguf (+ an Ollama Modelfile) beside the run's final checkpoint, for llama.cpp/Ollama (docs/gguf.md).",
+        )
+    )
+    gguf_verify: bool = setting(
+        True,
+        "Check the final checkpoint's sha256 against its manifest while checkpoint.gguf reads it (false: read it unchecked).",
     )
 
 

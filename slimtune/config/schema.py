@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from slimtune.errors import SlimtuneError
+from slimtune.formats.hub import is_hub_id
 from slimtune.memory import parse_size
 
 PLACEHOLDER = "{output_dir}"
@@ -137,6 +138,12 @@ def _resolve(path: str, output_dir: Path) -> str:
     return str(Path(path.replace(PLACEHOLDER, str(output_dir))).expanduser().resolve())
 
 
+def _resolve_model(name: str, output_dir: Path) -> str:
+    """A hub id (org/name[@revision]) stays as written: ``formats.hub.resolve_model`` decides between it
+    and a local directory of that name when the model is loaded. Any other value is a path."""
+    return name if is_hub_id(name) else _resolve(name, output_dir)
+
+
 BOOL = Kind("bool", "true or false", _bool)
 INT = Kind("int", "an integer", _int)
 FLOAT = Kind("float", "a number", _float)
@@ -144,6 +151,7 @@ STR = Kind("str", "a string", _str)
 SIZE = Kind("size", "a string", _size)
 RUN_DIR = Kind("path", "a string", _run_dir)
 PATH = Kind("path", "a string", _str, _resolve)
+MODEL = Kind("model", "a string", _str, _resolve_model)  # a path or a hub id
 STR_LIST = Kind("list[str]", "a list of strings", _str_list)
 PATH_LIST = Kind("list[path]", "a list of strings", _str_list, lambda paths, root: [_resolve(p, root) for p in paths])
 FLOAT_LIST = Kind("list[float]", "a list of numbers", _float_list)
@@ -151,6 +159,7 @@ MAP = Kind("map", "a mapping", _map)
 
 # Field types that name a kind beyond Python's own (a path is a str to its reader, but resolved and checked)
 ConfigPath = Annotated[str, PATH]
+ModelPath = Annotated[str, MODEL]
 RunDir = Annotated[str, RUN_DIR]
 Size = Annotated[str, SIZE]
 _KINDS: dict[Any, Kind] = {

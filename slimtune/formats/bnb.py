@@ -1,8 +1,9 @@
-"""bitsandbytes 4-bit (NF4) weights as Hugging Face "load_in_4bit" checkpoints store them, dequantized
-by row range. Layout for a module P: ``P.weight`` (u8 [(n+1)//2, 1], two codes a byte, first in the
-high nibble), ``P.weight.absmax`` (per 64-block scale; u8 when double-quantized, with
+"""bitsandbytes 4-bit (NF4 and FP4) weights as Hugging Face "load_in_4bit" checkpoints store them, dequantized
+by row range. Layout for a module P: ``P.weight`` (the packed bytes, two codes a byte, first in the high
+nibble, held in a [k, 1] tensor of the ``bnb_4bit_quant_storage`` dtype: u8 [(n+1)//2, 1], or bf16 [n/4, 1] ...),
+``P.weight.absmax`` (per 64-block scale; u8 when double-quantized, with
 ``nested_absmax`` f32, ``nested_quant_map`` f32[256] and ``nested_offset``), ``P.weight.quant_map``
-(f32[16]) and ``P.weight.quant_state.bitsandbytes__nf4`` (u8 bytes of a JSON with quant_type,
+(f32[16]) and ``P.weight.quant_state.bitsandbytes__nf4`` (``__fp4``; u8 bytes of a JSON with quant_type,
 blocksize, dtype, shape, nested_blocksize, nested_offset). Math as bitsandbytes: fp32, then cast."""
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from slimtune.errors import SlimtuneError
 from slimtune.formats.strict_json import json_kind, loads_json, safe_name
 
 QUANT_STATE_SUFFIX = ".quant_state.bitsandbytes__nf4"
+QUANT_STATE_SUFFIXES = {"nf4": QUANT_STATE_SUFFIX, "fp4": ".quant_state.bitsandbytes__fp4"}  # quant_type -> the key's suffix
 # Longest first, so ".nested_absmax" is not taken for ".absmax".
-AUX_SUFFIXES = (QUANT_STATE_SUFFIX, ".nested_quant_map", ".nested_absmax", ".quant_map", ".absmax")
+AUX_SUFFIXES = (*QUANT_STATE_SUFFIXES.values(), ".nested_quant_map", ".nested_absmax", ".quant_map", ".absmax")
 _FLOAT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -59,26 +61,53 @@ class BnbNF4Weight:
         return (values * scale).to(self.dtype).view(end - start, cols)
 
 
+def bnb_quantization(config: dict) -> str | None:
+    """``"4bit"`` or ``"8bit"`` for a config.json whose ``quantization_config`` is bitsandbytes' (``load_in_4bit`` /
+    ``load_in_8bit``), else None."""
+    q = config.get("quantization_config")
+    if not isinstance(q, dict) or q.get("quant_method", "bitsandbytes") != "bitsandbytes":
+        return None
+    return "4bit" if q.get("load_in_4bit") is True else "8bit" if q.get("load_in_8bit") is True else None
+
+
+def refuse_8bit(config: dict, where: str) -> None:
+    """One line for an 8-bit bitsandbytes base (LLM.int8 weights with SCB scales): slimtune reads 4-bit only."""
+    if bnb_quantization(config) == "8bit":
+        raise SlimtuneError(
+            f"{where}: a bitsandbytes 8-bit checkpoint (quantization_config.load_in_8bit); slimtune reads 16-bit bases and "
+            "bitsandbytes 4-bit ones (load_in_4bit), not 8-bit: use the model's 16-bit checkpoint"
+        )
+
+
+def quant_state_key(key: str, present) -> str | None:
+    """The quant state tensor of the 4-bit weight ``key`` among the names ``present`` (NF4's or FP4's), or None."""
+    return next((key + s for s in QUANT_STATE_SUFFIXES.values() if key + s in present), None)
+
+
 def load_bnb_weight(
     key: str,
     read_small: Callable[[str], torch.Tensor],
     read_bytes: Callable[[int, int], torch.Tensor],
     where: str,
     packed_bytes: int | None = None,
+    state_key: str | None = None,
 ):
     """Build the row reader for ``key`` (a ``P.weight``) from its auxiliary tensors, every field of the
     quant state checked (types, ranges, float dtype) and every size against the shape it declares:
-    ``packed_bytes`` (the packed weight's length) must be exactly ceil(rows * cols / 2)."""
-    label = f"{where}: tensor {safe_name(key)}{QUANT_STATE_SUFFIX}"
-    raw = read_small(key + QUANT_STATE_SUFFIX)
+    ``packed_bytes`` (the packed weight's length) must be exactly ceil(rows * cols / 2). ``state_key``:
+    the quant state's name (``quant_state_key``; default NF4's); its quant_type must be the one it names."""
+    state_key = state_key or key + QUANT_STATE_SUFFIX
+    label = f"{where}: tensor {safe_name(state_key)}"
+    raw = read_small(state_key)
     if raw.dtype != torch.uint8 or raw.dim() != 1:
         raise SlimtuneError(f"{label}: expected the u8 bytes of a JSON quant state, found {raw.dtype} {list(raw.shape)}")
     state = loads_json(bytes(raw.tolist()), label, expect=dict)
     quant_type, blocksize, shape = state.get("quant_type"), state.get("blocksize"), state.get("shape")
     dtype_name = state.get("dtype", "bfloat16")
-    if quant_type != "nf4":
+    if not isinstance(quant_type, str) or not state_key.endswith(QUANT_STATE_SUFFIXES.get(quant_type, "\0")):
         raise SlimtuneError(
-            f"{where}: tensor {safe_name(key)}: bitsandbytes quant_type {safe_name(repr(quant_type))}, only 'nf4' is supported"
+            f"{label}: bitsandbytes quant_type {safe_name(repr(quant_type))[:40]}, expected 'nf4' or 'fp4' "
+            f"(the one its name says: {state_key.rpartition('__')[2]!r})"
         )
     if type(blocksize) is not int or not 0 < blocksize <= 1 << 20:
         raise SlimtuneError(f"{label}: blocksize must be a positive integer, found {json_kind(blocksize)} {blocksize!r}"[:300])

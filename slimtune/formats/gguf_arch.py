@@ -42,6 +42,16 @@ _SWA_PERIOD = {"gemma2": 2, "gemma3_text": 6}
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}
 
 T = gguf.GGUFValueType
+_KEYS = {
+    False: {"hidden": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads"},
+    True: {"hidden": "n_embd", "layers": "n_layer", "heads": "n_head"},  # GPT-2's names
+}
+
+
+def _ranges(held: list[int]) -> str:
+    if not held:
+        return "none"
+    return f"{held[0]}..{held[-1]}" + ("" if held == list(range(held[0], held[-1] + 1)) else f" ({len(held)} of them, with gaps)")
 
 
 def _need(cfg: dict, key: str, where: str):
@@ -49,6 +59,28 @@ def _need(cfg: dict, key: str, where: str):
     if value is None:
         raise SlimtuneError(f"{where}: config.json has no {key!r}, which the GGUF metadata needs")
     return value
+
+
+def _count(value: object, key: str, where: str, minimum: int = 1) -> int:
+    """An integer setting llama.cpp reads as uint32 (a JSON integer, never a string, float or bool)."""
+    if type(value) is not int or not minimum <= value < 2**32:
+        raise SlimtuneError(f"{where}: {key} must be an integer in [{minimum}, 2**32), found {value!r}")
+    return value
+
+
+def _object(value: object, key: str, where: str) -> dict:
+    if value is not None and not isinstance(value, dict):
+        raise SlimtuneError(f"{where}: {key} must be an object, found {type(value).__name__}")
+    return value or {}
+
+
+def _positive(value: object, key: str, where: str) -> float:
+    """A float setting (epsilon, rope base, scaling factor) llama.cpp computes with: finite and > 0 as
+    float32 (a negative epsilon aborts llama.cpp's norm; a string is no number)."""
+    as32 = float(torch.tensor(value, dtype=torch.float32)) if type(value) in (int, float) and abs(value) < 3.4e38 else math.nan
+    if not (math.isfinite(as32) and as32 > 0):
+        raise SlimtuneError(f"{where}: {key} must be a finite positive number, found {value!r}")
+    return float(value)
 
 
 class GGUFArch:
@@ -63,12 +95,18 @@ class GGUFArch:
         self.arch = ARCHS[self.model_type]
         self.name = gguf.MODEL_ARCH_NAMES[self.arch]
         gpt2 = self.model_type == "gpt2"
-        self.hidden = int(_need(cfg, "n_embd" if gpt2 else "hidden_size", where))
-        self.layers = int(_need(cfg, "n_layer" if gpt2 else "num_hidden_layers", where))
-        self.heads = int(_need(cfg, "n_head" if gpt2 else "num_attention_heads", where))
-        self.kv_heads = int(cfg.get("num_key_value_heads") or self.heads)
-        self.head_dim = int(cfg.get("head_dim") or self.hidden // self.heads)
+        keys = ("n_embd", "n_layer", "n_head") if gpt2 else ("hidden_size", "num_hidden_layers", "num_attention_heads")
+        self.hidden, self.layers, self.heads = (_count(_need(cfg, k, where), k, where) for k in keys)
+        self.kv_heads = _count(cfg.get("num_key_value_heads") or self.heads, "num_key_value_heads", where)
+        if self.heads % self.kv_heads:
+            raise SlimtuneError(f"{where}: num_key_value_heads {self.kv_heads} does not divide {keys[2]} {self.heads}")
+        self.head_dim = _count(cfg.get("head_dim") or self.hidden // self.heads, "head_dim", where)
         self.rope = self._rope_parameters()
+        if self.model_type != "gpt2" and (self.rope_dims() % 2 or not 0 < self.rope_dims() <= self.head_dim):
+            raise SlimtuneError(
+                f"{where}: head_dim {self.head_dim} gives {self.rope_dims()} rotary dimensions; "
+                "rope rotates pairs: an even count up to head_dim"
+            )
         self.names = gguf.get_tensor_name_map(self.arch, self.layers)
         self._check_attention()
 
@@ -78,15 +116,16 @@ class GGUFArch:
         """The rope settings of full-attention layers (transformers 5 ``rope_parameters``, or the older
         ``rope_theta`` / ``rope_scaling`` keys), with ``theta_swa`` for Gemma 3's sliding layers."""
         cfg = self.cfg
-        params = dict(cfg.get("rope_parameters") or {})
+        params = dict(_object(cfg.get("rope_parameters"), "rope_parameters", self.where))
         swa = None
         if "full_attention" in params:
-            swa = params.get("sliding_attention", {}).get("rope_theta")
-            params = dict(params["full_attention"])
-        legacy = cfg.get("rope_scaling") or {}
+            swa = _object(params.get("sliding_attention"), "rope_parameters.sliding_attention", self.where).get("rope_theta")
+            params = dict(_object(params["full_attention"], "rope_parameters.full_attention", self.where))
+        legacy = _object(cfg.get("rope_scaling"), "rope_scaling", self.where)
         params = {**legacy, **params}
         params.setdefault("rope_theta", cfg.get("rope_theta", cfg.get("rotary_emb_base", 10000.0)))
-        params["theta_swa"] = swa
+        params["rope_theta"] = _positive(params["rope_theta"], "rope_theta", self.where)
+        params["theta_swa"] = None if swa is None else _positive(swa, "sliding_attention.rope_theta", self.where)
         kind = params.get("rope_type", params.get("type", "default")) or "default"
         if kind not in ("default", "linear", "llama3"):
             raise SlimtuneError(f"{self.where}: rope scaling {kind!r} is not supported by slimtune's GGUF export (default, linear, llama3)")
@@ -113,6 +152,8 @@ class GGUFArch:
 
     def rope_dims(self) -> int:
         factor = self.rope.get("partial_rotary_factor", self.cfg.get("partial_rotary_factor", self.cfg.get("rotary_pct", 1.0)))
+        if _positive(factor, "partial_rotary_factor", self.where) > 1:
+            raise SlimtuneError(f"{self.where}: partial_rotary_factor must be in (0, 1], found {factor!r}")
         if self.model_type in ("phi3", "gpt_neox"):  # as llama.cpp's converter computes them
             return int(factor * self.hidden) // self.heads if self.model_type == "phi3" else int(factor * (self.hidden // self.heads))
         return int(factor * self.head_dim)
@@ -122,8 +163,9 @@ class GGUFArch:
         cfg, a, mt = self.cfg, self.name, self.model_type
         K = gguf.Keys
         gpt2 = mt == "gpt2"
-        ff = 4 * self.hidden if gpt2 else int(_need(cfg, "intermediate_size", self.where))
-        ctx = int(_need(cfg, "n_positions" if gpt2 else "max_position_embeddings", self.where))
+        ff = 4 * self.hidden if gpt2 else _count(_need(cfg, "intermediate_size", self.where), "intermediate_size", self.where)
+        ctx_key = "n_positions" if gpt2 else "max_position_embeddings"
+        ctx = _count(_need(cfg, ctx_key, self.where), ctx_key, self.where)
         out = [
             (K.LLM.CONTEXT_LENGTH.format(arch=a), ctx, T.UINT32),
             (K.LLM.EMBEDDING_LENGTH.format(arch=a), self.hidden, T.UINT32),
@@ -133,10 +175,12 @@ class GGUFArch:
             (K.Attention.HEAD_COUNT_KV.format(arch=a), self.kv_heads, T.UINT32),
         ]
         if "rms_norm_eps" in cfg:
-            out.append((K.Attention.LAYERNORM_RMS_EPS.format(arch=a), float(cfg["rms_norm_eps"]), T.FLOAT32))
-        eps = cfg.get("layer_norm_eps", cfg.get("layer_norm_epsilon"))
-        if eps is not None:
-            out.append((K.Attention.LAYERNORM_EPS.format(arch=a), float(eps), T.FLOAT32))
+            out.append(
+                (K.Attention.LAYERNORM_RMS_EPS.format(arch=a), _positive(cfg["rms_norm_eps"], "rms_norm_eps", self.where), T.FLOAT32)
+            )
+        eps_key = "layer_norm_eps" if "layer_norm_eps" in cfg else "layer_norm_epsilon"
+        if cfg.get(eps_key) is not None:
+            out.append((K.Attention.LAYERNORM_EPS.format(arch=a), _positive(cfg[eps_key], eps_key, self.where), T.FLOAT32))
         if cfg.get("head_dim") is not None:
             out += [
                 (K.Attention.KEY_LENGTH.format(arch=a), self.head_dim, T.UINT32),
@@ -152,7 +196,7 @@ class GGUFArch:
         if self.rope["rope_type"] == "linear":
             out += [
                 (K.Rope.SCALING_TYPE.format(arch=a), "linear", T.STRING),
-                (K.Rope.SCALING_FACTOR.format(arch=a), float(self.rope["factor"]), T.FLOAT32),
+                (K.Rope.SCALING_FACTOR.format(arch=a), _positive(self.rope.get("factor"), "rope_scaling.factor", self.where), T.FLOAT32),
             ]
         return out + self._family_kv()
 
@@ -160,8 +204,16 @@ class GGUFArch:
         cfg, a, mt = self.cfg, self.name, self.model_type
         K = gguf.Keys
         out: list[tuple[str, object, gguf.GGUFValueType]] = []
+        if mt in ("llama", "mistral"):  # the converter's LlamaModel writes {arch}.vocab_size (llama.cpp's n_vocab when present)
+            out.append((K.LLM.VOCAB_SIZE.format(arch=a), int(_need(cfg, "vocab_size", self.where)), T.UINT32))
         if mt in _SWA_PERIOD:
-            out.append((K.Attention.SLIDING_WINDOW.format(arch=a), int(_need(cfg, "sliding_window", self.where)), T.UINT32))
+            out.append(
+                (
+                    K.Attention.SLIDING_WINDOW.format(arch=a),
+                    _count(_need(cfg, "sliding_window", self.where), "sliding_window", self.where),
+                    T.UINT32,
+                )
+            )
             for key, gkey in (
                 ("attn_logit_softcapping", K.LLM.ATTN_LOGIT_SOFTCAPPING),
                 ("final_logit_softcapping", K.LLM.FINAL_LOGIT_SOFTCAPPING),
@@ -169,18 +221,69 @@ class GGUFArch:
                 if cfg.get(key) is not None:
                     if mt == "gemma3_text":
                         raise SlimtuneError(f"{self.where}: Gemma 3 with {key} {cfg[key]}: llama.cpp's gemma3 does not apply it")
-                    out.append((gkey.format(arch=a), float(cfg[key]), T.FLOAT32))
+                    out.append((gkey.format(arch=a), _positive(cfg[key], key, self.where), T.FLOAT32))
         if mt == "phi3":
             orig = cfg.get("original_max_position_embeddings", cfg.get("max_position_embeddings"))
             out += [
-                (K.Rope.SCALING_ORIG_CTX_LEN.format(arch=a), int(orig), T.UINT32),
-                (K.Attention.SLIDING_WINDOW.format(arch=a), int(cfg.get("sliding_window") or 0), T.UINT32),
+                (K.Rope.SCALING_ORIG_CTX_LEN.format(arch=a), _count(orig, "original_max_position_embeddings", self.where), T.UINT32),
+                (
+                    K.Attention.SLIDING_WINDOW.format(arch=a),
+                    _count(cfg.get("sliding_window") or 0, "sliding_window", self.where, 0),
+                    T.UINT32,
+                ),
             ]
         if mt == "gpt_neox":
             out.append((K.LLM.USE_PARALLEL_RESIDUAL.format(arch=a), bool(cfg.get("use_parallel_residual", True)), T.BOOL))
         return out
 
     # --- tensors ----------------------------------------------------------------------------------
+
+    def check_tensors(self, tensors: list[StreamTensor]) -> None:
+        """The GGUF tensors (``tensor``'s entries) against the shapes llama.cpp computes from the metadata,
+        before a byte is written: every layer 0..n-1 and no other, the embedding's rows = vocab_size (the
+        token list's length), the head, the attention and MLP projections; config token ids in range."""
+        shapes = {t.name: tuple(t.shape) for t in tensors}
+        where, keys = self.where, _KEYS[self.model_type == "gpt2"]
+        held = sorted({int(n.split(".")[1]) for n in shapes if n.startswith("blk.")})
+        if held != list(range(self.layers)):
+            raise SlimtuneError(f"{where}: {keys['layers']} is {self.layers}, the checkpoint holds layers {_ranges(held)}")
+        vocab = _count(self.cfg.get("vocab_size"), "vocab_size", where)
+        embedding = shapes.get("token_embd.weight")
+        if embedding != (vocab, self.hidden):
+            found = "no token embedding" if embedding is None else f"an embedding of {list(embedding)}"
+            raise SlimtuneError(
+                f"{where}: vocab_size {vocab} and {keys['hidden']} {self.hidden} need an embedding of [{vocab}, {self.hidden}], "
+                f"the checkpoint has {found}"
+            )
+        head = shapes.get("output.weight")
+        if head is not None and head != (vocab, self.hidden):
+            raise SlimtuneError(f"{where}: the output head is {list(head)}, vocab_size and {keys['hidden']} need [{vocab}, {self.hidden}]")
+        if head is None and self.cfg.get("tie_word_embeddings") is False:
+            raise SlimtuneError(f"{where}: tie_word_embeddings is false but the checkpoint has no output head (lm_head.weight)")
+        want = self._projection_shapes()
+        for name, shape in shapes.items():
+            kind = name.split(".")[2] if name.startswith("blk.") and name.endswith(".weight") else None
+            if kind in want and shape != want[kind]:
+                raise SlimtuneError(
+                    f"{where}: tensor {name} is {list(shape)}; {keys['heads']} {self.heads}, num_key_value_heads {self.kv_heads}, "
+                    f"head_dim {self.head_dim} and {keys['hidden']} {self.hidden} need {list(want[kind])}"
+                )
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            ids = self.cfg.get(key)
+            for i in ids if isinstance(ids, list) else [ids]:
+                if i is not None and (type(i) is not int or not 0 <= i < vocab):
+                    raise SlimtuneError(f"{where}: {key} {ids!r} is not a token id below vocab_size {vocab}")
+
+    def _projection_shapes(self) -> dict[str, tuple[int, ...]]:
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        ff = 4 * h if self.model_type == "gpt2" else self.cfg.get("intermediate_size")
+        shapes = {"attn_q": (q, h), "attn_k": (kv, h), "attn_v": (kv, h), "attn_output": (h, q), "ffn_gate": (ff, h), "ffn_up": (ff, h)}
+        shapes |= {"ffn_down": (h, ff), "attn_norm": (h,), "ffn_norm": (h,)}
+        if self.model_type == "phi3":
+            shapes |= {"attn_qkv": (q + 2 * kv, h), "ffn_up": (2 * ff, h)}  # fused q|k|v and gate|up
+        elif self.model_type in ("gpt_neox", "gpt2"):
+            shapes |= {"attn_qkv": (3 * h, h)}
+        return shapes
 
     def gguf_name(self, key: str) -> str | None:
         """The GGUF name of an HF tensor key; None for tensors llama.cpp does not read."""
@@ -198,10 +301,10 @@ class GGUFArch:
             return None
         key, mt = t.name, self.model_type
         if mt in ("llama", "mistral") and key.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
-            t = _grouped(t, self.head_dim, _llama_perm(self.head_dim), lambda g: g)
+            t = _grouped(t, self.head_dim, _llama_perm(self.head_dim), lambda g: g, f"{self.where}: head_dim {self.head_dim}")
         elif mt == "gpt_neox" and key.endswith(("query_key_value.weight", "query_key_value.bias")):
             heads = self.heads
-            t = _grouped(t, self.hidden // heads, None, lambda g: (g % heads) * 3 + g // heads)
+            t = _grouped(t, self.hidden // heads, None, lambda g: (g % heads) * 3 + g // heads, f"{self.where}: n_embd / n_head")
         elif mt == "gpt2" and key.endswith((".c_attn.weight", ".c_proj.weight", ".c_fc.weight")):
             t = _transposed(t)
         elif mt in _SWA_PERIOD and key.endswith("norm.weight"):
@@ -249,11 +352,11 @@ def _llama_perm(head_dim: int) -> torch.Tensor:
     return torch.arange(head_dim).view(2, half).t().reshape(-1)
 
 
-def _grouped(t: StreamTensor, group: int, perm: torch.Tensor | None, source_group: Callable[[int], int]) -> StreamTensor:
+def _grouped(t: StreamTensor, group: int, perm: torch.Tensor | None, source_group: Callable[[int], int], why: str) -> StreamTensor:
     """A row permutation in groups of ``group`` rows: output group g is input group ``source_group(g)``,
     its rows reordered by ``perm``. Each chunk reads only the groups it covers."""
     if t.num_rows % group:
-        raise SlimtuneError(f"tensor {t.name}: {t.num_rows} rows do not divide into heads of {group}")
+        raise SlimtuneError(f"{why}: tensor {t.name} has {t.num_rows} rows, which do not divide into heads of {group}")
 
     def rows(s: int, e: int) -> torch.Tensor:
         parts = []

@@ -34,6 +34,7 @@ from slimtune.errors import SlimtuneError, first_line
 from slimtune.fileio import atomic_file
 from slimtune.formats.gguf_pretokenizers import CHECK_TEXT, PRE_TOKENIZER_BY_HASH
 from slimtune.formats.strict_json import json_kind, load_json
+from slimtune.formats.tokenizer_files import check_chat_template, check_tokenizer_json
 
 Field = tuple[str, object, "GGUFValueType | None"]
 
@@ -59,8 +60,11 @@ def vocab_fields(model_dir: str | Path, hf_config, chat_template: str | None) ->
     if not isinstance(model, dict) or model.get("type") != "BPE":
         found = model.get("type") if isinstance(model, dict) else json_kind(model)
         raise SlimtuneError(f"{path}: model.type {found!r} cannot be exported to GGUF (BPE or SentencePiece BPE expected)")
+    n_vocab = _config_vocab_size(hf_config, path)
+    check_tokenizer_json(spec, path, n_vocab)
+    _check_tokenizer_configs(model_dir)
     tokenizer = _load_tokenizer(model_dir)
-    n_vocab = _vocab_size(hf_config, tokenizer, path)
+    _check_ids_below(tokenizer, n_vocab, path)
     if model.get("byte_fallback") is True:
         fields = _sentencepiece_fields(tokenizer, model, n_vocab)
         special = _special_vocab(model_dir, n_vocab, merges=False)
@@ -71,9 +75,12 @@ def vocab_fields(model_dir: str | Path, hf_config, chat_template: str | None) ->
         pre = _pre_tokenizer_name(tokenizer, spec, path) if special.merges else "gpt-2"
         fields = _byte_level_fields(tokenizer, n_vocab, pre)
         fields.append((Keys.Tokenizer.MERGES, special.merges or [_INERT_MERGE], GGUFValueType.ARRAY))
+    _check_as_llama_cpp_loads(fields, special, _added_special_tokens(tokenizer), path)
     fields += _special_fields(special, _added_special_tokens(tokenizer))
     template = chat_template if chat_template else special.chat_template
-    if isinstance(template, str) and template:
+    if template:
+        where = "slimtune_format.json: chat_template" if chat_template else f"{model_dir / 'tokenizer_config.json'}: chat_template"
+        check_chat_template(template, where)
         fields.append((Keys.Tokenizer.CHAT_TEMPLATE, template, GGUFValueType.STRING))
     return fields
 
@@ -91,22 +98,37 @@ def _load_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer  # heavy: loaded only when a GGUF is written
 
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    except (OSError, ValueError, TypeError, KeyError) as e:
-        first = first_line(e)
-        raise SlimtuneError(f"{model_dir}: the tokenizer does not load: {first}") from None
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        tokenizer.decode(tokenizer.encode("a b", add_special_tokens=True))  # settings read only when used (model_max_length)
+        return tokenizer
+    except Exception as e:  # noqa: BLE001 - transformers and tokenizers refuse with many types (tokenizers: plain Exception)
+        raise SlimtuneError(f"{model_dir}: the tokenizer does not load in transformers: {first_line(e)}") from None
 
 
-def _vocab_size(hf_config, tokenizer, path: Path) -> int:
-    """The embedding's row count (the GGUF vocabulary is padded to it); every token id must be below it."""
+def _config_vocab_size(hf_config, path: Path) -> int:
+    """The embedding's row count (the GGUF vocabulary is padded to it)."""
     text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     n_vocab = getattr(text_config, "vocab_size", None)
     if not isinstance(n_vocab, int) or isinstance(n_vocab, bool) or n_vocab <= 0:
         raise SlimtuneError(f"{path}: the model config has no positive integer vocab_size (found {n_vocab!r})")
+    return n_vocab
+
+
+def _check_ids_below(tokenizer, n_vocab: int, path: Path) -> None:
+    """Every token id of the loaded tokenizer (its added tokens included) is below the embedding's rows."""
     top = max(tokenizer.get_vocab().values(), default=-1)
     if top >= n_vocab:
         raise SlimtuneError(f"{path}: token id {top} is outside the model's vocab_size {n_vocab}")
-    return n_vocab
+
+
+_TOKENIZER_CONFIGS = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
+
+
+def _check_tokenizer_configs(model_dir: Path) -> None:
+    """The tokenizer's JSON side files transformers and gguf read, each an object as they expect."""
+    for name in _TOKENIZER_CONFIGS:
+        if (model_dir / name).exists():
+            load_json(model_dir / name, expect=dict, what="the tokenizer's config")
 
 
 def _pre_tokenizer_name(tokenizer, spec: dict, path: Path) -> str:
@@ -244,6 +266,25 @@ def _added_special_tokens(tokenizer) -> dict[str, bool]:
         "bos": tokenizer.bos_token_id is not None and prefix == [tokenizer.bos_token_id],
         "eos": tokenizer.eos_token_id is not None and suffix == [tokenizer.eos_token_id],
     }
+
+
+def _check_as_llama_cpp_loads(fields: list[Field], special: gguf.SpecialVocab, added: dict[str, bool], path: Path) -> None:
+    """What llama.cpp's vocabulary loader (llama-vocab.cpp) aborts on, refused first: a token text written
+    twice (it asserts one id per text; an empty text becomes ``[EMPTY_i]``), and BOS/EOS added by the
+    tokenizer without an id for them (it asserts the id when it adds one)."""
+    tokens = next(v for k, v, _ in fields if k == Keys.Tokenizer.LIST)
+    seen: dict[str, int] = {}
+    for i, token in enumerate(tokens):
+        text = token or f"[EMPTY_{i}]"
+        if text in seen:
+            raise SlimtuneError(
+                f"{path}: tokens {seen[text]} and {i} would both be {text!r} in the GGUF vocabulary (as llama.cpp matches them); "
+                "llama.cpp aborts on a repeated token"
+            )
+        seen[text] = i
+    for kind in ("bos", "eos"):
+        if added.get(kind) and kind not in special.special_token_ids:
+            raise SlimtuneError(f"{path}: the tokenizer adds {kind.upper()} but its {kind}_token has no id llama.cpp can be told")
 
 
 def _special_fields(special: gguf.SpecialVocab, added: dict[str, bool]) -> list[Field]:

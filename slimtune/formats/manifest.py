@@ -129,3 +129,66 @@ def _file_problems(path: Path, entry: dict | None) -> list[str]:
     if sha256_file(path) != entry["sha256"]:
         return [f"{path}: sha256 differs from the manifest (changed or corrupted bytes)"]
     return []
+
+
+class ReadCheck:
+    """The sha256 of every file a command reads from a checkpoint with a manifest, against the manifest,
+    computed in one sequential pass by a background thread while the command works (hashlib releases the
+    GIL: the pass runs beside the work on another core, and reads what the page cache mostly holds
+    already). ``done()`` waits for it and raises the first mismatch as one ``SlimtuneError`` line; call it
+    before anything made from the bytes is put under its final name. Build with ``read_check``.
+
+    Example::
+
+        check = read_check(Path("runs/1/step-000100"))
+        ...  # read and write
+        check.done()   # SlimtuneError("runs/1/step-000100/model.safetensors: sha256 differs from the manifest ...")
+    """
+
+    def __init__(self, directory: Path, files: list[str]):
+        import threading
+
+        self.directory, self.files = directory, files
+        self._problems: list[str] = []
+        self._thread = threading.Thread(target=self._run, name=f"sha256 {directory.name}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._problems = manifest_problems(self.directory, only=self.files, extra=False)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller by done()
+            self._problems = [f"{self.directory}: cannot check the manifest's sha256: {e}"]
+
+    def done(self) -> None:
+        self._thread.join()
+        if self._problems:
+            raise SlimtuneError(
+                self._problems[0]
+                + ("" if len(self._problems) == 1 else f" (and {len(self._problems) - 1} more)")
+                + "; --no-verify reads it as it is"
+            )
+
+
+def read_check(path: str | Path, verify: bool = True) -> ReadCheck | None:
+    """A ``ReadCheck`` of the files under ``path`` (a checkpoint, or a directory inside one such as
+    ``step-N/adapter``) as the manifest of ``path`` or of its parent lists them; None when ``verify`` is
+    off or neither has a manifest (a plain Hugging Face directory: nothing to check against). A manifest
+    that is there but unreadable is one ``SlimtuneError`` line."""
+    path = Path(path)
+    if not verify or not path.is_dir():
+        return None
+    for root in (path, path.parent):
+        if (root / MANIFEST_NAME).exists():
+            prefix = "" if root == path else path.name + "/"
+            listed = [f["path"] for f in read_manifest(root)["files"]]
+            files = [rel for rel in listed if rel.startswith(prefix) and (prefix or "/" not in rel)]
+            if files:
+                return ReadCheck(root, files)
+    return None
+
+
+def checks_done(*checks: ReadCheck | None) -> None:
+    """``done()`` of every check given (None: nothing to check)."""
+    for check in checks:
+        if check is not None:
+            check.done()

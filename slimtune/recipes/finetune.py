@@ -48,6 +48,7 @@ from slimtune.data import IGNORE_INDEX, DataSpec, builtin_tiny_records, epoch_or
 from slimtune.distributed import SINGLE, Ranks, all_sum, init_distributed, reshard
 from slimtune.errors import SlimtuneError
 from slimtune.formats.hf import load_config as load_hf_config
+from slimtune.formats.hub import ModelSource
 from slimtune.lora import lora_parameters
 from slimtune.model import load_tokenizer, pick_device
 from slimtune.recipes.run import FinetuneResult, Inputs, Placement, Run, Span
@@ -63,9 +64,11 @@ from slimtune.recipes.steps import (
     open_run_dir,
     place,
     plan_span,
+    resolve_base,
     restore,
     save_step,
     timed_record,
+    warn_unservable,
     write_tiny_base,
 )
 from slimtune.step import StepParts, optimizer_step, step_token_counts, token_loss_sum
@@ -81,7 +84,8 @@ def run_finetune(cfg: Config, on_step: Callable[[dict], None] | None = None) -> 
 
     Example: ``run_finetune(load_config("tiny", ["output_dir=out", "training.max_steps=5"]))``"""
     ranks = init_distributed(pick_device(cfg.device).type)
-    created = CreatedByRun(Path(cfg.output_dir), [Path(cfg.model.path), Path(cfg.dataset.path)]) if ranks.is_coordinator else None
+    made = [Path(cfg.model.path)] if needs_tiny_base(cfg) else []
+    created = CreatedByRun(Path(cfg.output_dir), [*made, Path(cfg.dataset.path)]) if ranks.is_coordinator else None
     try:
         run = setup(cfg, ranks)
         restore(run)
@@ -126,25 +130,26 @@ def setup(cfg: Config, ranks: Ranks = SINGLE) -> Run:
 
     Example: ``run = setup(load_config("tiny", ["output_dir=out"]))``"""
     where = place(cfg, ranks)
+    warn_unservable(cfg)
     manager, resume = open_run_dir(cfg)
-    inputs = read_data(cfg, resume)
+    inputs = read_data(cfg, resume, resolve_base(cfg, ranks, resume))
     if needs_tiny_base(cfg):
         inputs.tokenizer = write_tiny_base(cfg, ranks)
     if inputs.data.dropped:
         log.info(f"data: {inputs.data.dropped} example(s) have no trained token within max_seq_len={cfg.dataset.max_seq_len}; skipped")
     span = plan_span(cfg, len(inputs.data.train))
-    model = load_model(cfg, where)
+    model = load_model(cfg, where, inputs.base)
     optim = make_optimization(model, cfg, span.total_steps, where)
     log.info(_summary(cfg, where, model, inputs, span))
     return Run(cfg=cfg, where=where, manager=manager, resume=resume, inputs=inputs, model=model, optim=optim, span=span)
 
 
-def read_data(cfg: Config, resume: ResumePoint | None) -> Inputs:
+def read_data(cfg: Config, resume: ResumePoint | None, base: ModelSource) -> Inputs:
     """The tokenizer and the tokenized data, checked against the checkpoint resumed from (``check_data``).
     Writes nothing: the built-in rows (when dataset.path does not exist) are written by ``restore``, the
     embedded tiny model by ``write_tiny_base``, whose tokenizer and config stand in until then.
 
-    Example: ``inputs = read_data(cfg, None)``"""
+    Example: ``inputs = read_data(cfg, None, resolve_base(cfg, SINGLE, None))``"""
     dataset_path = Path(cfg.dataset.path)
     builtin_rows = None
     if not dataset_path.is_file():
@@ -154,13 +159,13 @@ def read_data(cfg: Config, resume: ResumePoint | None) -> Inputs:
     if needs_tiny_base(cfg):  # the embedded model's tokenizer and config, before its files exist
         tokenizer, hf_config = byte_tokenizer(), tiny_config()
     else:
-        hf_config = load_hf_config(Path(cfg.model.path))  # a missing or malformed model directory fails here, before the tokenizer
-        tokenizer = load_tokenizer(Path(cfg.model.path))
+        hf_config = load_hf_config(base.path)  # a malformed model directory fails here, before the tokenizer
+        tokenizer = load_tokenizer(base.path)
     rows = {str(dataset_path): builtin_rows} if builtin_rows is not None else None
     data = load_data(DataSpec.from_config(cfg), tokenizer, rows=rows, vocab_size=getattr(hf_config, "vocab_size", None))
     if resume is not None:
         check_data(resume, data)
-    return Inputs(tokenizer=tokenizer, hf_config=hf_config, data=data, builtin_rows=builtin_rows)
+    return Inputs(tokenizer=tokenizer, hf_config=hf_config, data=data, base=base, builtin_rows=builtin_rows)
 
 
 def train_step(run: Run, batch: list[list[int]]) -> dict:
@@ -208,7 +213,8 @@ def _summary(cfg: Config, where: Placement, model: nn.Module, inputs: Inputs, sp
     data, ranks, threads = inputs.data, where.ranks, where.threads
     trainable = sum(p.numel() for p in lora_parameters(model))
     return (
-        f"model: {Path(cfg.model.path).name}, {trainable:,} trainable adapter parameters, {where.device.type} "
+        f"model: {inputs.base.label if inputs.base.hub_id else inputs.base.path.name}, {trainable:,} trainable adapter parameters, "
+        f"{where.device.type} "
         f"({threads} CPU thread{'s' if threads > 1 else ''}), "
         f"{str(where.dtype).removeprefix('torch.')}"
         + (f", {ranks.world_size} rank{'s' if ranks.world_size > 1 else ''} (FSDP2)" if ranks.distributed else "")

@@ -25,6 +25,7 @@ from slimtune.checkpoint.save import SaveResult
 from slimtune.config import Config
 from slimtune.data import Data
 from slimtune.distributed import Ranks
+from slimtune.formats.hub import ModelSource
 from slimtune.memory import PeakMemory
 from slimtune.model import config_dtype
 from slimtune.tracking import MetricsLog, Trackers
@@ -67,6 +68,7 @@ class Inputs:
     tokenizer: object
     hf_config: object
     data: Data
+    base: ModelSource  # model.path resolved: its directory, and the hub id and commit it came from
     builtin_rows: list[dict] | None = None
 
     @property

@@ -43,6 +43,8 @@ from slimtune.distributed import Ranks, reshard
 from slimtune.errors import SlimtuneError
 from slimtune.facts import facts_of
 from slimtune.fileio import os_errors
+from slimtune.formats.hub import ModelSource, is_hub_id, resolve_model
+from slimtune.formats.peft import serving_problems
 from slimtune.generate import Loaded, SamplingOptions, generate, prompt_ids
 from slimtune.gguf_export import export_checkpoint_gguf
 from slimtune.lora import LoRAConfig, lora_parameters
@@ -88,8 +90,43 @@ def open_run_dir(cfg: Config) -> tuple[CheckpointManager, ResumePoint | None]:
 
 
 def needs_tiny_base(cfg: Config) -> bool:
-    """Whether the run makes the embedded tiny base (model.create_tiny and no model.path yet)."""
-    return not Path(cfg.model.path).exists() and cfg.model.create_tiny
+    """Whether the run makes the embedded tiny base (model.create_tiny, no model.path yet, and model.path
+    not a hub id: nothing is ever written at a path that would be looked up on the hub)."""
+    return cfg.model.create_tiny and not is_hub_id(cfg.model.path) and not Path(cfg.model.path).exists()
+
+
+def resolve_base(cfg: Config, ranks: Ranks, resume: ResumePoint | None) -> ModelSource:
+    """model.path as a directory: the tiny model's (written later), a local directory, or a hub id resolved
+    (and fetched) by the coordinator first, then by the other ranks from the cache. A resumed run must find
+    the commit it was trained on: a hub repo that moved on since is refused in one line.
+
+    Example: ``base = resolve_base(cfg, SINGLE, None)``"""
+    if needs_tiny_base(cfg):
+        return ModelSource(Path(cfg.model.path))
+    error, base = None, None
+    if ranks.is_coordinator:
+        try:
+            base = resolve_model(cfg.model.path)
+        except BaseException as e:  # noqa: BLE001 - every rank raises below
+            error = e
+    ranks.agree(error, "resolving model.path")
+    base = base or resolve_model(cfg.model.path)
+    then = (resume.state.get("base") or {}).get("revision") if resume is not None else None
+    if then is not None and then != base.revision:
+        raise SlimtuneError(
+            f"cannot resume from {resume.path}: model.path {cfg.model.path} is at commit {base.revision} now, the checkpoint was "
+            f"trained on {then} (the repo moved on); set model.path={base.hub_id}@{then} to resume"
+        )
+    return base
+
+
+def warn_unservable(cfg: Config) -> None:
+    """One warning line at start when lora.rank or the targets make an adapter vLLM will not load (it is
+    trained and saved all the same: PEFT and slimtune load it)."""
+    lora = lora_config(cfg)
+    serving = serving_problems({"r": lora.rank, "lora_alpha": lora.alpha, "target_modules": lora.target_modules})
+    if serving:
+        log.warning(f"warning: vLLM will not load this run's adapter: {'; '.join(serving)} (docs/checkpoints.md: serving)")
 
 
 def write_tiny_base(cfg: Config, ranks: Ranks) -> object:
@@ -127,14 +164,14 @@ def lora_config(cfg: Config) -> LoRAConfig:
     return LoRAConfig(cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.use_rslora, list(cfg.lora.target_modules))
 
 
-def load_model(cfg: Config, where: Placement) -> nn.Module:
+def load_model(cfg: Config, where: Placement, base: ModelSource) -> nn.Module:
     """NF4 base + fp32 adapters, frozen weights in the compute dtype, on the device. Under a process group
     the model comes out FSDP2-sharded, NF4 base and adapters alike (model.py says how).
 
     Example: ``model = load_model(cfg, where)``"""
     lora, ranks = lora_config(cfg), where.ranks
     progress = cfg.logging.progress_bar and ranks.is_coordinator
-    model = load_qlora_model(Path(cfg.model.path), lora, seed=cfg.seed, progress=progress, ranks=ranks, dtype=where.dtype)
+    model = load_qlora_model(base, lora, seed=cfg.seed, progress=progress, ranks=ranks, dtype=where.dtype)
     log.info(f"lora targets ({', '.join(lora.target_modules)}): {', '.join(facts_of(model).targets)}")
     log.info(nf4_summary_line(nf4_report(model)))
     if not ranks.distributed:
@@ -191,14 +228,14 @@ def restore(run: Run) -> None:
     at.position, at.first_step = (at.epoch, at.step_in_epoch), at.global_step + 1
     inputs = run.inputs
     merged = merged_dtype(run) or run.base_dtype
-    run.docs = CheckpointDocs(inputs.tokenizer, cfg, inputs.data, inputs.hf_config, merged, nf4_report(run.model))
+    run.docs = CheckpointDocs(inputs.tokenizer, cfg, inputs.base, inputs.data, inputs.hf_config, merged, nf4_report(run.model))
     if ranks.is_coordinator:
         last_record = run.resume.state.get("metrics") if run.resume is not None else None
         run.sinks.metrics = MetricsLog(run.manager.metrics_path, keep_through_step=at.global_step, last_record=last_record)
         run.sinks.trackers = Trackers.from_config(cfg, run.manager.out, resume_step=at.global_step)
     if cfg.checkpoint.async_ and _saves_before_the_end(run):  # on a GPU / under torchrun its writers load now
-        spec = WriterSpec(Path(cfg.model.path), lora_config(cfg), cfg.seed, run.where.dtype)
-        run.saver = BackgroundSaver(spec, run.manager, log.info, ranks=ranks, model=run.model)
+        spec = WriterSpec(inputs.base, lora_config(cfg), cfg.seed, run.where.dtype)
+        run.saver = BackgroundSaver(spec, run.manager, ranks=ranks, model=run.model)
     run.sinks.memory = PeakMemory(run.where.device)
     run.result = FinetuneResult(run.model, inputs.tokenizer, run.manager.out, at.global_step, metrics_path=run.manager.metrics_path)
     if at.global_step >= run.span.stop_at:
@@ -225,7 +262,7 @@ def save_step(run: Run) -> SaveResult | None:
             log.info(f"sample at step {step}: {sample['prompt']!r} -> {sample['text']!r}")  # every rank ran it: FSDP2 needs all
     ckpt = run.manager.step_path(step)
     data = run.inputs.data
-    state = recipe_state(cfg, step, data.sha256, len(data.train), run.span.total_steps, ranks)
+    state = {**recipe_state(cfg, step, data.sha256, len(data.train), run.span.total_steps, ranks), "base": run.inputs.base.record()}
     state["metrics"] = {**record, "checkpoint": ckpt.name}  # rewritten on resume if a kill takes it
     only_adapter = adapter_only(run)
     facts = dict(step=step, total_steps=run.span.total_steps, epoch=run.at.epoch + 1, train_loss=record["loss"], merged=not only_adapter)
@@ -305,7 +342,7 @@ def finish(run: Run) -> FinetuneResult:
     if result.checkpoint is not None:
         log.info(f"newest checkpoint: {result.checkpoint}")
     if run.cfg.checkpoint.gguf and result.checkpoint is not None and step == total and run.where.ranks.is_coordinator:
-        g = export_checkpoint_gguf(result.checkpoint, run.cfg.checkpoint.gguf, Path(run.cfg.model.path))
+        g = export_checkpoint_gguf(result.checkpoint, run.cfg.checkpoint.gguf, run.inputs.base.path, run.cfg.checkpoint.gguf_verify)
         log.info(f"wrote {g.path} ({g.type}, {g.tensors} tensors, {g.bytes:,} bytes, {g.seconds:.1f} s) and {g.modelfile}")
     gpu = f"; peak GPU memory {result.peak_gpu_mb:.0f} MB" if result.peak_gpu_mb is not None else ""
     log.info(f"peak RSS of the run: {result.peak_rss_mb:.0f} MB{gpu}")

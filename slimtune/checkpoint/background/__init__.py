@@ -27,7 +27,7 @@ is reclaimed by its lock (``atomic.py``). Writers are named ``slimtune-ckpt`` (p
 
 Example::
 
-    saver = BackgroundSaver(WriterSpec(model_dir, lora, seed=0, dtype=torch.bfloat16), manager, say, model=model)
+    saver = BackgroundSaver(WriterSpec(model_dir, lora, seed=0, dtype=torch.bfloat16), manager, model=model)
     if saver.available(step):
         stall_s = saver.submit(step, state, options, train_state)   # returns once the snapshot is sent
     saver.annotate(record)        # every step: in-flight flag, a finished save's figures; raises a failure

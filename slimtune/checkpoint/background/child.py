@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import signal
 import subprocess
@@ -30,6 +31,8 @@ import torch
 from slimtune.checkpoint.background.protocol import Answer, Failed, WriterSetup
 from slimtune.checkpoint.background.reaper import END
 from slimtune.distributed import raise_on_sigterm
+
+log = logging.getLogger(__name__)
 
 WRITER_NAME = b"slimtune-ckpt"  # the writer's process name (ps, top)
 # How long a writer stopped in a save its peer's writer failed has after SIGTERM (removing its temporary
@@ -134,7 +137,7 @@ class WriterProcess:
             while time.monotonic() < deadline:
                 if self.conn.poll(0.1) or self.exit_code() is not None:
                     return
-        self.setup.log(f"checkpoint.async: the checkpoint writer (pid {self.pid}) did not end on SIGKILL within {_HALT_S:.0f} s")
+        log.info(f"checkpoint.async: the checkpoint writer (pid {self.pid}) did not end on SIGKILL within {_HALT_S:.0f} s")
 
 
 def become_writer(parent: int, threads: int) -> bool:

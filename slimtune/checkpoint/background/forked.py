@@ -10,6 +10,7 @@ trainer write that save itself, with one log line."""
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import socket
 import sys
@@ -19,6 +20,8 @@ from slimtune.checkpoint.background.child import WriterProcess, become_writer
 from slimtune.checkpoint.background.protocol import Answer, Request, WriterSetup
 from slimtune.checkpoint.background.snapshot import write_request
 from slimtune.distributed import SINGLE
+
+log = logging.getLogger(__name__)
 
 
 class ForkedWriter(WriterProcess):
@@ -47,7 +50,7 @@ class ForkedWriter(WriterProcess):
         try:
             self.child, self.conn = _fork(self.setup, request, self.reaper.fd)
         except OSError as e:  # no memory or processes left for a fork: this save in the trainer, as a synchronous one
-            self.setup.log(f"checkpoint.async: cannot fork the checkpoint writer ({e.strerror}); saving {request.name} in the trainer")
+            log.info(f"checkpoint.async: cannot fork the checkpoint writer ({e.strerror}); saving {request.name} in the trainer")
             self.answered = write_request(self.setup.model, self.setup.manager, request, SINGLE, own_process=False)
         else:
             self.status = None

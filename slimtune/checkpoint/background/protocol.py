@@ -11,7 +11,6 @@ it. A forked writer is forked with its one ``Request`` in memory and answers onc
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -61,13 +60,12 @@ class WriterSpec:
 @dataclass(frozen=True)
 class WriterSetup:
     """Everything a writer is made from: the spec, the run directory's manager, the ranks, the trainer's
-    model (what a forked writer shares) and the log."""
+    model (what a forked writer shares). Writers log under their module's logger."""
 
     spec: WriterSpec
     manager: CheckpointManager
     ranks: Ranks
     model: nn.Module | None
-    log: Callable[[str], None]
 
 
 # --- the trainer's messages ---

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import logging
 import os
 import sys
 import time
@@ -31,6 +32,8 @@ from slimtune.checkpoint.manager import CheckpointManager
 from slimtune.checkpoint.save import SaveOptions
 from slimtune.distributed import SINGLE, Ranks
 from slimtune.errors import SlimtuneError
+
+log = logging.getLogger(__name__)
 
 MECHANISM_ENV = "SLIMTUNE_ASYNC_WRITER"  # "fork" or "process": which writer a run asks for (fork where it can)
 WRITERS: dict[WriterKind, Callable[[WriterSetup], Writer]] = {WriterKind.FORK: ForkedWriter, WriterKind.PROCESS: ProcessWriter}
@@ -86,7 +89,7 @@ class BackgroundSaver:
 
     Example::
 
-        saver = BackgroundSaver(WriterSpec(model_dir, lora, seed=0, dtype=torch.bfloat16), manager, say, model=model)
+        saver = BackgroundSaver(WriterSpec(model_dir, lora, seed=0, dtype=torch.bfloat16), manager, model=model)
         if saver.available(step):
             stall_s = saver.submit(step, state, options, train_state)   # returns once the snapshot is sent
         saver.annotate(record)        # every step: in-flight flag, a finished save's figures; raises a failure
@@ -97,14 +100,13 @@ class BackgroundSaver:
         self,
         spec: WriterSpec,
         manager: CheckpointManager,
-        log: Callable[[str], None],
         kind: WriterKind | str | None = None,
         ranks: Ranks = SINGLE,
         model: nn.Module | None = None,
     ):
-        self.manager, self.log, self.ranks = manager, log, ranks
+        self.manager, self.ranks = manager, ranks
         self.kind = choose_kind(kind or os.environ.get(MECHANISM_ENV) or WriterKind.FORK, ranks, model)
-        self.writer: Writer = (_CUSTOM.get() or WRITERS[self.kind])(WriterSetup(spec, manager, ranks, model, log))
+        self.writer: Writer = (_CUSTOM.get() or WRITERS[self.kind])(WriterSetup(spec, manager, ranks, model))
         self.in_flight: _Flight | None = None
         self.answer: Answer | None = None  # this rank's writer's answer for the save in flight
         self.unusable: str | None = None  # why saves are synchronous from now on
@@ -131,7 +133,7 @@ class BackgroundSaver:
             why = next((f"rank {r}: {reason}" for r, reason in enumerate(reasons) if reason is not None), None)
         if why is not None:
             self.unusable = why
-            self.log(f"checkpoint.async: {why}; saving synchronously from step {step} on")
+            log.info(f"checkpoint.async: {why}; saving synchronously from step {step} on")
             self.writer.stop()
         return why is None
 
@@ -200,7 +202,7 @@ class BackgroundSaver:
         lower = [n for n in FORKED_WRITER_NICE if n < self.nice]
         if lower:
             self.nice = lower[0]
-            self.log(f"checkpoint.async: the save before step {step}'s was still running; the next writers run at nice {self.nice}")
+            log.info(f"checkpoint.async: the save before step {step}'s was still running; the next writers run at nice {self.nice}")
 
     def _settle(self, block: bool) -> None:
         """This rank's writer's answer for the save in flight (with ``block`` waited for, else taken if
@@ -242,7 +244,7 @@ class BackgroundSaver:
         figures = {"checkpoint_saved": flight.name, "checkpoint_save_s": seconds, "checkpoint_bytes": nbytes}
         figures.update(checkpoint_peak_rss_mb=writer_peak, checkpoint_writer_private_mb=own)
         self.finished.append((flight, figures))
-        self.log(
+        log.info(
             f"saved {flight.name} in the background ({nbytes:,} bytes, {seconds:.2f} s, writer peak RSS {writer_peak:.0f} MB, "
             f"{own:.0f} MB of it its own)" + (f"; removed {', '.join(removed)}" if removed else "")
         )

@@ -1,0 +1,224 @@
+"""Models by hub id (slimtune.formats.hub) through huggingface_hub's real code path, never the network: a cache
+the test lays out as the hub does (``models--org--name/snapshots/<commit>/``, ``refs/main``) with
+HF_HUB_OFFLINE=1, and a local HTTP server on 127.0.0.1 speaking the hub's endpoints for downloads
+(tests/hub_server.py). ``finetune``, ``merge --base`` and ``export --base`` with a hub id; the failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from huggingface_hub import constants
+
+from slimtune.cli import main
+from slimtune.config import load_config
+from slimtune.errors import SlimtuneError
+from slimtune.formats import hub
+from slimtune.formats.hub import ModelSource, parse_hub_id, resolve_model
+from tests.conftest import run_cli
+from tests.hub_server import HubServer, Repo, commit_hash, fill_cache
+
+CLOSED = "http://127.0.0.1:9"  # the discard port: nothing listens, so "no network"
+ONE, TWO = commit_hash("one"), commit_hash("two")
+
+
+class HubEnv:
+    """huggingface_hub pointed at a cache and endpoint of the test's own, in this process (its constants,
+    read at import) and for subprocesses (the environment)."""
+
+    def __init__(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+        self.home, self.mp = tmp_path / "hf", monkeypatch
+        self.cache = self.home / "hub"
+        self.env = {"HF_HOME": str(self.home), "HF_HUB_CACHE": str(self.cache), "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+        for k, v in self.env.items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(self.cache))
+        monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(self.home / "token"))
+        monkeypatch.setattr(hub, "_RESOLVED", {})
+        self.offline(True)
+        self.point_at(CLOSED)
+
+    def offline(self, on: bool) -> None:
+        self.mp.setattr(constants, "HF_HUB_OFFLINE", on)
+        self.mp.setenv("HF_HUB_OFFLINE", "1" if on else "0")
+
+    def point_at(self, endpoint: str) -> None:
+        self.mp.setattr(constants, "ENDPOINT", endpoint)
+        self.mp.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+        self.mp.setenv("HF_ENDPOINT", endpoint)
+
+
+@pytest.fixture
+def hub_env(tmp_path, monkeypatch) -> HubEnv:
+    return HubEnv(tmp_path, monkeypatch)
+
+
+def two_commits(tiny_base: Path, tmp_path: Path) -> Repo:
+    """The tiny base at commit ONE (tag v1) and, with other weights, at TWO (main)."""
+    other = tmp_path / "other"
+    shutil.copytree(tiny_base, other)
+    data = bytearray((other / "model.safetensors").read_bytes())
+    data[-4:] = b"\x00\x00\x00\x00"  # the last bf16 values of the last tensor: a different model, same layout
+    (other / "model.safetensors").write_bytes(bytes(data))
+    one, two = Repo.of_directory(tiny_base, ONE), Repo.of_directory(other, TWO)
+    return Repo({**one.commits, **two.commits}, {"main": TWO, "v1": ONE})
+
+
+def test_hub_ids_are_told_from_paths(tmp_path):
+    assert parse_hub_id("HuggingFaceTB/SmolLM2-135M-Instruct") == ("HuggingFaceTB/SmolLM2-135M-Instruct", None)
+    assert parse_hub_id("org/name@refs/pr/1") == ("org/name", "refs/pr/1")
+    for path in ("./org/name", "/abs/org", "~/a/b", "a/b/c", "org/na--me", "{output_dir}/base", "org/", "name"):
+        assert parse_hub_id(path) is None, path
+    cfg = load_config("tiny", [f"output_dir={tmp_path / 'o'}", "model.path=org/name@v1"])
+    assert cfg.model.path == "org/name@v1"  # a hub id survives validation as written
+    cfg = load_config("tiny", [f"output_dir={tmp_path / 'o'}", "model.path=./org/name"])
+    assert cfg.model.path == str(Path("org/name").resolve())  # a path is made absolute, as before
+
+
+def test_offline_cache_resolves_ids_and_revisions(hub_env, tiny_base, tmp_path):
+    fill_cache(hub_env.cache, "org/tiny", two_commits(tiny_base, tmp_path))
+    snapshots = hub_env.cache / "models--org--tiny" / "snapshots"
+    assert resolve_model("org/tiny") == ModelSource(snapshots / TWO, "org/tiny", TWO)
+    assert resolve_model("org/tiny@v1") == ModelSource(snapshots / ONE, "org/tiny", ONE)
+    assert resolve_model(f"org/tiny@{ONE}").revision == ONE
+    assert resolve_model(resolve_model("org/tiny")) == resolve_model("org/tiny")  # a ModelSource as it is
+    for name, needle in (
+        ("org/tiny@v2", "hub repo org/tiny@v2: not in the hub cache"),
+        ("org/absent", "hub repo org/absent: not in the hub cache"),
+        ("runs/base", "hub repo runs/base: not in the hub cache"),
+    ):
+        with pytest.raises(SlimtuneError, match="HF_HUB_OFFLINE is set") as e:
+            resolve_model(name)
+        assert needle in str(e.value) and "\n" not in str(e.value)
+    bins = Repo({ONE: {"config.json": b"{}", "pytorch_model.bin": b"x"}}, {"main": ONE})
+    fill_cache(hub_env.cache, "org/bins", bins)
+    with pytest.raises(SlimtuneError, match="hub repo org/bins: holds no \\*.safetensors weights"):
+        resolve_model("org/bins")
+
+
+def test_a_local_directory_of_the_same_name_wins(hub_env, tiny_base, tmp_path, monkeypatch, caplog):
+    fill_cache(hub_env.cache, "org/tiny", Repo.of_directory(tiny_base, ONE))
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(tiny_base, tmp_path / "org" / "tiny")
+    with caplog.at_level("WARNING", logger="slimtune.formats.hub"):
+        source = resolve_model("org/tiny")
+    assert source == ModelSource(tmp_path / "org" / "tiny") and source.name == str(tmp_path / "org" / "tiny")
+    local = tmp_path / "org" / "tiny"
+    assert [r.getMessage() for r in caplog.records] == [f"org/tiny: the local directory {local} is used, not the hub repo of that name"]
+
+
+def test_download_fetches_only_the_files_slimtune_reads(hub_env, tiny_base, tmp_path):
+    decoys = {"pytorch_model.bin": b"b" * 64, "model.gguf": b"g", "original/consolidated.00.pth": b"p", "original/model.safetensors": b"s"}
+    repos = {"org/tiny": Repo.of_directory(tiny_base, ONE, extra=decoys)}
+    with HubServer(repos) as server:
+        hub_env.offline(False)
+        hub_env.point_at(server.endpoint)
+        source = resolve_model("org/tiny")
+        assert source.revision == ONE and source.hub_id == "org/tiny"
+        assert sorted(p.name for p in source.path.iterdir()) == sorted(p.name for p in tiny_base.iterdir())
+        fetched = {path.rsplit("/", 1)[-1] for method, path in server.requests if method == "GET" and "/resolve/" in path}
+        assert fetched == {p.name for p in tiny_base.iterdir()}
+        asked = len(server.requests)
+        assert resolve_model("org/tiny") is source and len(server.requests) == asked  # once per process
+    hub_env.mp.setattr(hub, "_RESOLVED", {})
+    hub_env.offline(True)
+    assert resolve_model("org/tiny") == source  # the cache it filled serves the offline run
+
+
+@pytest.mark.parametrize(
+    "name, needle",
+    [
+        ("org/nope", "hub repo org/nope: no such repo on the hub, or it is private"),
+        ("org/gated", "hub repo org/gated: the repo is gated; accept its terms on the hub and set HF_TOKEN"),
+        ("org/tiny@v9", "hub repo org/tiny@v9: the repo has no such revision"),
+        ("org/bins", "hub repo org/bins: holds no *.safetensors weights at its top level"),
+        ("org/offline", f"hub repo org/offline: not in the hub cache ({{cache}}) and the hub ({CLOSED}) cannot be reached"),
+    ],
+)
+def test_hub_failures_are_one_line_exit_2_nothing_left(hub_env, tiny_base, tmp_path, capsys, name, needle):
+    bins = Repo({ONE: {"config.json": b"{}", "pytorch_model.bin": b"x" * 100}}, {"main": ONE})
+    gated = Repo.of_directory(tiny_base, TWO, token="s3cret")
+    repos = {"org/tiny": Repo.of_directory(tiny_base, ONE), "org/gated": gated, "org/bins": bins}
+    adapter, out = tmp_path / "adapter", tmp_path / "merged"
+    adapter.mkdir()
+    with HubServer(repos) as server:
+        hub_env.offline(False)
+        hub_env.point_at(CLOSED if name == "org/offline" else server.endpoint)
+        code = main(["merge", "--base", name, "--adapter", str(adapter), "--out", str(out)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2
+        assert err[-1].startswith(f"slimtune merge: error: {needle.format(cache=hub_env.cache)}"), err
+        assert not out.exists()
+        repo_dir = hub_env.cache / ("models--" + name.split("@")[0].replace("/", "--"))
+        assert not (repo_dir / "snapshots").exists() and not (repo_dir / "blobs").exists()  # nothing fetched
+        if name == "org/gated":  # with the token from the environment it is read
+            hub_env.mp.setenv("HF_TOKEN", "s3cret")
+            assert resolve_model(name).revision == TWO
+
+
+def _finetune_args(out: Path, model: str) -> list[str]:
+    return ["finetune", "--config", "tiny", f"output_dir={out}", f"model.path={model}", "training.max_steps=2"]
+    # the tiny config's model.create_tiny stays true: it must not apply to a hub id
+
+
+FAST = ["checkpoint.async=false", "logging.progress_bar=false", "dataset.max_seq_len=64"]
+
+
+def test_finetune_merge_export_with_a_hub_id(hub_env, tiny_base, tmp_path, capsys):
+    fill_cache(hub_env.cache, "org/tiny", two_commits(tiny_base, tmp_path))
+    out, work = tmp_path / "run", tmp_path / "cwd"
+    work.mkdir()
+    env = {**os.environ, **hub_env.env, "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": CLOSED}
+    r = run_cli(*_finetune_args(out, "org/tiny@v1"), *FAST, cwd=work, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"org/tiny@v1: hub revision {ONE}" in r.stdout and "vLLM" not in r.stdout + r.stderr  # the default adapter serves
+    assert not any(work.iterdir())  # nothing created at ./org/tiny
+    ckpt = out / "step-000002"
+    adapter_config = json.loads((ckpt / "adapter" / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == "org/tiny"
+    assert json.loads((ckpt / "slimtune_format.json").read_text())["base"] == {"name": "org/tiny", "revision": ONE}
+    card = (ckpt / "README.md").read_text()
+    assert "base_model: org/tiny\n" in card and f"| base revision | `{ONE}` (hub commit) |" in card
+    assert f"torch {torch.__version__}" in card and "| software | slimtune " in card
+
+    # merge --base and export --base take the hub id (here in this process: the same CLI entry point)
+    merged = tmp_path / "merged"
+    assert main(["merge", "--base", "org/tiny@v1", "--adapter", str(ckpt), "--out", str(merged), "--merge-base", "quantized"]) == 0
+    manifest = json.loads((merged / "slimtune_manifest.json").read_text())
+    assert (manifest["base"], manifest["base_revision"]) == ("org/tiny", ONE)
+    weights = sorted(p.name for p in ckpt.glob("*.safetensors"))
+    assert weights and weights == sorted(p.name for p in merged.glob("*.safetensors"))
+    assert all((merged / n).read_bytes() == (ckpt / n).read_bytes() for n in weights)  # what training saved, bit for bit
+    gguf = tmp_path / "m.gguf"
+    assert main(["export", "--base", "org/tiny@v1", "--adapter", str(ckpt), "--out", str(gguf), "--type", "f32"]) == 0
+    assert gguf.stat().st_size > 0
+    capsys.readouterr()
+
+    # the run, trained on main at ONE, resumed after main moved on to TWO: refused in one line
+    ref = hub_env.cache / "models--org--tiny" / "refs" / "main"
+    cfg_run = tmp_path / "run2"
+    ref.write_text(ONE)
+    assert main([*_finetune_args(cfg_run, "org/tiny"), *FAST, "training.stop_after_steps=1"]) == 0
+    ref.write_text(TWO)
+    hub_env.mp.setattr(hub, "_RESOLVED", {})
+    capsys.readouterr()
+    assert main([*_finetune_args(cfg_run, "org/tiny"), *FAST, "resume=true"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (
+        f"slimtune finetune: error: cannot resume from {cfg_run / 'step-000001'}: model.path org/tiny is at commit {TWO} now, "
+        f"the checkpoint was trained on {ONE} (the repo moved on); set model.path=org/tiny@{ONE} to resume"
+    )
+
+
+def test_the_tiny_config_never_writes_at_a_hub_id(hub_env, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "run"
+    assert main([*_finetune_args(out, "org/absent"), *FAST]) == 2  # model.create_tiny is true in the tiny config
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("slimtune finetune: error: hub repo org/absent: not in the hub cache"), err
+    assert not (tmp_path / "org").exists() and not out.exists()  # no ./org/absent, no output_dir

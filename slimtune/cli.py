@@ -243,6 +243,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_merge(sub)
 
+    _add_export(sub)
+    _add_verify(sub)
+
+    inspect = sub.add_parser("inspect", help="list the tensors (and adapter settings) of a checkpoint, shard or adapter")
+    inspect.add_argument("path", type=Path, help="checkpoint directory, adapter directory or .safetensors file")
+    inspect.set_defaults(func=cmd_inspect)
+    return parser
+
+
+def _add_export(sub) -> None:
     export = sub.add_parser("export", help="write a checkpoint (or an adapter merged into its base) as one GGUF file, in bounded memory")
     export.add_argument(
         "src", type=Path, nargs="?", default=None, help="a checkpoint: merged model directory, or step-N/adapter with --base"
@@ -263,6 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     _no_verify(export)
     export.set_defaults(func=cmd_export)
 
+
+def _add_verify(sub) -> None:
     verify = sub.add_parser("verify", help="check a checkpoint against its manifest, the format rules and (optionally) its sources")
     verify.add_argument("path", type=Path, help="checkpoint directory")
     verify.add_argument("--base", type=Path, default=None, help="base checkpoint (directory or hub id), to recompute each merged tensor")
@@ -273,11 +285,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verify.add_argument("--all", action="store_true", help="print the max |diff| of every tensor, not the 10 largest")
     verify.set_defaults(func=cmd_verify)
-
-    inspect = sub.add_parser("inspect", help="list the tensors (and adapter settings) of a checkpoint, shard or adapter")
-    inspect.add_argument("path", type=Path, help="checkpoint directory, adapter directory or .safetensors file")
-    inspect.set_defaults(func=cmd_inspect)
-    return parser
 
 
 def _generation_args(p: argparse.ArgumentParser, temperature: float) -> None:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from slimtune.errors import SlimtuneError, first_line
-from slimtune.formats.peft import ALL_LINEAR
+from slimtune.formats.peft_config import ALL_LINEAR
 from slimtune.quant import base_rows, is_nf4
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slimtune.formats.peft import ALL_LINEAR, lora_scaling
+from slimtune.formats.peft import lora_scaling
+from slimtune.formats.peft_config import ALL_LINEAR
 from slimtune.profiler import stage
 from slimtune.quant import base_rows, is_nf4
 

@@ -44,7 +44,8 @@ from slimtune.families import (
 from slimtune.formats.bnb import bnb_quantization, refuse_8bit
 from slimtune.formats.hf import checkpoint_files, load_config, read_config_dict
 from slimtune.formats.hub import ModelSource, resolve_model
-from slimtune.formats.peft import ALL_LINEAR, lora_key
+from slimtune.formats.peft import lora_key
+from slimtune.formats.peft_config import ALL_LINEAR
 from slimtune.formats.safetensors import SafetensorsReader
 from slimtune.lora import LoRAConfig, LoRALinear, lora_modules, qlora_linears
 from slimtune.quant import is_nf4

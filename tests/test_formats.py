@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from slimtune.errors import SlimtuneError
 from slimtune.formats.hf import INDEX_NAME, checkpoint_files, index_problems, read_index
-from slimtune.formats.peft import parse_lora_config
+from slimtune.formats.peft_config import parse_lora_config
 from slimtune.formats.safetensors import read_header
 
 

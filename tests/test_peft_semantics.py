@@ -239,7 +239,7 @@ def test_written_adapter_configs_pass_vllms_loading_rules(lora, tiny_base, tmp_p
     """The adapter_config.json slimtune writes, against vLLM's PEFTHelper rules (vLLM itself, CUDA-only, is
     not installed: the rules are the ones serving_problems spells out, asserted here field by field too)."""
     from slimtune.checkpoint.save import save_checkpoint
-    from slimtune.formats.peft import VLLM_MAX_LORA_RANKS, serving_problems, vllm_max_lora_rank
+    from slimtune.formats.peft_config import VLLM_MAX_LORA_RANKS, serving_problems, vllm_max_lora_rank
     from slimtune.lora import LoRAConfig
     from slimtune.model import load_qlora_model
 
@@ -254,7 +254,7 @@ def test_written_adapter_configs_pass_vllms_loading_rules(lora, tiny_base, tmp_p
 
 
 def test_adapters_vllm_would_refuse_are_named():
-    from slimtune.formats.peft import serving_problems, vllm_max_lora_rank
+    from slimtune.formats.peft_config import serving_problems, vllm_max_lora_rank
 
     ok = {"r": 16, "lora_alpha": 32, "target_modules": ["q_proj"]}
     assert serving_problems(ok) == [] and vllm_max_lora_rank(16) == 16 and vllm_max_lora_rank(513) is None

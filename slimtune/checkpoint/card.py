@@ -60,12 +60,6 @@ def model_card(f: CardFacts) -> str:
     )
     files = "\n".join(f"| `{path}` | `{sha}` |" for path, sha in f.files)
     shapes = ", ".join(f"{n} {shape}" for shape, n in sorted(f.shapes.items()))
-    merged_text = (
-        f"The merged model at the checkpoint's root ({f.merged_dtype} safetensors) is W' = dequant(NF4(W)) + {scaling} * B A, computed "
-        "in fp32 and rounded once: the weights training computed with (merge base `quantized`), not the original W."
-        if f.merged
-        else "This checkpoint holds the adapter only (merge it with `slimtune merge --merge-base quantized`)."
-    )
     return f"""---
 base_model: {f.base}
 library_name: peft
@@ -103,7 +97,18 @@ Training rendered conversations with the chat template stored in this checkpoint
 `<|role|>` template when the base tokenizer had none), Alpaca rows with the Alpaca prompt, text rows as
 `bos + text + eos`. `slimtune_format.json` records which one a plain prompt should use ({f.prompt_format}).
 
-## How to load it
+{_how_to_load(f, scaling)}"""
+
+
+def _how_to_load(f: CardFacts, scaling: str) -> str:
+    """The card's last section: the merged model, the adapter on NF4, the adapter on W with PEFT."""
+    merged_text = (
+        f"The merged model at the checkpoint's root ({f.merged_dtype} safetensors) is W' = dequant(NF4(W)) + {scaling} * B A, computed "
+        "in fp32 and rounded once: the weights training computed with (merge base `quantized`), not the original W."
+        if f.merged
+        else "This checkpoint holds the adapter only (merge it with `slimtune merge --merge-base quantized`)."
+    )
+    return f"""## How to load it
 
 {merged_text}
 

@@ -28,7 +28,7 @@ from slimtune.fileio import check_free_space, os_errors
 from slimtune.formats.hf import INDEX_NAME, export_config_dict, index_dict, read_config_dict, tokenizer_files
 from slimtune.formats.layout import ADAPTER_CONFIG, ADAPTER_DIR
 from slimtune.formats.manifest import FileRecord, sha256_file, write_manifest
-from slimtune.formats.peft import adapter_config_dict
+from slimtune.formats.peft_config import adapter_config_dict
 from slimtune.lora import lora_modules
 from slimtune.tensors import StreamTensor
 

@@ -44,7 +44,7 @@ from slimtune.errors import SlimtuneError
 from slimtune.facts import facts_of
 from slimtune.fileio import os_errors
 from slimtune.formats.hub import ModelSource, is_hub_id, resolve_model
-from slimtune.formats.peft import serving_problems
+from slimtune.formats.peft_config import serving_problems
 from slimtune.generate import Loaded, SamplingOptions, generate, prompt_ids
 from slimtune.gguf_export import export_checkpoint_gguf
 from slimtune.lora import LoRAConfig, lora_parameters

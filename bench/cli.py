@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     merge.add_argument("--out", type=Path, required=True)
     merge.add_argument("--layers", type=int, default=None, help="override the number of layers")
     merge.add_argument("--device", default="cpu", help="where the merge math runs (cpu or cuda)")
+    merge.add_argument("--no-verify", dest="verify", action="store_false", help="as slimtune merge --no-verify: no sha256 pass")
     dsave = sub.add_parser("dist-save", help="cooperative export by N ranks (gloo, FSDP2-sharded synthetic model) vs one process")
     dsave.add_argument("--preset", choices=sorted(PRESETS), default="llama3.2-1b")
     dsave.add_argument("--out", type=Path, default=Path("bench-out"))
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(bench_nf4(device=args.device)))
     if args.command == "merge":
         args.out.mkdir(parents=True, exist_ok=True)
-        print(json.dumps(bench_merge(args.preset, args.out, args.layers, args.device)))
+        print(json.dumps(bench_merge(args.preset, args.out, args.layers, args.device, args.verify)))
     if args.command == "save":
         result = bench_save(args.preset, args.out, args.layers, args.device)
         if not args.keep:

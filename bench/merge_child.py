@@ -1,4 +1,4 @@
-"""The child of ``python -m bench merge``: ``python -m bench.merge_child BASE ADAPTER OUT DEVICE`` runs
+"""The child of ``python -m bench merge``: ``python -m bench.merge_child BASE ADAPTER OUT DEVICE verify|no-verify`` runs
 ``merge_from_files`` and prints one JSON line of its own figures (seconds, seconds per stage, bytes read
 and written, peak RSS of this whole process: interpreter, imports, merge). It imports what ``slimtune
 merge`` does and no more."""
@@ -16,10 +16,10 @@ from slimtune.profiler import timing_stages
 
 
 def main(argv: list[str]) -> None:
-    base, adapter, out, device = argv
+    base, adapter, out, device, check = argv
     r0, w0, t0 = bytes_read_by_process(), bytes_written_by_process(), time.perf_counter()
     with timing_stages() as profile:  # no synchronisation added: GPU work shows up where the copy to the host waits for it
-        result = merge_from_files(base, adapter, out, WriteOptions(overwrite=True, progress=True, device=device))
+        result = merge_from_files(base, adapter, out, WriteOptions(overwrite=True, progress=True, device=device), verify=check == "verify")
     figures = {
         "merge_s": time.perf_counter() - t0,
         "stages_s": {k: round(v, 3) for k, v in sorted(profile.seconds.items())},

@@ -130,7 +130,6 @@ def setup(cfg: Config, ranks: Ranks = SINGLE) -> Run:
 
     Example: ``run = setup(load_config("tiny", ["output_dir=out"]))``"""
     where = place(cfg, ranks)
-    warn_unservable(cfg)
     manager, resume = open_run_dir(cfg)
     inputs = read_data(cfg, resume, resolve_base(cfg, ranks, resume))
     if needs_tiny_base(cfg):
@@ -139,6 +138,7 @@ def setup(cfg: Config, ranks: Ranks = SINGLE) -> Run:
         log.info(f"data: {inputs.data.dropped} example(s) have no trained token within max_seq_len={cfg.dataset.max_seq_len}; skipped")
     span = plan_span(cfg, len(inputs.data.train))
     model = load_model(cfg, where, inputs.base)
+    warn_unservable(cfg)  # after the load's own checks of lora.rank: a refused rank is one line, no warning beside it
     optim = make_optimization(model, cfg, span.total_steps, where)
     log.info(_summary(cfg, where, model, inputs, span))
     return Run(cfg=cfg, where=where, manager=manager, resume=resume, inputs=inputs, model=model, optim=optim, span=span)

@@ -121,7 +121,7 @@ def resolve_base(cfg: Config, ranks: Ranks, resume: ResumePoint | None) -> Model
 
 
 def warn_unservable(cfg: Config) -> None:
-    """One warning line at start when lora.rank or the targets make an adapter vLLM will not load (it is
+    """One warning line once the model is loaded (before training) when lora.rank or the targets make an adapter vLLM will not load (it is
     trained and saved all the same: PEFT and slimtune load it)."""
     lora = lora_config(cfg)
     serving = serving_problems({"r": lora.rank, "lora_alpha": lora.alpha, "target_modules": lora.target_modules})

@@ -222,3 +222,51 @@ def test_the_tiny_config_never_writes_at_a_hub_id(hub_env, tmp_path, monkeypatch
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("slimtune finetune: error: hub repo org/absent: not in the hub cache"), err
     assert not (tmp_path / "org").exists() and not out.exists()  # no ./org/absent, no output_dir
+
+
+def _mutated_ids(rng, seeds: list[str], n: int) -> list[str]:
+    """Hostile spellings of hub ids and paths: characters inserted, dropped or replaced (separators, dots,
+    dashes, unicode, control and shell characters), revisions of every shape, and very long names."""
+    alphabet = list("/@.-_~ \\\t\n\x00%$*?:") + ["..", "--", "é", "\u202e", "🙂", "a" * 120, "@main", "@" + "f" * 40, ".git", "{x}"]
+    out = []
+    for _ in range(n):
+        text = list(rng.choice(seeds))
+        for _ in range(rng.randint(1, 4)):
+            i = rng.randrange(len(text) + 1)
+            op = rng.random()
+            if op < 0.45:
+                text.insert(i, rng.choice(alphabet))
+            elif op < 0.7 and text:
+                del text[min(i, len(text) - 1)]
+            elif text:
+                text[min(i, len(text) - 1)] = rng.choice(alphabet)
+        out.append("".join(text))
+    return out
+
+
+def test_fuzzed_hub_ids_resolve_or_refuse_in_one_line(hub_env, tiny_base, tmp_path, monkeypatch):
+    # the reader of hub ids (parse_hub_id + resolve_model through huggingface_hub's offline cache): 300
+    # seeded hostile names; each resolves to a snapshot inside the cache (or an existing local directory)
+    # or is one SlimtuneError line, and nothing is created outside the hub cache
+    import random
+
+    fill_cache(hub_env.cache, "org/tiny", two_commits(tiny_base, tmp_path))
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    seeds = ["org/tiny", "org/tiny@v1", f"org/tiny@{ONE}", "org/absent@main", "./org/tiny", "a/b/c", "org/tiny@refs/pr/1"]
+    counts = {"resolved": 0, "refused": 0}
+    for name in seeds + _mutated_ids(random.Random(1234), seeds, 300):
+        hub._RESOLVED.clear()
+        try:
+            source = resolve_model(name)
+        except SlimtuneError as e:
+            assert "\n" not in str(e) and str(e).strip(), repr(name)
+            counts["refused"] += 1
+            continue
+        assert source.path.is_dir(), repr(name)
+        if source.hub_id is not None:
+            assert hub_env.cache in source.path.parents and source.revision in (ONE, TWO), (name, source)
+        counts["resolved"] += 1
+    assert list(work.iterdir()) == [], "nothing may be created at a path that looks like a hub id"
+    assert counts["resolved"] >= 3 and counts["refused"] >= 100, counts  # the three good seeds resolve at least

@@ -52,7 +52,7 @@ def read_config_dict(model_dir: str | Path) -> dict:
     strings), and the parameter count it implies within MAX_CONFIG_PARAMETERS. Nothing is built."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
-        raise SlimtuneError(f"{model_dir}: no such model directory")
+        raise SlimtuneError(f"{safe_name(str(model_dir))}: no such model directory")
     path = model_dir / "config.json"
     if not path.exists():
         raise SlimtuneError(f"{path}: missing (a Hugging Face checkpoint directory needs config.json)")

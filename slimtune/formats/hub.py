@@ -104,7 +104,7 @@ def resolve_model(model: str | os.PathLike) -> ModelSource:
             log.warning("%s: the local directory %s is used, not the hub repo of that name", text, path.resolve())
         return ModelSource(path.resolve() if hub is not None else path)
     if hub is None:
-        raise SlimtuneError(f"{text}: no such model directory")
+        raise SlimtuneError(f"{safe_name(text)}: no such model directory")
     from huggingface_hub import constants  # only where a hub id is resolved
 
     key = (text, os.getcwd(), constants.HF_HUB_CACHE, constants.ENDPOINT, constants.is_offline_mode())
@@ -130,7 +130,7 @@ def _from_hub(repo: str, revision: str | None) -> ModelSource:
         validate_repo_id(repo)
     except HFValidationError as e:
         raise SlimtuneError(f"{repo}: not a valid hub id ({_first_line(e)})") from None
-    where = f"hub repo {repo}" + (f"@{revision}" if revision else "")
+    where = safe_name(f"hub repo {repo}" + (f"@{revision}" if revision else ""))
     offline = constants.is_offline_mode()
     if not offline:
         try:  # the file list first: a repo slimtune cannot read is refused before anything is fetched

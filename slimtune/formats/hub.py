@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from slimtune.errors import SlimtuneError
+from slimtune.errors import SlimtuneError, first_line
 from slimtune.formats.strict_json import safe_name
 
 log = logging.getLogger(__name__)
@@ -129,7 +129,7 @@ def _from_hub(repo: str, revision: str | None) -> ModelSource:
     try:
         validate_repo_id(repo)
     except HFValidationError as e:
-        raise SlimtuneError(f"{repo}: not a valid hub id ({_first_line(e)})") from None
+        raise SlimtuneError(f"{repo}: not a valid hub id ({safe_name(first_line(e))})") from None
     where = safe_name(f"hub repo {repo}" + (f"@{revision}" if revision else ""))
     offline = constants.is_offline_mode()
     if not offline:
@@ -140,7 +140,7 @@ def _from_hub(repo: str, revision: str | None) -> ModelSource:
             if problem is not None:
                 raise problem from None
             offline = True
-            log.warning("%s: the hub cannot be reached (%s); looking in the cache", where, _first_line(e))
+            log.warning("%s: the hub cannot be reached (%s); looking in the cache", where, safe_name(first_line(e)))
         else:
             files = [s.rfilename for s in info.siblings or []]
             if files and not any("/" not in f and f.endswith(".safetensors") for f in files):
@@ -184,9 +184,4 @@ def _cache_miss(e: Exception, where: str, offline: bool) -> SlimtuneError:
     if isinstance(e, FileNotFoundError | ConnectionError) or offline:
         why = "HF_HUB_OFFLINE is set" if constants.is_offline_mode() else f"the hub ({constants.ENDPOINT}) cannot be reached"
         return SlimtuneError(f"{where}: not in the hub cache ({cache}) and {why}")
-    return SlimtuneError(f"{where}: {type(e).__name__}: {safe_name(_first_line(e))}")
-
-
-def _first_line(e: BaseException) -> str:
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    return (lines[0] if lines else type(e).__name__)[:300]
+    return SlimtuneError(f"{where}: {type(e).__name__}: {safe_name(first_line(e))}")

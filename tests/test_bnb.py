@@ -117,8 +117,6 @@ def test_a_merge_from_a_4bit_base_is_a_plain_16bit_model(bnb_base, tiny_base, tm
     assert torch.equal(merged.state_dict()[key], reference.to(merged.dtype))  # the file's weight is the merge base
 
 
-
-
 def test_8bit_bases_are_refused_in_one_line(bnb_base, tmp_path):
     eight = tmp_path / "eight"
     shutil.copytree(bnb_base, eight)

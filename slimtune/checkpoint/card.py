@@ -60,6 +60,7 @@ def model_card(f: CardFacts) -> str:
     )
     files = "\n".join(f"| `{path}` | `{sha}` |" for path, sha in f.files)
     shapes = ", ".join(f"{n} {shape}" for shape, n in sorted(f.shapes.items()))
+    quantized = "a bitsandbytes 4-bit" if _prequantized(f) else "an NF4-quantized"
     return f"""---
 base_model: {f.base}
 library_name: peft
@@ -68,7 +69,7 @@ tags: [slimtune, qlora, lora]
 
 # QLoRA adapter for `{f.base}` (slimtune)
 
-Fine-tuned with slimtune (QLoRA) on {"a bitsandbytes 4-bit" if _prequantized(f) else "an NF4-quantized"} `{f.model_type}` base: step {f.step} of {f.total_steps}
+Fine-tuned with slimtune (QLoRA) on {quantized} `{f.model_type}` base: step {f.step} of {f.total_steps}
 (epoch {f.epoch}). {_quantized_text(f.nf4)}
 
 | | |

@@ -1,5 +1,6 @@
 """A QLoRA model from a local Hugging Face checkpoint: built on the meta device, then filled tensor by
-tensor from the safetensors files, quantizing target weights to NF4 as they arrive. The bf16 model is
+tensor from the safetensors files, quantizing target weights to NF4 as they arrive (a bitsandbytes 4-bit
+checkpoint's 4-bit weights are kept as the file stores them). The bf16 model is
 never held: at most one source tensor (and its quantization temporaries) is in memory beside the result.
 
 Under a process group (torchrun) the meta model is FSDP2-sharded *before* any tensor is read
@@ -178,7 +179,10 @@ def load_qlora_model(
     ``ranks`` of a process group the model comes out FSDP2-sharded, each rank holding only its rows
     (see the module docstring); the adapters start the same on every rank (from ``seed``). ``dtype``:
     the compute dtype the frozen weights that stay unquantized (embeddings, norms) are held in, cast
-    from the checkpoint's dtype as they arrive (default: the checkpoint's dtype).
+    from the checkpoint's dtype as they arrive (default: the checkpoint's dtype). A bitsandbytes 4-bit
+    checkpoint (``quantization_config.load_in_4bit``) keeps its 4-bit weights as stored (``quant.bnb4``):
+    every linear the file holds in 4-bit is a frozen 4-bit weight (with an adapter where targeted), the
+    others (an ``llm_int8_skip_modules`` lm_head) keep the file's dtype; nothing is quantized again.
 
     Example: ``model = load_qlora_model("path/to/Qwen3-0.6B", LoRAConfig(rank=16, alpha=32))``"""
     source = resolve_model(model_dir)
@@ -204,38 +208,8 @@ def load_qlora_model(
         init_lora(model, seed)
         shard_model(model, ranks, keep_whole=whole)
     headers = headers or checkpoint_files(model_dir)
-    by_param = {p.param: p for p in facts.layout if p.whole}
-    rename = facts.rename
     targets = set() if prequantized else {f"{name}.weight" for name in qlora_linears(model)}  # a 4-bit base's others stay as stored
-    loaded: set[str] = set()
-    total = sum(e.nbytes for h in headers for e in h.tensors.values())
-    with tqdm(total=total, unit="B", unit_scale=True, desc="load", disable=not progress) as bar, ExitStack() as files:
-        readers = [files.enter_context(SafetensorsReader(h.path)) for h in headers]
-        location = {key: r for r in readers for key in r.tensors}
-        bnb = read_4bit_weights(location, str(model_dir)) if four_bit else {}
-        for reader in readers:
-            for key, entry in reader.tensors.items():
-                if is_aux_key(key) and aux_owner(key) in bnb:  # read with its weight
-                    bar.update(entry.nbytes)
-                    continue
-                place = layout.get(key)
-                if place is None:  # the model's own names, or legacy names transformers renames on load
-                    renamed = rename(key)
-                    place = layout.get(renamed) or by_param.get(renamed)
-                if place is None or place.key in loaded:
-                    log.warning("%s: tensor %s is not used by %s; skipped", reader.path, key, type(model).__name__)
-                    bar.update(entry.nbytes)
-                    continue
-                shape = bnb[key].shape if key in bnb else tuple(entry.shape)
-                if tuple(shape) != tuple(place.shape):
-                    what = "4-bit weight (its quant state's shape)" if key in bnb else "shape"
-                    raise SlimtuneError(f"{reader.path}: tensor {key} has {what} {list(shape)}, the model expects {list(place.shape)}")
-                if key in bnb:
-                    _place_4bit(model, place, bnb[key], reader.path)
-                else:
-                    _place(model, place, reader.read(key), place.param in targets, reader.path)
-                loaded.add(place.key)
-                bar.update(entry.nbytes)
+    loaded = _load_tensors(model, headers, targets, bool(four_bit), progress, model_dir)
     tied = _tie_embeddings(model, config)  # sharded: ties the loaded shard again (loading replaced the parameter)
     missing = [p.key for p in facts.layout if p.key not in loaded and p.param not in tied]
     if missing:
@@ -251,6 +225,43 @@ def load_qlora_model(
     facts.source_dir, facts.base_name = model_dir, source.name
     log.debug("%s", nf4_summary_line(nf4_report(model)))  # the recipe states it at INFO, once
     return model
+
+
+def _load_tensors(model: nn.Module, headers: list, targets: set[str], four_bit: bool, progress: bool, model_dir: Path) -> set[str]:
+    """Every tensor of the checkpoint's files into the model, one at a time, in file order: converted as
+    transformers converts it (``_place``; ``targets`` quantized to NF4) or, with ``four_bit``, the file's
+    bitsandbytes 4-bit weights held as stored (``_place_4bit``). Returns the layout keys filled."""
+    facts = facts_of(model)
+    layout = {p.key: p for p in facts.layout}
+    by_param = {p.param: p for p in facts.layout if p.whole}
+    loaded: set[str] = set()
+    total = sum(e.nbytes for h in headers for e in h.tensors.values())
+    with tqdm(total=total, unit="B", unit_scale=True, desc="load", disable=not progress) as bar, ExitStack() as files:
+        readers = [files.enter_context(SafetensorsReader(h.path)) for h in headers]
+        location = {key: r for r in readers for key in r.tensors}
+        bnb = read_4bit_weights(location, str(model_dir)) if four_bit else {}
+        for reader in readers:
+            for key, entry in reader.tensors.items():
+                bar.update(entry.nbytes)
+                if is_aux_key(key) and aux_owner(key) in bnb:  # read with its weight
+                    continue
+                place = layout.get(key)
+                if place is None:  # the model's own names, or legacy names transformers renames on load
+                    renamed = facts.rename(key)
+                    place = layout.get(renamed) or by_param.get(renamed)
+                if place is None or place.key in loaded:
+                    log.warning("%s: tensor %s is not used by %s; skipped", reader.path, key, type(model).__name__)
+                    continue
+                shape = bnb[key].shape if key in bnb else tuple(entry.shape)
+                if tuple(shape) != tuple(place.shape):
+                    what = "4-bit weight (its quant state's shape)" if key in bnb else "shape"
+                    raise SlimtuneError(f"{reader.path}: tensor {key} has {what} {list(shape)}, the model expects {list(place.shape)}")
+                if key in bnb:
+                    _place_4bit(model, place, bnb[key], reader.path)
+                else:
+                    _place(model, place, reader.read(key), place.param in targets, reader.path)
+                loaded.add(place.key)
+    return loaded
 
 
 def _place_4bit(model: nn.Module, place: Placement, weight: BnbNF4Weight, path: Path) -> None:

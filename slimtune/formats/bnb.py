@@ -224,28 +224,8 @@ def load_bnb_weight(
         )
     nested = None
     if absmax.dtype == torch.uint8:
-        nested_absmax, nested_code = read_small(key + ".nested_absmax"), read_small(key + ".nested_quant_map")
-        nested_blocksize, offset = state.get("nested_blocksize", 256), state.get("nested_offset", 0.0)
-        if type(nested_blocksize) is not int or not 0 < nested_blocksize <= 1 << 20:
-            raise SlimtuneError(f"{label}: nested_blocksize must be a positive integer, found {nested_blocksize!r}"[:300])
-        if not isinstance(offset, (int, float)) or isinstance(offset, bool) or not math.isfinite(offset):
-            raise SlimtuneError(f"{label}: nested_offset must be a finite number, found {json_kind(offset)}")
-        if nested_code.numel() != 256 or nested_code.dtype not in _FLOAT_DTYPES.values():
-            raise SlimtuneError(
-                f"{where}: tensor {safe_name(key)}.nested_quant_map must be 256 floats, found {nested_code.dtype} {list(nested_code.shape)}"
-            )
-        if (
-            nested_absmax.dim() != 1
-            or nested_absmax.numel() != -(-n_blocks // nested_blocksize)
-            or nested_absmax.dtype not in _FLOAT_DTYPES.values()
-        ):
-            raise SlimtuneError(
-                f"{where}: tensor {safe_name(key)}.nested_absmax has {nested_absmax.dtype} {list(nested_absmax.shape)}, "
-                f"expected {-(-n_blocks // nested_blocksize)} floats"
-            )
-        nested = (nested_code.float().reshape(256), nested_absmax.float(), nested_blocksize, offset)
-        idx = torch.arange(absmax.numel()) // nested_blocksize
-        scales = nested[0][absmax.long()] * nested[1][idx] + offset
+        nested = _nested_state(key, state, read_small, n_blocks, label, where)
+        scales = nested[0][absmax.long()] * nested[1][torch.arange(n_blocks) // nested[2]] + nested[3]
     elif absmax.dtype not in _FLOAT_DTYPES.values():
         raise SlimtuneError(f"{where}: tensor {safe_name(key)}.absmax is {absmax.dtype}, expected a float or u8 (nested) tensor")
     else:
@@ -258,6 +238,27 @@ def load_bnb_weight(
             f"{where}: tensor {safe_name(key)}.quant_map must be 16 finite floats, found {quant_map.dtype} {list(quant_map.shape)}"
         )
     return BnbNF4Weight(key, shape, dtype, blocksize, absmax, quant_map.float().reshape(16), read_bytes, nested)
+
+
+def _nested_state(key: str, state: dict, read_small, n_blocks: int, label: str, where: str) -> tuple:
+    """A double-quantized absmax's state, checked: (fp32 code[256], fp32 nested absmax, nested blocksize, offset)."""
+    nested_absmax, nested_code = read_small(key + ".nested_absmax"), read_small(key + ".nested_quant_map")
+    nested_blocksize, offset = state.get("nested_blocksize", 256), state.get("nested_offset", 0.0)
+    if type(nested_blocksize) is not int or not 0 < nested_blocksize <= 1 << 20:
+        raise SlimtuneError(f"{label}: nested_blocksize must be a positive integer, found {nested_blocksize!r}"[:300])
+    if not isinstance(offset, (int, float)) or isinstance(offset, bool) or not math.isfinite(offset):
+        raise SlimtuneError(f"{label}: nested_offset must be a finite number, found {json_kind(offset)}")
+    if nested_code.numel() != 256 or nested_code.dtype not in _FLOAT_DTYPES.values():
+        raise SlimtuneError(
+            f"{where}: tensor {safe_name(key)}.nested_quant_map must be 256 floats, found {nested_code.dtype} {list(nested_code.shape)}"
+        )
+    groups = -(-n_blocks // nested_blocksize)
+    if nested_absmax.dim() != 1 or nested_absmax.numel() != groups or nested_absmax.dtype not in _FLOAT_DTYPES.values():
+        raise SlimtuneError(
+            f"{where}: tensor {safe_name(key)}.nested_absmax has {nested_absmax.dtype} {list(nested_absmax.shape)}, "
+            f"expected {groups} floats"
+        )
+    return nested_code.float().reshape(256), nested_absmax.float(), nested_blocksize, offset
 
 
 def packed_byte_reader(reader: SafetensorsReader, key: str) -> Callable[[int, int], torch.Tensor]:

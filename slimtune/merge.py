@@ -166,6 +166,20 @@ class MergeBase:
         return rows
 
 
+def check_fits(key: str, shape: tuple[int, ...], m: AdapterModule, adapter: Adapter) -> tuple[int, int]:
+    """(out, in) of the LoRA target ``key`` of base ``shape``: A must be [r, in] and B [out, r] (one error line otherwise)."""
+    where = f"adapter {adapter.path}, module {m.name}"
+    if len(shape) != 2:
+        raise SlimtuneError(f"{where}: base tensor {key} has shape {list(shape)}, a LoRA target must be 2-D")
+    out_f, in_f = (shape[1], shape[0]) if m.transposed else shape
+    if tuple(m.lora_a.shape) != (m.rank, in_f) or tuple(m.lora_b.shape) != (out_f, m.rank):
+        raise SlimtuneError(
+            f"{where}: lora_A {list(m.lora_a.shape)} and lora_B {list(m.lora_b.shape)} do not fit base {key} {list(shape)} "
+            f"(expected [{m.rank}, {in_f}] and [{out_f}, {m.rank}])"
+        )
+    return out_f, in_f
+
+
 def _merged_source(
     key: str,
     base: BaseCheckpoint,
@@ -181,14 +195,7 @@ def _merged_source(
     if replaced is not None and tuple(replaced.shape) != tuple(shape):
         raise SlimtuneError(f"adapter {adapter.path}: saved weight of {key} {list(replaced.shape)} vs base {list(shape)}")
     where = f"adapter {adapter.path}, module {m.name}"
-    if len(shape) != 2:
-        raise SlimtuneError(f"{where}: base tensor {key} has shape {list(shape)}, a LoRA target must be 2-D")
-    out_f, in_f = (shape[1], shape[0]) if m.transposed else shape
-    if tuple(m.lora_a.shape) != (m.rank, in_f) or tuple(m.lora_b.shape) != (out_f, m.rank):
-        raise SlimtuneError(
-            f"{where}: lora_A {list(m.lora_a.shape)} and lora_B {list(m.lora_b.shape)} do not fit base {key} {list(shape)} "
-            f"(expected [{m.rank}, {in_f}] and [{out_f}, {m.rank}])"
-        )
+    out_f, _ = check_fits(key, tuple(shape), m, adapter)
     if m.magnitude is not None and tuple(m.magnitude.shape) != (out_f,):
         raise SlimtuneError(f"{where}: DoRA magnitude {list(m.magnitude.shape)} does not fit base {key} {list(shape)}")
     if replaced is not None:

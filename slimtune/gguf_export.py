@@ -125,10 +125,10 @@ def _pad(n: int, align: int) -> int:
 
 
 def tensor_type(name: str, shape: tuple[int, ...], qtype: gguf.GGMLQuantizationType) -> gguf.GGMLQuantizationType:
-    """The GGML type of one tensor in a file of ``qtype``: 1-D tensors, norms, position embeddings and
-    rope factors stay F32 (llama.cpp's converter rule); every other tensor takes ``qtype``."""
+    """The GGML type of one tensor in a file of ``qtype``: 1-D tensors, norms, the MoE router, position
+    embeddings and rope factors stay F32 (llama.cpp's converter rule); every other tensor takes ``qtype``."""
     f32_names = tuple(gguf.TENSOR_NAMES[t] + "." for t in _F32_TENSORS)
-    if len(shape) <= 1 or name.endswith("_norm.weight") or name.startswith(f32_names):
+    if len(shape) <= 1 or name.endswith(("_norm.weight", ".ffn_gate_inp.weight")) or name.startswith(f32_names):
         return Q.F32
     return qtype
 
@@ -150,6 +150,12 @@ def plan_gguf(tensors: list[tuple[str, StreamTensor]], type_name: str, model: Mi
         qtypes = [Q.F32 if q is None else q for q in chosen]
     else:
         qtypes = [tensor_type(t.name, t.shape, TYPES[type_name]) for _, t in tensors]
+    return plan_slots(tensors, qtypes, type_name)
+
+
+def plan_slots(tensors: list[tuple[str, StreamTensor]], qtypes: list[gguf.GGMLQuantizationType], type_name: str) -> GGUFPlan:
+    """The plan of ``tensors`` (HF key, GGUF entry) with the GGML types chosen: sizes and aligned offsets.
+    A row that does not divide into its type's blocks is one error line."""
     slots, offset = [], 0
     for (key, t), qtype in zip(tensors, qtypes, strict=True):
         block, size = gguf.GGML_QUANT_SIZES[qtype]
@@ -258,7 +264,9 @@ def _writer(arch: GGUFArch, kv: list[tuple], plan: GGUFPlan) -> gguf.GGUFWriter:
         _add_kv(writer, key, value, vtype)
     for slot in plan.slots:
         t = slot.source
-        writer.add_tensor_info(t.name, t.shape or (1,), np.dtype(np.float32), slot.nbytes, raw_dtype=slot.qtype)
+        writer.add_tensor_info(
+            t.name, getattr(t, "file_shape", None) or t.shape or (1,), np.dtype(np.float32), slot.nbytes, raw_dtype=slot.qtype
+        )
     return writer
 
 
@@ -303,7 +311,7 @@ class _Source:
     """The sha256 checks of the checkpoints read (``read_check``), done before the file is renamed into place."""
 
 
-def _record(*dirs: Path) -> dict:
+def format_record(*dirs: Path) -> dict:
     """What training recorded (slimtune_format.json: the chat template it used) in the first of ``dirs`` that has it."""
     return next((r for r in map(read_format_record, dirs) if r), {})
 
@@ -321,7 +329,7 @@ def open_source(src: Path | None, base: Path | None, adapter: Path | None, merge
         reader = BaseCheckpoint(src)
         try:
             stream = [_plain(reader, k) for k in reader.keys]
-            yield _Source(reader.config, stream, Path(src), Path(src), _record(Path(src)), (check,))
+            yield _Source(reader.config, stream, Path(src), Path(src), format_record(Path(src)), (check,))
         finally:
             reader.close()
         return
@@ -339,7 +347,7 @@ def open_source(src: Path | None, base: Path | None, adapter: Path | None, merge
         stream = merged_file_stream(reader, lora, torch.float32, resolved)
         dirs = [d for d in (Path(adapter), Path(src) if src else None) if d is not None]
         tok_dir = next((d for d in dirs if (d / "tokenizer_config.json").is_file()), reader.dir)
-        yield _Source(export_config_dict(reader.config, stream), stream, tok_dir, reader.dir, _record(*dirs), checks)
+        yield _Source(export_config_dict(reader.config, stream), stream, tok_dir, reader.dir, format_record(*dirs), checks)
     finally:
         reader.close()
 
@@ -354,7 +362,7 @@ def _plain(reader: BaseCheckpoint, key: str) -> StreamTensor:
 def gguf_tensors(arch: GGUFArch, stream: list[StreamTensor]) -> list[tuple[str, StreamTensor]]:
     """(HF key, GGUF entry) for every tensor llama.cpp reads, in the stream's order, extras first."""
     out = [(t.name, t) for t in arch.extra_tensors()]
-    for t in stream:
+    for t in arch.stack_experts(stream):
         if not t.dtype.is_floating_point:
             raise SlimtuneError(f"tensor {t.name}: dtype {t.dtype} cannot be written to GGUF")
         g = arch.tensor(t)
@@ -391,7 +399,7 @@ def export_gguf(
         arch = gguf_arch(_with_norm_eps(source.config, hf_config), str(source.model_dir / "config.json"))
         tensors = gguf_tensors(arch, source.stream)
         arch.check_tensors([g for _, g in tensors])
-        plan = plan_gguf(tensors, options.type, MixModel(arch.name, arch.layers, arch.heads, arch.kv_heads))
+        plan = plan_gguf(tensors, options.type, MixModel(arch.name, arch.layers, arch.heads, arch.kv_heads, arch.experts))
         template = source.record.get("chat_template")
         kv = [
             (gguf.Keys.General.TYPE, gguf.GGUFType.MODEL, gguf.GGUFValueType.STRING),  # as llama.cpp's converter writes it

@@ -85,23 +85,23 @@ def chat_tokenizer():
 
 
 @pytest.mark.parametrize("kind", ["standard", "conversational"])
-@pytest.mark.parametrize("mode", ["keep_start", "keep_end"])
-def test_pairs_tokenize_and_truncate_as_trl(kind, mode, tiny_base, tmp_path):
+def test_pairs_tokenize_and_truncate_as_trl(kind, tiny_base, tmp_path):
     """Every row's two sequences and answer masks equal what TRL's DPOTrainer tokenizes
-    (``_prepare_dataset``) and its collator cuts to max_length."""
+    (``_prepare_dataset``) and its collator cuts to max_length, keeping the start or the end."""
     from trl.trainer.dpo_trainer import DataCollatorForPreference
 
     tok = chat_tokenizer()
     rows = pair_rows(8, kind)
     trainer = _dpo_trainer(_hf_model_like(None, tiny_base), rows, tok, tmp_path, "sigmoid")
-    ours = [tokenize_pair(Record(r, f"row {i}"), tok, PairOptions(MAX_LENGTH, mode)) for i, r in enumerate(rows)]
-    collator = DataCollatorForPreference(pad_token_id=tok.pad_token_id, max_length=MAX_LENGTH, truncation_mode=mode)
-    theirs = collator([trainer.train_dataset[i] for i in range(len(rows))])
-    mine = rank_pairs(ours, list(range(len(rows))), SINGLE, tok.pad_token_id)
-    assert torch.equal(mine["input_ids"], theirs["input_ids"])
-    assert torch.equal(mine["attention_mask"], theirs["attention_mask"])
-    assert torch.equal((mine["labels"] != IGNORE_INDEX).long(), theirs["completion_mask"])
-    assert any(len(p.chosen.input_ids) == MAX_LENGTH for p in ours), "no row was long enough to be cut"
+    for mode in ("keep_start", "keep_end"):
+        ours = [tokenize_pair(Record(r, f"row {i}"), tok, PairOptions(MAX_LENGTH, mode)) for i, r in enumerate(rows)]
+        collator = DataCollatorForPreference(pad_token_id=tok.pad_token_id, max_length=MAX_LENGTH, truncation_mode=mode)
+        theirs = collator([trainer.train_dataset[i] for i in range(len(rows))])
+        mine = rank_pairs(ours, list(range(len(rows))), SINGLE, tok.pad_token_id)
+        assert torch.equal(mine["input_ids"], theirs["input_ids"]), mode
+        assert torch.equal(mine["attention_mask"], theirs["attention_mask"]), mode
+        assert torch.equal((mine["labels"] != IGNORE_INDEX).long(), theirs["completion_mask"]), mode
+        assert any(len(p.chosen.input_ids) == MAX_LENGTH for p in ours), "no row was long enough to be cut"
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from slimtune.checkpoint.atomic import is_complete_checkpoint
+from slimtune.cli import main
 from tests.conftest import ROOT
 from tests.test_preference import pair_rows
 
@@ -31,7 +31,7 @@ LOSS_RTOL = 1e-3  # 2 ranks vs 1 in bf16 (tests/test_dist_train.py's bound: each
 @pytest.fixture(scope="module")
 def settings(tiny_base, tmp_path_factory) -> list[str]:
     """20 standard pairs, 4 held out: 16 to train, batch 2, accumulation 1: 8 steps, one epoch; a
-    checkpoint every 2 steps (background saves, merged), evaluation at each."""
+    checkpoint at step 4 (adapter, in the background) and 8 (merged too), evaluation at each."""
     data = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in pair_rows(20, "standard")))
     return [
@@ -44,7 +44,8 @@ def settings(tiny_base, tmp_path_factory) -> list[str]:
         "training.objective=dpo",
         "training.batch_size=2",
         f"training.max_steps={STEPS}",
-        "checkpoint.save_every_n_steps=2",
+        "checkpoint.save_every_n_steps=4",
+        "checkpoint.merged=final",
         "checkpoint.keep_last_n=null",
         "checkpoint.max_shard_size=1MB",
         "optimizer.lr=5e-3",
@@ -71,10 +72,9 @@ def metrics(out: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def straight_run(tmp_path_factory, settings) -> Path:
-    """All 8 steps in one process, and the GGUF export at the end."""
+    """All 8 steps, in this process (the CLI's main: no interpreter start), and the GGUF export at the end."""
     out = tmp_path_factory.mktemp("straight") / "run"
-    r = finetune(out, settings, "checkpoint.gguf=q8_0")
-    assert "reference log-probabilities of 20 pairs" in r.stdout + r.stderr
+    assert main(["finetune", "--config", "tiny", f"output_dir={out}", *settings, "checkpoint.gguf=q8_0"]) == 0
     return out
 
 
@@ -85,13 +85,14 @@ def test_dpo_run_logs_trl_metrics_merged_accuracy_and_exports_gguf(straight_run)
     names = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected")
     for m in records:
         assert all(n in m for n in names), m
-    saved = [m for m in records if m["step"] % 2 == 0]
-    for m in saved:
-        assert all(f"eval_{n}" in m for n in names) and m["eval_pairs"] == 4
-        assert 0.0 <= m["eval_rewards/accuracies_merged"] <= 1.0
+    for m in records:
+        assert all(f"eval_{n}" in m for n in names) == (m["step"] in (4, STEPS)), m
+    assert records[-1]["eval_pairs"] == 4 and "eval_rewards/accuracies_merged" not in records[3]
+    merged, adapter = records[-1]["eval_rewards/accuracies_merged"], records[-1]["eval_rewards/accuracies"]
+    assert abs(merged - adapter) <= 0.25  # one pair of 4 at most: the merge's one rounding moves rewards a little
     assert records[-1]["rewards/margins"] > records[0]["rewards/margins"]  # training separates chosen from rejected
-    assert (straight_run / f"step-{STEPS:06d}" / "model.safetensors").is_file() or any((straight_run / f"step-{STEPS:06d}").glob("*.safetensors"))
-    assert list(straight_run.glob("**/model-q8_0.gguf")), sorted(p.name for p in straight_run.rglob("*"))[:40]
+    assert (straight_run / f"step-{STEPS:06d}" / "model.safetensors.index.json").is_file()  # the merged save (1 MB shards)
+    assert (straight_run / "model-q8_0.gguf").is_file()
 
 
 def test_sigkill_mid_epoch_then_resume_is_bit_exact(straight_run, settings, tmp_path):
@@ -130,4 +131,3 @@ def test_two_ranks_follow_the_one_rank_curve(straight_run, settings, tmp_path):
     for a, b in zip(one, two, strict=True):
         assert abs(a["loss"] - b["loss"]) <= LOSS_RTOL * abs(a["loss"]), (a["step"], a["loss"], b["loss"])
         assert abs(a["logps/chosen"] - b["logps/chosen"]) <= LOSS_RTOL * abs(a["logps/chosen"])
-    assert shutil.which(sys.executable)

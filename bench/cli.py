@@ -11,7 +11,7 @@ from pathlib import Path
 from bench.common import synthetic_train_base
 from bench.gguf_export import bench_gguf
 from bench.load_moe import bench_load_moe
-from bench.merge import bench_merge
+from bench.merge import bench_merge, bench_merge_cold
 from bench.nf4 import bench_nf4
 from bench.save import bench_dist_save, bench_save
 from bench.train_save import TRAIN_SAVE_MODES, bench_train_save
@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> None:
     merge.add_argument("--layers", type=int, default=None, help="override the number of layers")
     merge.add_argument("--device", default="cpu", help="where the merge math runs (cpu or cuda)")
     merge.add_argument("--no-verify", dest="verify", action="store_false", help="as slimtune merge --no-verify: no sha256 pass")
+    merge.add_argument("--cold", action="store_true", help="cp -r + sync of the base vs the CLI merge, page cache evicted before each")
+    merge.add_argument("--rounds", type=int, default=2, help="with --cold: copy / merge alternations")
     dsave = sub.add_parser("dist-save", help="cooperative export by N ranks (gloo, FSDP2-sharded synthetic model) vs one process")
     dsave.add_argument("--preset", choices=sorted(PRESETS), default="llama3.2-1b")
     dsave.add_argument("--out", type=Path, default=Path("bench-out"))
@@ -105,7 +107,10 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(bench_nf4(device=args.device)))
     if args.command == "merge":
         args.out.mkdir(parents=True, exist_ok=True)
-        print(json.dumps(bench_merge(args.preset, args.out, args.layers, args.device, args.verify)))
+        if args.cold:
+            print(json.dumps(bench_merge_cold(args.preset, args.out, args.layers, args.rounds)))
+        else:
+            print(json.dumps(bench_merge(args.preset, args.out, args.layers, args.device, args.verify)))
     if args.command == "save":
         result = bench_save(args.preset, args.out, args.layers, args.device)
         if not args.keep:

@@ -4,10 +4,15 @@ RSS, bytes read and written, and seconds per stage."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import statistics
+import subprocess
+import sys
+import time
 from pathlib import Path
 
-from bench.common import disk_write_mb_s, run_child, synthetic_base_and_adapter
+from bench.common import child_env, disk_write_mb_s, run_child, synthetic_base_and_adapter
 
 
 def merge_in_child(base: Path, adapter: Path, merged: Path, device: str = "cpu", verify: bool = True) -> dict:
@@ -43,4 +48,69 @@ def bench_merge(preset: str, out: Path, layers: int | None = None, device: str =
         "device": device,
         "verify": verify,
         "stages_s": stats["stages_s"],
+    }
+
+
+def evict(*directories: Path) -> None:
+    """Drop the files under ``directories`` from the page cache: ``sync``, then
+    posix_fadvise(POSIX_FADV_DONTNEED) on each (works without root; /proc/sys/vm/drop_caches may be
+    refused or, in a container, accepted and ignored)."""
+    os.sync()
+    for d in directories:
+        for p in Path(d).rglob("*"):
+            if p.is_file():
+                fd = os.open(p, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+
+
+def _timed(cmd: list[str], what: str) -> float:
+    start = time.perf_counter()
+    done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=child_env())
+    seconds = time.perf_counter() - start
+    if done.returncode:
+        raise SystemExit(f"{what} failed with exit code {done.returncode}: {done.stderr.strip().splitlines()[-1:]}")
+    return seconds
+
+
+def bench_merge_cold(preset: str, out: Path, layers: int | None = None, rounds: int = 2) -> dict:
+    """The offline merge at copy speed: with the base evicted from the page cache (``evict``) before each
+    run, ``cp -r BASE DST && sync`` vs ``slimtune merge`` (a fresh CLI process, default sha256 check, then
+    ``--no-verify``), alternated ``rounds`` times in one run; then one cold run of each merge in the
+    stage-timing child (bench/merge_child.py) for the stage table. ratio = copy seconds / merge seconds
+    (>= 1: the merge is at least as fast as copying the base)."""
+    tag, base, adapter = synthetic_base_and_adapter(preset, out, layers)
+    dst = out / f"cold-{tag}"
+    base_bytes = sum(p.stat().st_size for p in base.rglob("*") if p.is_file())
+    merge = [sys.executable, "-m", "slimtune", "merge", "--base", str(base), "--adapter", str(adapter), "--out", str(dst)]
+    runs = {
+        "copy": ["sh", "-c", f'cp -r "{base}" "{dst}" && sync'],
+        "merge": merge,
+        "merge_no_verify": [*merge, "--no-verify"],
+    }
+    seconds: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(rounds):
+        for name, cmd in runs.items():
+            shutil.rmtree(dst, ignore_errors=True)
+            evict(base, adapter)
+            seconds[name].append(round(_timed(cmd, name), 3))
+    stages = {}
+    for verify in (True, False):
+        shutil.rmtree(dst, ignore_errors=True)
+        evict(base, adapter)
+        child = merge_in_child(base, adapter, dst, "cpu", verify)
+        figures = {"merge_s": round(child["merge_s"], 3), "bytes_read": child["bytes_read"], **child["stages_s"]}
+        stages["verify" if verify else "no_verify"] = figures
+    shutil.rmtree(dst, ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in seconds.items()}
+    return {
+        "preset": preset + (f"[{layers} layers]" if layers else ""),
+        "base_bytes": base_bytes,
+        "evict": "posix_fadvise(POSIX_FADV_DONTNEED) after sync",
+        "seconds": seconds,
+        "ratio_merge": round(med["copy"] / med["merge"], 3),
+        "ratio_merge_no_verify": round(med["copy"] / med["merge_no_verify"], 3),
+        "stages_s": stages,
     }

@@ -130,9 +130,17 @@ def cmd_export(args: argparse.Namespace) -> None:
     if args.src is None and (args.base is None or args.adapter is None):
         raise SlimtuneError("export: give SRC (a checkpoint) or both --base and --adapter")
     # beside the checkpoint, as checkpoint.gguf writes it: a file inside would not be in its manifest
-    out = args.out or (args.src or args.adapter).resolve().parent / f"model-{args.type}.gguf"
+    stem = "adapter" if args.adapter_only else "model"
+    out = args.out or (args.src or args.adapter).resolve().parent / f"{stem}-{args.type}.gguf"
     options = GGUFOptions(args.type, args.merge_base, args.overwrite, args.verify, dry_run=args.dry_run)
-    result = export_gguf(out, options, src=args.src, base=args.base, adapter=args.adapter)
+    if args.adapter_only:
+        from slimtune.gguf_adapter import export_gguf_adapter
+
+        result = export_gguf_adapter(out, options, src=args.src, base=args.base, adapter=args.adapter, base_gguf=args.base_gguf)
+    else:
+        if args.base_gguf is not None:
+            raise SlimtuneError("export: --base-gguf names the base of an --adapter-only file's Modelfile; add --adapter-only")
+        result = export_gguf(out, options, src=args.src, base=args.base, adapter=args.adapter)
     if args.dry_run:
         for slot in result.plan.slots:
             print(f"{slot.source.name:<40} {slot.qtype.name:<5} {'x'.join(map(str, slot.source.shape)):>14} {slot.nbytes:>14,d} bytes")
@@ -270,6 +278,15 @@ def _add_export(sub) -> None:
     export.add_argument("--merge-base", choices=["original", "quantized"], default="original", help="as for merge (default: original)")
     export.add_argument("--overwrite", action="store_true", help="replace an existing output file (atomically, once complete)")
     export.add_argument("--dry-run", action="store_true", help="print each tensor's GGML type and the file's size; write nothing")
+    export.add_argument(
+        "--adapter-only",
+        action="store_true",
+        help="write the adapter alone as a GGUF LoRA adapter (llama.cpp's lora_path, Ollama's ADAPTER; --type f32, f16, bf16 or q8_0; "
+        "needs --base for its config and names)",
+    )
+    export.add_argument(
+        "--base-gguf", default=None, help="with --adapter-only: the Modelfile's FROM (default: model-f16.gguf beside --base)"
+    )
     _no_verify(export)
     export.set_defaults(func=cmd_export)
 

@@ -149,6 +149,12 @@ def plan_gguf(tensors: list[tuple[str, StreamTensor]], type_name: str, model: Mi
         qtypes = [Q.F32 if q is None else q for q in chosen]
     else:
         qtypes = [tensor_type(t.name, t.shape, TYPES[type_name]) for _, t in tensors]
+    return plan_slots(tensors, qtypes, type_name)
+
+
+def plan_slots(tensors: list[tuple[str, StreamTensor]], qtypes: list[gguf.GGMLQuantizationType], type_name: str) -> GGUFPlan:
+    """The plan of ``tensors`` (HF key, GGUF entry) with the GGML types chosen: sizes and aligned offsets.
+    A row that does not divide into its type's blocks is one error line."""
     slots, offset = [], 0
     for (key, t), qtype in zip(tensors, qtypes, strict=True):
         block, size = gguf.GGML_QUANT_SIZES[qtype]
@@ -293,7 +299,7 @@ class _Source:
     """The sha256 checks of the checkpoints read (``read_check``), done before the file is renamed into place."""
 
 
-def _record(*dirs: Path) -> dict:
+def format_record(*dirs: Path) -> dict:
     """What training recorded (slimtune_format.json: the chat template it used) in the first of ``dirs`` that has it."""
     return next((r for r in map(read_format_record, dirs) if r), {})
 
@@ -311,7 +317,7 @@ def open_source(src: Path | None, base: Path | None, adapter: Path | None, merge
         reader = BaseCheckpoint(src)
         try:
             stream = [_plain(reader, k) for k in reader.keys]
-            yield _Source(reader.config, stream, Path(src), Path(src), _record(Path(src)), (check,))
+            yield _Source(reader.config, stream, Path(src), Path(src), format_record(Path(src)), (check,))
         finally:
             reader.close()
         return
@@ -329,7 +335,7 @@ def open_source(src: Path | None, base: Path | None, adapter: Path | None, merge
         stream = merged_file_stream(reader, lora, torch.float32, resolved)
         dirs = [d for d in (Path(adapter), Path(src) if src else None) if d is not None]
         tok_dir = next((d for d in dirs if (d / "tokenizer_config.json").is_file()), reader.dir)
-        yield _Source(export_config_dict(reader.config, stream), stream, tok_dir, reader.dir, _record(*dirs), checks)
+        yield _Source(export_config_dict(reader.config, stream), stream, tok_dir, reader.dir, format_record(*dirs), checks)
     finally:
         reader.close()
 

@@ -22,7 +22,7 @@ from slimtune.families import frozen_nf4_keys
 from slimtune.formats.bnb import BnbNF4Weight, aux_owner, is_aux_key, load_bnb_weight, quant_state_key, refuse_8bit
 from slimtune.formats.hf import checkpoint_files, export_config_dict, load_config, module_kinds, read_config_dict
 from slimtune.formats.hub import ModelSource, resolve_model
-from slimtune.formats.manifest import checks_done, read_check
+from slimtune.formats.manifest import ReadCheck, checks_done, read_check
 from slimtune.formats.peft import Adapter, AdapterModule, SavedTensor, read_adapter, resolve
 from slimtune.formats.safetensors import COMPUTE_DTYPES, SafetensorsReader
 from slimtune.formats.strict_json import safe_name
@@ -39,16 +39,18 @@ MERGE_BASES = ("original", "quantized")  # MergeBase(quantized=False / True)
 
 class BaseCheckpoint:
     """A base checkpoint on disk (a directory, or a hub id ``resolve_model`` fetches): tensor names,
-    shapes and dtypes from the headers, rows on demand."""
+    shapes and dtypes from the headers, rows on demand. With ``check`` (a folded ``ReadCheck`` of the
+    base), every byte read is hashed as it is read."""
 
-    def __init__(self, model_dir: str | Path | ModelSource, pool: BufferPool | None = None):
+    def __init__(self, model_dir: str | Path | ModelSource, pool: BufferPool | None = None, check: ReadCheck | None = None):
         self.source = resolve_model(model_dir)
         self.dir = self.source.path
         self.pool = pool
         self.config = read_config_dict(self.dir)
         refuse_8bit(self.config, str(self.dir / "config.json"))
         self._kinds: tuple[dict[str, str], str | None] | None = None
-        self.readers = [SafetensorsReader(h.path) for h in checkpoint_files(self.dir)]
+        taps = [(h.path, check and check.tap(h.path)) for h in checkpoint_files(self.dir)]
+        self.readers = [SafetensorsReader(path, tap and tap.seen) for path, tap in taps]
         self.location = {key: r for r in self.readers for key in r.tensors}
         for key, reader in self.location.items():  # every tensor passes through torch: refuse before writing
             reader.torch_shape(key)
@@ -164,6 +166,20 @@ class MergeBase:
         return rows
 
 
+def check_fits(key: str, shape: tuple[int, ...], m: AdapterModule, adapter: Adapter) -> tuple[int, int]:
+    """(out, in) of the LoRA target ``key`` of base ``shape``: A must be [r, in] and B [out, r] (one error line otherwise)."""
+    where = f"adapter {adapter.path}, module {m.name}"
+    if len(shape) != 2:
+        raise SlimtuneError(f"{where}: base tensor {key} has shape {list(shape)}, a LoRA target must be 2-D")
+    out_f, in_f = (shape[1], shape[0]) if m.transposed else shape
+    if tuple(m.lora_a.shape) != (m.rank, in_f) or tuple(m.lora_b.shape) != (out_f, m.rank):
+        raise SlimtuneError(
+            f"{where}: lora_A {list(m.lora_a.shape)} and lora_B {list(m.lora_b.shape)} do not fit base {key} {list(shape)} "
+            f"(expected [{m.rank}, {in_f}] and [{out_f}, {m.rank}])"
+        )
+    return out_f, in_f
+
+
 def _merged_source(
     key: str,
     base: BaseCheckpoint,
@@ -179,14 +195,7 @@ def _merged_source(
     if replaced is not None and tuple(replaced.shape) != tuple(shape):
         raise SlimtuneError(f"adapter {adapter.path}: saved weight of {key} {list(replaced.shape)} vs base {list(shape)}")
     where = f"adapter {adapter.path}, module {m.name}"
-    if len(shape) != 2:
-        raise SlimtuneError(f"{where}: base tensor {key} has shape {list(shape)}, a LoRA target must be 2-D")
-    out_f, in_f = (shape[1], shape[0]) if m.transposed else shape
-    if tuple(m.lora_a.shape) != (m.rank, in_f) or tuple(m.lora_b.shape) != (out_f, m.rank):
-        raise SlimtuneError(
-            f"{where}: lora_A {list(m.lora_a.shape)} and lora_B {list(m.lora_b.shape)} do not fit base {key} {list(shape)} "
-            f"(expected [{m.rank}, {in_f}] and [{out_f}, {m.rank}])"
-        )
+    out_f, _ = check_fits(key, tuple(shape), m, adapter)
     if m.magnitude is not None and tuple(m.magnitude.shape) != (out_f,):
         raise SlimtuneError(f"{where}: DoRA magnitude {list(m.magnitude.shape)} does not fit base {key} {list(shape)}")
     if replaced is not None:
@@ -301,8 +310,9 @@ def merge_from_files(
     which base weights the adapter is merged into (``original`` W, or ``quantized`` dequant(NF4(W))).
     With ``ranks`` of a process group (``slimtune merge --nproc N``), every rank calls this and merges
     its row range of every tensor into the same files (see ``write_checkpoint``). With ``verify``, the
-    adapter and the base, where they are slimtune checkpoints with a manifest, have every file read hashed
-    while the merge reads it (on the coordinator), and a mismatch leaves no output.
+    adapter and the base, where they are slimtune checkpoints with a manifest, have every file hashed (on
+    the coordinator; one process hashes the base's shards from the merge's own reads, so each byte is read
+    once), and a mismatch leaves no output.
 
     Example: ``merge_from_files("base", "run/step-000100/adapter", "merged", WriteOptions(dtype="bf16"))``"""
     options.shard_bytes  # noqa: B018 - parsed (and checked) once, before anything is read
@@ -316,8 +326,10 @@ def merge_from_files(
     if out_dir.exists() and not options.overwrite:
         raise SlimtuneError(f"{out_dir} already exists; pass --overwrite to replace it")
     pool = pool_for(chunk_bytes, options.inflight_bytes, pin_memory=device == "cuda")
-    checks = [read_check(base_dir, verify)] if ranks.is_coordinator else []
-    base = BaseCheckpoint(base_dir, pool)
+    # one process reads every byte of the base in file order: its reads are hashed as they are made; with
+    # ranks each reads its rows only, and the coordinator's check reads the files beside the work
+    checks = [read_check(base_dir, verify, fold=ranks.world_size == 1)] if ranks.is_coordinator else []
+    base = BaseCheckpoint(base_dir, pool, checks[0] if checks else None)
     try:
         adapter = read_adapter(adapter_dir)
         if ranks.is_coordinator:  # the adapter is small and read whole already: checked now

@@ -106,3 +106,52 @@ def test_the_manifest_is_written_last_and_read_back_checked(tmp_path):
     assert not (tmp_path / (MANIFEST_NAME + ".partial")).exists()
     (tmp_path / "a.bin").write_bytes(b"hellO")
     assert manifest_problems(tmp_path) == [f"{tmp_path / 'a.bin'}: sha256 differs from the manifest (changed or corrupted bytes)"]
+
+
+def test_a_folded_read_check_hashes_the_reads_in_any_order(tmp_path):
+    """formats/manifest.ReadCheck with fold: the bytes a command reads, handed to the file's tap, are
+    hashed as they are read; reads in file order read nothing more, any other order (overlaps, re-reads,
+    gaps, a tail never read) still gives the file's exact sha256; a changed byte anywhere is one line."""
+    import random
+
+    from slimtune.formats.manifest import read_check, sha256_file
+
+    rng = random.Random(0)
+    data = rng.randbytes(300_000)
+    (tmp_path / "w.bin").write_bytes(data)
+    (tmp_path / "config.json").write_text("{}")
+    records = [FileRecord(p.name, p.stat().st_size, sha256_file(p)) for p in sorted(tmp_path.iterdir())]
+    write_manifest(tmp_path, records)
+
+    def read(check, spans):
+        tap = check.tap(tmp_path / "w.bin")
+        for a, b in spans:
+            tap.seen(a, memoryview((tmp_path / "w.bin").read_bytes()[a:b]))
+        return tap
+
+    in_order = [(i, min(i + 7000, len(data))) for i in range(0, len(data), 7000)]
+    check = read_check(tmp_path, fold=True)
+    read(check, in_order)
+    assert check.tap(tmp_path / "other") is None  # not listed: nothing to check
+    check.done()
+    assert check.bytes_reread == 0  # every byte came from the reads themselves
+    for _ in range(20):
+        spans = [(a, a + rng.randrange(1, 40_000)) for a in (rng.randrange(len(data)) for _ in range(rng.randrange(1, 30)))]
+        check = read_check(tmp_path, fold=True)
+        read(check, [(a, min(b, len(data))) for a, b in spans])
+        check.done()
+        assert check.bytes_reread <= len(data)
+    flipped = bytearray(data)
+    flipped[rng.randrange(len(data))] ^= 0x10
+    (tmp_path / "w.bin").write_bytes(bytes(flipped))
+    for spans in (in_order, in_order[::-1], in_order[:3]):
+        check = read_check(tmp_path, fold=True)
+        read(check, spans)
+        with pytest.raises(SlimtuneError, match=r"w\.bin: sha256 differs from the manifest .*--no-verify reads it as it is"):
+            check.done()
+    (tmp_path / "w.bin").write_bytes(data)
+    (tmp_path / "config.json").write_text("[]")  # an untapped file is hashed by done()
+    check = read_check(tmp_path, fold=True)
+    read(check, in_order)
+    with pytest.raises(SlimtuneError, match=r"config\.json: sha256 differs"):
+        check.done()

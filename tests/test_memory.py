@@ -54,8 +54,9 @@ def test_offline_merge_peak_rss_is_bounded_for_a_gigabyte_base(tmp_path):
     # the whole merge process (interpreter, torch, buffers) must stay under the 512 MB budget the
     # Llama-3-8B bench is held to, on a base of 1.25 GB
     # the synthetic base is a slimtune checkpoint with a manifest: by default the merge hashes each of its
-    # files in a second sequential pass beside the work (formats/manifest.ReadCheck); --no-verify reads it once
-    for flags, reads in (([], 2), (["--no-verify"], 1)):
+    # shards from its own reads (formats/manifest.ReadCheck with fold), so it reads the base once, as
+    # --no-verify does
+    for flags in ([], ["--no-verify"]):
         args = ["merge", "--preset", "llama3.2-1b", "--layers", "6", "--out", str(tmp_path), *flags]
         r = run_python(f"from bench.cli import main; main({args!r})")
         assert r.returncode == 0, r.stderr
@@ -63,4 +64,4 @@ def test_offline_merge_peak_rss_is_bounded_for_a_gigabyte_base(tmp_path):
         assert result["base_bytes"] >= 1_000_000_000
         assert result["peak_rss_mb"] <= 512, result
         assert abs(result["bytes_written"] - result["output_bytes"]) <= 0.01 * result["output_bytes"], result
-        assert result["bytes_read"] <= (reads + 0.05) * result["base_bytes"], result  # each base byte read once (+ once hashed)
+        assert result["bytes_read"] <= 1.05 * result["base_bytes"], result  # each base byte read once, hashed or not

@@ -331,17 +331,20 @@ class _Turns:
         return f"{self.lead}{{{{ range .Messages }}}}{{{{ if{branches}{{{{ end }}}}{{{{ end }}}}{self.generation}"
 
 
-def write_modelfile(gguf_path: str | Path, model_dir: str | Path, chat_template: str | None, system_prompt: str | None = None) -> Path:
+def write_modelfile(
+    gguf_path: str | Path, model_dir: str | Path, chat_template: str | None, system_prompt: str | None = None, base_gguf: str | None = None
+) -> Path:
     """Write ``Modelfile`` beside ``gguf_path`` for ``ollama create NAME -f Modelfile``: ``FROM`` the GGUF,
     ``TEMPLATE`` (the chat template translated to Go where it wraps each message alike, checked by
     rendering both), ``PARAMETER stop`` for the template's end-of-turn token and EOS, and ``SYSTEM``
     (``system_prompt``, else the system message the template inserts by default). Atomic. Returns its path.
+    With ``base_gguf``, ``gguf_path`` is a LoRA adapter: ``FROM base_gguf`` and ``ADAPTER ./gguf_path``.
 
     Example: ``write_modelfile(out / "model-q8_0.gguf", ckpt, template)  # -> out/Modelfile``"""
     gguf_path = Path(gguf_path)
     tokenizer = _load_tokenizer(Path(model_dir))
     turns = _turns(tokenizer, chat_template) if chat_template else None
-    lines = [f"FROM ./{gguf_path.name}"]
+    lines = [f"FROM ./{gguf_path.name}"] if base_gguf is None else [f"FROM {_local(base_gguf)}", f"ADAPTER ./{gguf_path.name}"]
     if turns is not None:
         lines.append(f'TEMPLATE """{_triple_quoted(turns.go_template(), "TEMPLATE")}"""')
     elif chat_template:
@@ -358,6 +361,13 @@ def write_modelfile(gguf_path: str | Path, model_dir: str | Path, chat_template:
     with atomic_file(target) as tmp:
         tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return target
+
+
+def _local(path: str) -> str:
+    """A relative path as Ollama reads one (``./`` first); absolute paths and model names as given."""
+    if "\n" in path or "\r" in path:
+        raise SlimtuneError(f"Modelfile FROM {path!r}: a line break cannot be in a Modelfile line")
+    return path if path.startswith(("/", "./", "../")) or "/" not in path and not path.endswith(".gguf") else f"./{path}"
 
 
 def _triple_quoted(text: str, what: str) -> str:

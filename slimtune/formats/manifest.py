@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from slimtune.errors import SlimtuneError
 from slimtune.fileio import write_atomic
 from slimtune.formats.strict_json import json_kind, load_json, safe_name
+from slimtune.profiler import stage
 
 MANIFEST_NAME = "slimtune_manifest.json"
 MANIFEST_FORMAT = "slimtune-checkpoint/1"
@@ -131,12 +132,67 @@ def _file_problems(path: Path, entry: dict | None) -> list[str]:
     return []
 
 
+class _FileTap:
+    """The sha256 of one file fed with the bytes its reader reads (``seen``), in file order: bytes behind
+    the hashed prefix are skipped (hashed already), a read past it first has the gap read from the file
+    and hashed. Reads in file order, as a merge of a checkpoint makes them, are hashed from the reader's
+    own buffers and nothing is read twice; any order is still exact, reading each byte at most twice."""
+
+    def __init__(self, path: Path):
+        import threading
+
+        self.path = path
+        self.sha = hashlib.sha256()
+        self.pos = 0  # bytes [0, pos) are hashed
+        self.extra = 0  # bytes this tap read itself (gaps and the tail)
+        self._lock = threading.Lock()
+
+    def seen(self, offset: int, data: memoryview) -> None:
+        """Bytes [offset, offset + len(data)) of the file, as just read."""
+        with self._lock, stage("verify", device_work=False):
+            end = offset + len(data)
+            if end <= self.pos:
+                return
+            if offset > self.pos:
+                self._fill(offset)
+            self.sha.update(data[self.pos - offset :])
+            self.pos = end
+
+    def _fill(self, end: int | None) -> None:
+        """Hash bytes [pos, end) (to the end of the file: None) read from the file itself."""
+        buf = bytearray(8 * 1024 * 1024)
+        view = memoryview(buf)
+        with open(self.path, "rb", buffering=0) as f:
+            f.seek(self.pos)
+            while end is None or self.pos < end:
+                n = f.readinto(view if end is None else view[: min(len(buf), end - self.pos)])
+                if not n:
+                    break
+                self.sha.update(view[:n])
+                self.pos += n
+                self.extra += n
+
+    def problems(self, entry: dict) -> list[str]:
+        with self._lock:
+            if not self.path.is_file():
+                return [f"{self.path}: listed in the manifest but missing"]
+            self._fill(None)
+            if self.pos != entry["size"]:
+                return [f"{self.path}: {self.pos} bytes, the manifest says {entry['size']}"]
+            if self.sha.hexdigest() != entry["sha256"]:
+                return [f"{self.path}: sha256 differs from the manifest (changed or corrupted bytes)"]
+            return []
+
+
 class ReadCheck:
-    """The sha256 of every file a command reads from a checkpoint with a manifest, against the manifest,
-    computed in one sequential pass by a background thread while the command works (hashlib releases the
-    GIL: the pass runs beside the work on another core, and reads what the page cache mostly holds
-    already). ``done()`` waits for it and raises the first mismatch as one ``SlimtuneError`` line; call it
-    before anything made from the bytes is put under its final name. Build with ``read_check``.
+    """The sha256 of every file a command reads from a checkpoint with a manifest, against the manifest.
+    By default computed in one sequential pass by a background thread while the command works (hashlib
+    releases the GIL: the pass runs beside the work on another core, and reads what the page cache mostly
+    holds already). With ``fold``, no pass: the command hands the files it reads in file order to
+    ``tap(path)`` and gives the tap every byte it reads (``SafetensorsReader(path, observe=tap.seen)``), so
+    those bytes are hashed from its own buffers and read once; the files it did not tap are hashed by
+    ``done()``. ``done()`` waits for the check and raises the first mismatch as one ``SlimtuneError``
+    line; call it before anything made from the bytes is put under its final name. Build with ``read_check``.
 
     Example::
 
@@ -145,13 +201,15 @@ class ReadCheck:
         check.done()   # SlimtuneError("runs/1/step-000100/model.safetensors: sha256 differs from the manifest ...")
     """
 
-    def __init__(self, directory: Path, files: list[str]):
+    def __init__(self, directory: Path, files: list[str], fold: bool = False):
         import threading
 
         self.directory, self.files = directory, files
         self._problems: list[str] = []
-        self._thread = threading.Thread(target=self._run, name=f"sha256 {directory.name}", daemon=True)
-        self._thread.start()
+        self._taps: dict[str, _FileTap] = {}
+        self._thread = None if fold else threading.Thread(target=self._run, name=f"sha256 {directory.name}", daemon=True)
+        if self._thread is not None:
+            self._thread.start()
 
     def _run(self) -> None:
         try:
@@ -159,8 +217,42 @@ class ReadCheck:
         except BaseException as e:  # noqa: BLE001 - handed to the caller by done()
             self._problems = [f"{self.directory}: cannot check the manifest's sha256: {e}"]
 
+    def tap(self, path: str | Path) -> _FileTap | None:
+        """With ``fold``: the tap of ``path`` when it is one of the checked files (None otherwise), to be
+        given every byte read from it (``seen``) from now on."""
+        if self._thread is not None:
+            return None
+        target = Path(path).resolve()
+        for rel in self.files:
+            if (self.directory / rel).resolve() == target:
+                return self._taps.setdefault(rel, _FileTap(self.directory / rel))
+        return None
+
+    @property
+    def bytes_reread(self) -> int:
+        """Bytes the taps read themselves (gaps and tails): 0 when every tapped file was read in order."""
+        return sum(t.extra for t in self._taps.values())
+
+    def _folded_problems(self) -> list[str]:
+        try:
+            listed = {f["path"]: f for f in read_manifest(self.directory)["files"]}
+            untapped = [rel for rel in self.files if rel not in self._taps]
+            problems = manifest_problems(self.directory, only=untapped, extra=False) if untapped else []
+            for rel, tap in self._taps.items():
+                try:
+                    problems += tap.problems(listed[rel])
+                except OSError as e:
+                    problems.append(f"{tap.path}: cannot read: {e.strerror or e}")
+            return problems
+        except SlimtuneError as e:
+            return [str(e)]
+
     def done(self) -> None:
-        self._thread.join()
+        if self._thread is None:
+            with stage("verify", device_work=False):
+                self._problems = self._folded_problems()
+        else:
+            self._thread.join()
         if self._problems:
             raise SlimtuneError(
                 self._problems[0]
@@ -169,11 +261,12 @@ class ReadCheck:
             )
 
 
-def read_check(path: str | Path, verify: bool = True) -> ReadCheck | None:
+def read_check(path: str | Path, verify: bool = True, fold: bool = False) -> ReadCheck | None:
     """A ``ReadCheck`` of the files under ``path`` (a checkpoint, or a directory inside one such as
     ``step-N/adapter``) as the manifest of ``path`` or of its parent lists them; None when ``verify`` is
     off or neither has a manifest (a plain Hugging Face directory: nothing to check against). A manifest
-    that is there but unreadable is one ``SlimtuneError`` line."""
+    that is there but unreadable is one ``SlimtuneError`` line. ``fold``: hashed from the command's own
+    reads (``ReadCheck.tap``) instead of a pass of its own."""
     path = Path(path)
     if not verify or not path.is_dir():
         return None
@@ -183,7 +276,7 @@ def read_check(path: str | Path, verify: bool = True) -> ReadCheck | None:
             listed = [f["path"] for f in read_manifest(root)["files"]]
             files = [rel for rel in listed if rel.startswith(prefix) and (prefix or "/" not in rel)]
             if files:
-                return ReadCheck(root, files)
+                return ReadCheck(root, files, fold)
     return None
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -265,11 +266,14 @@ def _short(value: object) -> str:
 
 class SafetensorsReader:
     """Reads tensors or row ranges of them with plain file reads into buffers the caller owns, so RSS
-    never holds more than what was asked for (no mapping of whole files)."""
+    never holds more than what was asked for (no mapping of whole files). ``observe(offset, data)`` is
+    given the bytes of every read, at their file offset (a sha256 check hashing what is read:
+    ``formats.manifest.ReadCheck.tap``)."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, observe: Callable[[int, memoryview], None] | None = None):
         self.header = read_header(path)
         self.path = self.header.path
+        self._observe = observe
         self._file = open(self.path, "rb")
 
     @property
@@ -312,10 +316,14 @@ class SafetensorsReader:
             raise ValueError(f"buffer {out.dtype} {list(out.shape)} does not fit {name} rows {start}:{end}")
         nbytes = (end - start) * row_bytes if entry.shape else entry.nbytes
         if nbytes:
-            self._file.seek(self.header.data_start + entry.begin + start * row_bytes)
-            got = self._file.readinto(tensor_bytes(out))
+            offset = self.header.data_start + entry.begin + start * row_bytes
+            self._file.seek(offset)
+            data = tensor_bytes(out)
+            got = self._file.readinto(data)
             if got != nbytes:
                 raise SlimtuneError(f"{self.path}: tensor {name}: read {got} of {nbytes} bytes (file changed or truncated)")
+            if self._observe is not None:
+                self._observe(offset, data)
         return out
 
     def close(self) -> None:

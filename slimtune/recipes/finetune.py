@@ -48,7 +48,7 @@ from slimtune.distributed import SINGLE, Ranks, all_sum, init_distributed, resha
 from slimtune.errors import SlimtuneError
 from slimtune.lora import lora_parameters
 from slimtune.model import pick_device
-from slimtune.recipes import preference
+from slimtune.recipes.preference import PREFERENCE_STEPS
 from slimtune.recipes.run import FinetuneResult, Inputs, Placement, Run, Span
 from slimtune.recipes.steps import (
     adapter_only,
@@ -121,7 +121,7 @@ def _steps_of(objective: str) -> tuple[Callable, Callable, Callable, Callable]:
     figures); sft's are this file's, the preference objectives' ``recipes/preference.py``'s."""
     if objective == "sft":
         return setup, train_step, evaluate, lambda run: None
-    return preference.setup, preference.train_step, preference.evaluate, preference.progress_figures
+    return PREFERENCE_STEPS
 
 
 # ---------------------------------------------------------------------------------------------------

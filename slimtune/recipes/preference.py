@@ -166,6 +166,10 @@ def progress_figures(run: Run) -> dict:
     return shown
 
 
+# the loop's view of this recipe (recipes/finetune.py, ``_steps_of``): setup, train_step, evaluate, the bar's figures
+PREFERENCE_STEPS = (setup, train_step, evaluate, progress_figures)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Step helpers
 

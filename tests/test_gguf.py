@@ -51,6 +51,33 @@ def _tokenizer_dir(tmp_path_factory) -> Path:
     return ensure_real_model()
 
 
+_BYTE_VOCAB = ("qwen2", "mixtral", "qwen3_moe")
+"""transformers 5 loads any tokenizer of a qwen2 model as Qwen2Tokenizer (Qwen's split regex), so SmolLM2's
+vocabulary there tokenizes as no real model does and llama.cpp has no name for it: the Qwen2 model gets the
+merge-free byte-level tokenizer, where the split cannot change the ids; the MoE models too (what they test
+is the experts; the small vocabulary keeps them cheap)."""
+
+
+def _family_model(d: Path, model_type: str, real: bool, tmp_path_factory) -> Path:
+    """A tiny random model of the family (perturbed: trained-looking) with SmolLM2's tokenizer (``real``,
+    49,152 tokens) or the byte-level one (272)."""
+    extra = dict(query_pre_attn_scalar=32) if model_type.startswith("gemma") else {}  # llama.cpp scales by head_dim
+    if model_type == "qwen3_moe":  # what llama.cpp's qwen3moe computes: every layer MoE, top-k weights normalized
+        extra = dict(mlp_only_layers=[], norm_topk_prob=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(family_of(model_type), vocab_size=49152 if real else 272, **extra))
+    with torch.no_grad():
+        for p in model.parameters():  # trained-looking: norms away from 1, biases away from 0
+            p.add_(torch.randn_like(p) * 0.02)
+    model.to(torch.bfloat16).save_pretrained(d)
+    if real:
+        for f in _tokenizer_dir(tmp_path_factory).glob("*token*"):
+            shutil.copy(f, d)
+    else:
+        byte_tokenizer().save_pretrained(d)
+    return d
+
+
 @pytest.fixture(scope="session")
 def family_dirs(tmp_path_factory):
     made: dict[str, Path] = {}
@@ -58,26 +85,24 @@ def family_dirs(tmp_path_factory):
     def make(model_type: str) -> Path:
         if model_type not in made:
             d = tmp_path_factory.mktemp(f"gguf-{model_type}")
-            extra = dict(query_pre_attn_scalar=32) if model_type.startswith("gemma") else {}  # llama.cpp scales by head_dim
-            if model_type == "qwen3_moe":  # what llama.cpp's qwen3moe computes: every layer MoE, top-k weights normalized
-                extra = dict(mlp_only_layers=[], norm_topk_prob=True)
-            # transformers 5 loads any tokenizer of a qwen2 model as Qwen2Tokenizer (Qwen's split regex), so
-            # SmolLM2's vocabulary there tokenizes as no real model does and llama.cpp has no name for it:
-            # the Qwen2 model gets the merge-free byte-level tokenizer, where the split cannot change the ids
-            # the MoE models too (what they test is the experts; the small vocabulary keeps them cheap)
-            real = model_type not in ("qwen2", "mixtral", "qwen3_moe")
-            torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(tiny_config(family_of(model_type), vocab_size=49152 if real else 272, **extra))
-            with torch.no_grad():
-                for p in model.parameters():  # trained-looking: norms away from 1, biases away from 0
-                    p.add_(torch.randn_like(p) * 0.02)
-            model.to(torch.bfloat16).save_pretrained(d)
-            if real:
-                for f in _tokenizer_dir(tmp_path_factory).glob("*token*"):
-                    shutil.copy(f, d)
-            else:
-                byte_tokenizer().save_pretrained(d)
-            made[model_type] = d
+            made[model_type] = _family_model(d, model_type, model_type not in _BYTE_VOCAB, tmp_path_factory)
+        return made[model_type]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def byte_vocab_family_dirs(family_dirs, tmp_path_factory):
+    """Each family's tiny model with the byte-level tokenizer (272 tokens), for the checks that look at
+    the weights, not the vocabulary (the mixes' files): a 49,152-token vocabulary made each export, each
+    llama-quantize and each load there several seconds. The families that have it already share theirs."""
+    made: dict[str, Path] = {}
+
+    def make(model_type: str) -> Path:
+        if model_type in _BYTE_VOCAB:
+            return family_dirs(model_type)
+        if model_type not in made:
+            made[model_type] = _family_model(tmp_path_factory.mktemp(f"gguf-bytes-{model_type}"), model_type, False, tmp_path_factory)
         return made[model_type]
 
     return make
@@ -554,8 +579,9 @@ def test_experts_are_streamed_by_rows_and_bad_moe_is_one_line(family_dirs, tmp_p
 
 
 @pytest.mark.parametrize("model_type", sorted(set(ARCHS) - {"llama"}))
-def test_q4_k_m_other_families_equal_llama_quantize(family_dirs, tmp_path, model_type):
-    src = family_dirs(model_type)
+def test_q4_k_m_other_families_equal_llama_quantize(byte_vocab_family_dirs, tmp_path, model_type):
+    """q4_k_m of every family but Llama (which has every mix above) equals llama-quantize's, and loads."""
+    src = byte_vocab_family_dirs(model_type)
     f32 = export(src, "f32", tmp_path / "f32.gguf")
     ours = export(src, "q4_k_m", tmp_path / "q4_k_m.gguf")
     assert_same_gguf(ours, llama_quantize(f32, tmp_path / "llama.gguf", "q4_k_m"), LLAMA_QUANTIZE_ADDS)

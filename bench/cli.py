@@ -14,13 +14,28 @@ from bench.load_moe import bench_load_moe
 from bench.merge import bench_merge, bench_merge_cold
 from bench.nf4 import bench_nf4
 from bench.save import bench_dist_save, bench_save
+from bench.step_profile import bench_step_profile
 from bench.train_save import TRAIN_SAVE_MODES, bench_train_save
-from bench.train_step import bench_train_step, print_row
+from bench.train_step import bench_recipe_step, bench_train_step, print_row
 from slimtune.cli import quiet_library_logs
 from slimtune.synthetic import PRESETS
 
 
+def _real_rows(out: Path) -> Path:
+    """The real-model tests' short chat rows (stdlib questions, one-paragraph answers) as a JSONL file under ``out``."""
+    from tests.real_model import write_docstring_data
+
+    return write_docstring_data(out / "recipe-data")[0]
+
+
 def _train_step(args: argparse.Namespace) -> None:
+    if args.recipe:
+        if args.model is None:
+            raise SystemExit("train-step --recipe: --model DIR is required")
+        data = args.data or _real_rows(args.out)
+        peers = tuple(dict.fromkeys(args.peer or ["peft"]))
+        print_row(bench_recipe_step(args.model, data, args.out, args.steps or 10, args.rounds, peers, args.threads))
+        return
     real = args.model is not None
     shape = dict(preset=args.preset, layers=args.layers, steps=args.steps or (8 if real else 6), batch=args.batch or (4 if real else 2))
     shape.update(seq=args.seq or (256 if real else 512), rank=args.rank or (16 if real else 8), real=real)
@@ -60,7 +75,11 @@ def main(argv: list[str] | None = None) -> None:
     step.add_argument("--preset", choices=sorted(PRESETS), default="llama3.2-1b")
     step.add_argument("--layers", type=int, default=2)
     step.add_argument("--model", type=Path, default=None, help="a real HF checkpoint directory instead of the synthetic preset")
-    step.add_argument("--peer", choices=["peft"], default="peft")
+    step.add_argument("--recipe", action="store_true", help="the user's case: the recipe on --data's rows, as the CLI runs it")
+    step.add_argument("--data", type=Path, default=None, help="with --recipe: a JSONL dataset (default: the real-model tests' chat rows)")
+    step.add_argument(
+        "--peer", choices=["peft", "peft-bnb"], action="append", help="peft: PEFT on bf16; peft-bnb: PEFT + bitsandbytes NF4 (--recipe)"
+    )
     step.add_argument("--out", type=Path, default=Path("bench-out"))
     step.add_argument("--steps", type=int, default=None, help="steps per run (default 6 synthetic, 8 with --model)")
     step.add_argument("--batch", type=int, default=None, help="sequences per step (default 2 synthetic, 4 with --model)")
@@ -69,6 +88,13 @@ def main(argv: list[str] | None = None) -> None:
     step.add_argument("--rounds", type=int, default=2, help="slimtune/peer alternations")
     step.add_argument("--compile", action="store_true", help="slimtune with training.compile=true")
     step.add_argument("--threads", type=int, default=None, help="torch CPU threads for both sides (default: as the recipe picks)")
+    sp = sub.add_parser("step-profile", help="torch.profiler of one recipe step vs the bare QLoRA step vs the bf16 PEFT peer")
+    sp.add_argument("--model", type=Path, required=True)
+    sp.add_argument("--data", type=Path, default=None, help="a JSONL dataset (default: the real-model tests' chat rows)")
+    sp.add_argument("--out", type=Path, default=Path("bench-out"))
+    sp.add_argument("--warmup", type=int, default=4)
+    sp.add_argument("--steps", type=int, default=3)
+    sp.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: as the recipe picks)")
     ts = sub.add_parser("train-save", help="training with no / synchronous / background merged saves (and a writer thread)")
     ts.add_argument("--preset", choices=sorted(PRESETS), default="llama3.2-1b")
     ts.add_argument("--out", type=Path, default=Path("bench-out/train-save"))
@@ -89,6 +115,10 @@ def main(argv: list[str] | None = None) -> None:
     quiet_library_logs()
     if args.command == "train-step":
         _train_step(args)
+    if args.command == "step-profile":
+        args.out.mkdir(parents=True, exist_ok=True)
+        data = args.data or _real_rows(args.out)
+        print(json.dumps(bench_step_profile(args.model, data, args.out, args.warmup, args.steps, threads=args.threads)))
     if args.command == "train-save":
         result = bench_train_save(args.preset, args.out, args.steps, args.save_every, args.layers, args.device)
         if not args.keep:

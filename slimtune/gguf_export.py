@@ -124,10 +124,10 @@ def _pad(n: int, align: int) -> int:
 
 
 def tensor_type(name: str, shape: tuple[int, ...], qtype: gguf.GGMLQuantizationType) -> gguf.GGMLQuantizationType:
-    """The GGML type of one tensor in a file of ``qtype``: 1-D tensors, norms, position embeddings and
-    rope factors stay F32 (llama.cpp's converter rule); every other tensor takes ``qtype``."""
+    """The GGML type of one tensor in a file of ``qtype``: 1-D tensors, norms, the MoE router, position
+    embeddings and rope factors stay F32 (llama.cpp's converter rule); every other tensor takes ``qtype``."""
     f32_names = tuple(gguf.TENSOR_NAMES[t] + "." for t in _F32_TENSORS)
-    if len(shape) <= 1 or name.endswith("_norm.weight") or name.startswith(f32_names):
+    if len(shape) <= 1 or name.endswith(("_norm.weight", ".ffn_gate_inp.weight")) or name.startswith(f32_names):
         return Q.F32
     return qtype
 
@@ -254,7 +254,9 @@ def _writer(arch: GGUFArch, kv: list[tuple], plan: GGUFPlan) -> gguf.GGUFWriter:
         _add_kv(writer, key, value, vtype)
     for slot in plan.slots:
         t = slot.source
-        writer.add_tensor_info(t.name, t.shape or (1,), np.dtype(np.float32), slot.nbytes, raw_dtype=slot.qtype)
+        writer.add_tensor_info(
+            t.name, getattr(t, "file_shape", None) or t.shape or (1,), np.dtype(np.float32), slot.nbytes, raw_dtype=slot.qtype
+        )
     return writer
 
 
@@ -350,7 +352,7 @@ def _plain(reader: BaseCheckpoint, key: str) -> StreamTensor:
 def gguf_tensors(arch: GGUFArch, stream: list[StreamTensor]) -> list[tuple[str, StreamTensor]]:
     """(HF key, GGUF entry) for every tensor llama.cpp reads, in the stream's order, extras first."""
     out = [(t.name, t) for t in arch.extra_tensors()]
-    for t in stream:
+    for t in arch.stack_experts(stream):
         if not t.dtype.is_floating_point:
             raise SlimtuneError(f"tensor {t.name}: dtype {t.dtype} cannot be written to GGUF")
         g = arch.tensor(t)
@@ -387,7 +389,7 @@ def export_gguf(
         arch = gguf_arch(_with_norm_eps(source.config, hf_config), str(source.model_dir / "config.json"))
         tensors = gguf_tensors(arch, source.stream)
         arch.check_tensors([g for _, g in tensors])
-        plan = plan_gguf(tensors, options.type, MixModel(arch.name, arch.layers, arch.heads, arch.kv_heads))
+        plan = plan_gguf(tensors, options.type, MixModel(arch.name, arch.layers, arch.heads, arch.kv_heads, arch.experts))
         template = source.record.get("chat_template")
         kv = [
             (gguf.Keys.General.TYPE, gguf.GGUFType.MODEL, gguf.GGUFValueType.STRING),  # as llama.cpp's converter writes it

@@ -2,7 +2,8 @@
 the Hugging Face config, each tensor's GGUF name (the ``gguf`` package's own HF -> GGUF name map) and
 the few row transformations llama.cpp's ``convert_hf_to_gguf.py`` applies (facts followed, not code
 copied): Llama's Q/K row permutation, Gemma's norm weights stored as ``1 + w``, GPT-NeoX's fused QKV
-regrouped from per-head [q k v] to [Q K V], GPT-2's Conv1D weights transposed.
+regrouped from per-head [q k v] to [Q K V], GPT-2's Conv1D weights transposed, mixture-of-experts
+layers' per-expert weights stacked into llama.cpp's 3-D ``ffn_{gate,up,down}_exps`` (``stack_experts``).
 
 Every transformation is a row map over a tensor stream entry (``StreamTensor``), so the export stays a
 stream: rows in, rows out, one chunk at a time. Example::
@@ -15,7 +16,9 @@ stream: rows in, rows out, one chunk at a time. Example::
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import gguf
 import torch
@@ -26,6 +29,8 @@ from slimtune.tensors import StreamTensor
 ARCHS = {
     "llama": gguf.MODEL_ARCH.LLAMA,
     "mistral": gguf.MODEL_ARCH.LLAMA,  # llama.cpp's converter reads HF Mistral as Llama
+    "mixtral": gguf.MODEL_ARCH.LLAMA,  # and Mixtral as Llama with experts
+    "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE,
     "qwen2": gguf.MODEL_ARCH.QWEN2,
     "qwen3": gguf.MODEL_ARCH.QWEN3,
     "gemma2": gguf.MODEL_ARCH.GEMMA2,
@@ -40,6 +45,9 @@ _DROPPED = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attention.ma
 # llama.cpp hard-codes which Gemma layers use the sliding window: every layer i with i % n < n - 1
 _SWA_PERIOD = {"gemma2": 2, "gemma3_text": 6}
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}
+
+_LLAMA_LIKE = ("llama", "mistral", "mixtral")
+_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
 
 T = gguf.GGUFValueType
 _KEYS = {
@@ -109,6 +117,31 @@ class GGUFArch:
             )
         self.names = gguf.get_tensor_name_map(self.arch, self.layers)
         self._check_attention()
+        self.experts, self.experts_used = self._experts()
+
+    def _experts(self) -> tuple[int, int]:
+        """(experts per layer, experts used per token): (0, 0) for a dense model. Settings llama.cpp's MoE
+        graph cannot be told are refused: dense layers between MoE ones, unnormalized top-k weights."""
+        cfg, where = self.cfg, self.where
+        if self.model_type not in ("mixtral", "qwen3_moe"):
+            return 0, 0
+        key = "num_local_experts" if "num_local_experts" in cfg else "num_experts"
+        n = _count(_need(cfg, key, where), key, where)
+        used = _count(_need(cfg, "num_experts_per_tok", where), "num_experts_per_tok", where)
+        if used > n:
+            raise SlimtuneError(f"{where}: num_experts_per_tok {used} exceeds {key} {n}")
+        if self.model_type == "qwen3_moe":
+            if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
+                raise SlimtuneError(
+                    f"{where}: mlp_only_layers {cfg.get('mlp_only_layers')} / decoder_sparse_step {cfg.get('decoder_sparse_step')}: "
+                    "llama.cpp's qwen3moe makes every layer a mixture of experts, so this model cannot be exported to GGUF"
+                )
+            if cfg.get("norm_topk_prob") is not True:
+                raise SlimtuneError(
+                    f"{where}: norm_topk_prob {cfg.get('norm_topk_prob')!r}: llama.cpp's qwen3moe always normalizes the top-k "
+                    "expert weights, so this model cannot be exported to GGUF"
+                )
+        return n, used
 
     # --- metadata ---------------------------------------------------------------------------------
 
@@ -204,8 +237,16 @@ class GGUFArch:
         cfg, a, mt = self.cfg, self.name, self.model_type
         K = gguf.Keys
         out: list[tuple[str, object, gguf.GGUFValueType]] = []
-        if mt in ("llama", "mistral"):  # the converter's LlamaModel writes {arch}.vocab_size (llama.cpp's n_vocab when present)
+        if mt in _LLAMA_LIKE:  # the converter's LlamaModel writes {arch}.vocab_size (llama.cpp's n_vocab when present)
             out.append((K.LLM.VOCAB_SIZE.format(arch=a), int(_need(cfg, "vocab_size", self.where)), T.UINT32))
+        if self.experts:
+            out += [
+                (K.LLM.EXPERT_COUNT.format(arch=a), self.experts, T.UINT32),
+                (K.LLM.EXPERT_USED_COUNT.format(arch=a), self.experts_used, T.UINT32),
+            ]
+        if mt == "qwen3_moe":
+            ff = _count(_need(cfg, "moe_intermediate_size", self.where), "moe_intermediate_size", self.where)
+            out.append((K.LLM.EXPERT_FEED_FORWARD_LENGTH.format(arch=a), ff, T.UINT32))
         if mt in _SWA_PERIOD:
             out.append(
                 (
@@ -283,6 +324,9 @@ class GGUFArch:
             shapes |= {"attn_qkv": (q + 2 * kv, h), "ffn_up": (2 * ff, h)}  # fused q|k|v and gate|up
         elif self.model_type in ("gpt_neox", "gpt2"):
             shapes |= {"attn_qkv": (3 * h, h)}
+        if self.experts:  # the stacked experts as streamed: [experts * rows, row length]
+            n, fx = self.experts, self.cfg.get("moe_intermediate_size", ff)
+            shapes |= {"ffn_gate_inp": (n, h), "ffn_gate_exps": (n * fx, h), "ffn_up_exps": (n * fx, h), "ffn_down_exps": (n * h, fx)}
         return shapes
 
     def gguf_name(self, key: str) -> str | None:
@@ -300,7 +344,7 @@ class GGUFArch:
         if name is None:
             return None
         key, mt = t.name, self.model_type
-        if mt in ("llama", "mistral") and key.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
+        if mt in _LLAMA_LIKE and key.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
             t = _grouped(t, self.head_dim, _llama_perm(self.head_dim), lambda g: g, f"{self.where}: head_dim {self.head_dim}")
         elif mt == "gpt_neox" and key.endswith(("query_key_value.weight", "query_key_value.bias")):
             heads = self.heads
@@ -309,7 +353,30 @@ class GGUFArch:
             t = _transposed(t)
         elif mt in _SWA_PERIOD and key.endswith("norm.weight"):
             t = _mapped(t, lambda rows: rows + 1.0)  # Gemma's RMSNorm computes x * (1 + w): llama.cpp stores 1 + w
+        if isinstance(t, Stacked):
+            return Stacked(name, t.shape, t.dtype, t.rows, t.file_shape)
         return StreamTensor(name, t.shape, t.dtype, t.rows)
+
+    def stack_experts(self, stream: list[StreamTensor]) -> list[StreamTensor]:
+        """``stream`` with each MoE layer's per-expert weights (``...experts.E.w1.weight``, as published)
+        replaced by one ``Stacked`` entry (``...experts.w1.weight``) where its expert 0 was: llama.cpp's
+        3-D [experts, rows, row length] tensor, streamed by rows across the experts, so a chunk holds rows
+        of one or two experts, never a layer's."""
+        groups: dict[str, list[StreamTensor | None]] = {}
+        out: list[StreamTensor | str] = []
+        for t in stream:
+            m = _EXPERT.match(t.name)
+            if m is None or not self.experts:
+                out.append(t)
+                continue
+            key, e = f"{m['prefix']}.{m['proj']}.weight", int(m["expert"])
+            if key not in groups:
+                groups[key] = [None] * self.experts
+                out.append(key)
+            if e >= self.experts or groups[key][e] is not None:
+                raise SlimtuneError(f"{self.where}: tensor {t.name}: expert {e} of {self.experts} experts (or twice)")
+            groups[key][e] = t
+        return [x if isinstance(x, StreamTensor) else _stack(x, groups[x], self.where) for x in out]
 
     def extra_tensors(self) -> list[StreamTensor]:
         """Tensors llama.cpp needs that the checkpoint does not hold: Llama 3's rope frequency factors."""
@@ -318,6 +385,33 @@ class GGUFArch:
         factors = torch.tensor(_llama3_rope_factors(self.rope, self.head_dim), dtype=torch.float32)
         name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
         return [StreamTensor(name, tuple(factors.shape), torch.float32, lambda s, e: factors[s:e].clone())]
+
+
+@dataclass(frozen=True)
+class Stacked(StreamTensor):
+    """Experts stacked: streamed as 2-D rows ``shape`` = [experts * rows, row length], written with the
+    3-D ``file_shape`` [experts, rows, row length] (the same bytes: row-major)."""
+
+    file_shape: tuple[int, ...] = ()
+
+
+def _stack(key: str, parts: list[StreamTensor | None], where: str) -> Stacked:
+    missing = [e for e, p in enumerate(parts) if p is None]
+    if missing:
+        raise SlimtuneError(f"{where}: {key}: the checkpoint lacks experts {missing} of {len(parts)}")
+    shapes = {tuple(p.shape) for p in parts}
+    if len(shapes) != 1 or len(next(iter(shapes))) != 2:
+        raise SlimtuneError(f"{where}: {key}: the experts' weights differ in shape or are not 2-D ({sorted(shapes)})")
+    rows_per, cols = next(iter(shapes))
+
+    def rows(s: int, e: int) -> torch.Tensor:
+        chunks = []
+        for x in range(s // rows_per, (e - 1) // rows_per + 1):
+            lo, hi = max(s, x * rows_per) - x * rows_per, min(e, (x + 1) * rows_per) - x * rows_per
+            chunks.append(parts[x].rows(lo, hi))
+        return torch.cat(chunks) if len(chunks) > 1 else chunks[0]
+
+    return Stacked(key, (len(parts) * rows_per, cols), parts[0].dtype, rows, (len(parts), rows_per, cols))
 
 
 def gguf_arch(cfg: dict, where: str = "config.json") -> GGUFArch:

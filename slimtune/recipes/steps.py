@@ -173,7 +173,10 @@ def load_model(cfg: Config, where: Placement, base: ModelSource) -> nn.Module:
     progress = cfg.logging.progress_bar and ranks.is_coordinator
     model = load_qlora_model(base, lora, seed=cfg.seed, progress=progress, ranks=ranks, dtype=where.dtype)
     log.info(f"lora targets ({', '.join(lora.target_modules)}): {', '.join(facts_of(model).targets)}")
-    log.info(nf4_summary_line(nf4_report(model)))
+    report = nf4_report(model)
+    log.info(nf4_summary_line(report))
+    if report.get("bnb4"):
+        log.info("merge base of the merged saves: the base file's dequantized 4-bit weights (bitsandbytes' own dequantization)")
     if not ranks.distributed:
         model.to(where.device)  # FSDP2 placed each rank's shards on its device already
     if cfg.training.activation_checkpointing:

@@ -4,7 +4,6 @@ dequantization that is bit-identical to ``NF4Tensor.get_original_weight`` but wo
 from __future__ import annotations
 
 import math
-import sys
 import weakref
 
 import torch
@@ -94,52 +93,22 @@ def _byte_pair_table(w: NF4Tensor) -> torch.Tensor:
 _PAIR_TABLES: dict[int, torch.Tensor] = {}  # id(weight) -> its table: kept beside torchao's tensor, not on it
 
 
-def _quad_table(w: NF4Tensor, pairs: torch.Tensor) -> torch.Tensor:
-    """int64[65536] for a 16-bit weight: entry v packs the four code values of the two bytes of the
-    little-endian 16-bit word v (byte v & 255 first), so one gather per two bytes replaces two (half the
-    index conversion, half the gathers; only bits move). One table per code book, dtype and device,
-    shared by every weight (512 KB), not one per weight."""
-    table = _WEIGHT_QUADS.get(id(w))
-    if table is not None and table.device == pairs.device:
-        return table
-    key = (w.dtype, pairs.device, tuple(pairs.tolist()))
-    table = _QUAD_TABLES.get(key)
-    if table is None:
-        values = pairs.view(w.dtype).view(256, 2)
-        v = torch.arange(65536, device=pairs.device)
-        table = torch.cat([values[v & 255], values[v >> 8]], dim=1).contiguous().view(torch.int64).view(65536)
-        _QUAD_TABLES[key] = table
-    if id(w) not in _WEIGHT_QUADS:
-        weakref.finalize(w, _WEIGHT_QUADS.pop, id(w), None)  # the entry goes with the weight, the table stays shared
-    _WEIGHT_QUADS[id(w)] = table
-    return table
-
-
-_QUAD_TABLES: dict[tuple, torch.Tensor] = {}  # (dtype, device, pair table) -> quad table: a handful at most
-_WEIGHT_QUADS: dict[int, torch.Tensor] = {}  # id(weight) -> its shared quad table
-_LITTLE_ENDIAN = sys.byteorder == "little"
-
-
 def dequantize_nf4_rows(w: NF4Tensor, start: int, end: int) -> torch.Tensor:
     """Rows [start, end) of the weight in its dtype, with the same operations, in the same dtype and order
-    as torchao (scale = q / factor + mean, w = nf4[code] * scale), so the bits are identical. The codes
-    are looked up two bytes (four values) at a time for 16-bit weights (``_quad_table``), a byte at a time
-    otherwise (``_byte_pair_table``)."""
+    as torchao (scale = q / factor + mean, w = nf4[code] * scale), so the bits are identical."""
     cols = w.shape[1]
     bs, sbs = w.block_size, w.scaler_block_size
     e0, e1 = start * cols, end * cols
     b0, b1 = e0 // bs, -(-e1 // bs)
-    packed = w.quantized_data[b0 * bs // 2 : b1 * bs // 2]  # bs // 2 bytes per block: an even count at an even offset
+    data = w.quantized_data[b0 * bs // 2 : b1 * bs // 2].to(torch.int32)
     s0, s1 = b0 // sbs, -(-b1 // sbs)  # the scaler blocks covering the blocks: torchao's [n, sbs] / factor[:, None], no repeated copy
     scalers = (w.quantized_scalers[s0 * sbs : s1 * sbs].view(s1 - s0, sbs) / w.quantization_factor[s0:s1].unsqueeze(-1)).view(-1)
     scalers = scalers[b0 - s0 * sbs : b1 - s0 * sbs].to(w.dtype) + w.scaler_mean
     table = _byte_pair_table(w)
-    if table.dim() == 1 and _LITTLE_ENDIAN and bs % 4 == 0:  # 16-bit weights: four values per int64 entry
-        values = _quad_table(w, table).index_select(0, packed.view(torch.uint16).to(torch.int32)).view(w.dtype)
-    elif table.dim() == 1:  # 16-bit weights: two values per int32 entry
-        values = table.index_select(0, packed.to(torch.int32)).view(w.dtype)
+    if table.dim() == 1:  # 16-bit weights: two values per int32 entry
+        values = table.index_select(0, data).view(w.dtype)
     else:
-        values = table.index_select(0, packed.to(torch.int32)).view(-1)
+        values = table.index_select(0, data).view(-1)
     values = values.view(b1 - b0, bs) * scalers.unsqueeze(-1)
     return values.view(-1)[e0 - b0 * bs : e1 - b0 * bs].view(end - start, cols)
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from bench.common import synthetic_train_base
 from bench.gguf_export import bench_gguf
+from bench.load_bnb import bench_load_bnb
 from bench.load_moe import bench_load_moe
 from bench.merge import bench_merge, bench_merge_cold
 from bench.nf4 import bench_nf4
@@ -54,6 +55,10 @@ def main(argv: list[str] | None = None) -> None:
     load = sub.add_parser("load-moe", help="QLoRA load of a synthetic 2-layer Mixtral of real widths: peak RSS vs resident")
     load.add_argument("--out", type=Path, required=True)
     load.add_argument("--layers", type=int, default=2)
+    bnb = sub.add_parser("load-bnb", help="training load of a bitsandbytes 4-bit Llama-3-8B-shape base beside a bf16 one: peak RSS")
+    bnb.add_argument("--out", type=Path, required=True)
+    bnb.add_argument("--layers", type=int, default=None, help="layers of the 4-bit base (default 32)")
+    bnb.add_argument("--bf16-layers", type=int, default=None, help="layers of the bf16 base (default: --layers; 0: skip it)")
     nf4 = sub.add_parser("nf4", help="NF4 dequantization throughput vs torchao on a 4096x14336 weight")
     nf4.add_argument("--device", default="cpu")
     step = sub.add_parser("train-step", help="the recipe's training step vs a PEFT bf16 LoRA loop, alternated in one run")
@@ -103,6 +108,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "load-moe":
         args.out.mkdir(parents=True, exist_ok=True)
         print(json.dumps(bench_load_moe(args.out, args.layers)))
+    if args.command == "load-bnb":
+        args.out.mkdir(parents=True, exist_ok=True)
+        print(json.dumps(bench_load_bnb(args.out, args.layers, args.bf16_layers)))
     if args.command == "nf4":
         print(json.dumps(bench_nf4(device=args.device)))
     if args.command == "merge":

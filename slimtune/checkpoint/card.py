@@ -56,7 +56,13 @@ def model_card(f: CardFacts) -> str:
     lora = f.lora
     scaling = "alpha / sqrt(r) (rsLoRA)" if lora["use_rslora"] else "alpha / r"
     evaluated = (
-        f"{f.eval['eval_loss']:.4f} (perplexity {f.eval['eval_ppl']:.2f}, {f.eval['eval_tokens']:,} tokens)" if f.eval else "not evaluated"
+        (
+            f"{f.eval['eval_loss']:.4f} (perplexity {f.eval['eval_ppl']:.2f}, {f.eval['eval_tokens']:,} tokens)"
+            if f.eval
+            else "not evaluated"
+        )
+        if not f.eval or "eval_ppl" in f.eval
+        else _preference_eval(f.eval)
     )
     files = "\n".join(f"| `{path}` | `{sha}` |" for path, sha in f.files)
     shapes = ", ".join(f"{n} {shape}" for shape, n in sorted(f.shapes.items()))
@@ -180,6 +186,11 @@ def _quantized_text(nf4: dict | None) -> str:
     if kept:
         text += f"; kept in their dtype: {', '.join(f'`{k}` ({why})' for k, why in kept.items())}"
     return text + ". Per-tensor scaler blocks: `slimtune_format.json`, key `nf4`."
+
+
+def _preference_eval(e: dict) -> str:
+    """A preference run's evaluation: its loss, reward accuracy and margin (TRL's eval_ names)."""
+    return f"{e['eval_loss']:.4f} (reward accuracy {e['eval_rewards/accuracies']:.3f}, margin {e['eval_rewards/margins']:.4f})"
 
 
 def _merged_eval_row(f: CardFacts) -> str:

@@ -13,6 +13,7 @@ from bench.gguf_export import bench_gguf
 from bench.load_moe import bench_load_moe
 from bench.merge import bench_merge, bench_merge_cold
 from bench.nf4 import bench_nf4
+from bench.quant import bench_quant
 from bench.save import bench_dist_save, bench_save
 from bench.train_save import TRAIN_SAVE_MODES, bench_train_save
 from bench.train_step import bench_train_step, print_row
@@ -56,6 +57,10 @@ def main(argv: list[str] | None = None) -> None:
     load.add_argument("--layers", type=int, default=2)
     nf4 = sub.add_parser("nf4", help="NF4 dequantization throughput vs torchao on a 4096x14336 weight")
     nf4.add_argument("--device", default="cpu")
+    quant = sub.add_parser("quant", help="GGML block quantizers (slimtune.quant.ggml) vs the gguf package's numpy and ggml's C, MB/s")
+    quant.add_argument("--rows", type=int, default=256, help="rows of 4096 values")
+    quant.add_argument("--threads", type=int, default=2)
+    quant.add_argument("--rounds", type=int, default=3)
     step = sub.add_parser("train-step", help="the recipe's training step vs a PEFT bf16 LoRA loop, alternated in one run")
     step.add_argument("--preset", choices=sorted(PRESETS), default="llama3.2-1b")
     step.add_argument("--layers", type=int, default=2)
@@ -114,6 +119,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "load-moe":
         args.out.mkdir(parents=True, exist_ok=True)
         print(json.dumps(bench_load_moe(args.out, args.layers)))
+    if args.command == "quant":
+        print(json.dumps(bench_quant(args.rows, args.threads, args.rounds)))
     if args.command == "nf4":
         print(json.dumps(bench_nf4(device=args.device)))
     if args.command == "merge":

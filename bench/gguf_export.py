@@ -1,6 +1,8 @@
 """``python -m bench gguf``: the streamed GGUF export of a synthetic base + adapter, merged on the fly, in a
 fresh child process (bench/gguf_child.py); ``--peer llama.cpp``: ``slimtune merge`` + llama.cpp's own
-convert_hf_to_gguf.py on the same files beside it (bench/peers/llama_cpp_convert.sh)."""
+convert_hf_to_gguf.py on the same files beside it (bench/peers/llama_cpp_convert.sh), and for a K-quant
+mix (q4_k_m, ...) llama.cpp's route to it: merge, convert to f16, then ``llama_model_quantize`` with
+``PEER_QUANTIZE_THREADS`` threads (bench/llama_quantize_child.py), each stage timed in its own process."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from pathlib import Path
 
 from bench.common import disk_write_mb_s, real_model_dir, run_child, synthetic_base_and_adapter
 from bench.merge import merge_in_child
+from slimtune.formats.gguf_mix import MIXES
 from slimtune.tiny import byte_tokenizer
 
 
@@ -38,14 +41,18 @@ def _gguf_in_child(base: Path, adapter: Path, target: Path, qtype: str, verify: 
 
 LLAMA_CPP_PEER = Path(__file__).resolve().parent / "peers" / "llama_cpp_convert.sh"
 LLAMA_CPP_TYPES = ("f32", "f16", "bf16", "q8_0")  # what convert_hf_to_gguf.py writes
+PEER_QUANTIZE_THREADS = 2  # llama_model_quantize's nthread on the peer route: this machine's core count
 
 
 def _check_llama_cpp_peer(peer: str, qtype: str) -> None:
     """Before anything is written: the peer, its type and its script exist."""
     if peer != "llama.cpp":
         raise SystemExit(f"--peer {peer}: the one GGUF peer is llama.cpp")
-    if qtype not in LLAMA_CPP_TYPES:
-        raise SystemExit(f"--peer llama.cpp --type {qtype}: convert_hf_to_gguf.py writes {', '.join(LLAMA_CPP_TYPES)}")
+    if qtype not in LLAMA_CPP_TYPES and qtype not in MIXES:
+        raise SystemExit(
+            f"--peer llama.cpp --type {qtype}: convert_hf_to_gguf.py writes {', '.join(LLAMA_CPP_TYPES)}, "
+            f"llama_model_quantize the mixes {', '.join(MIXES)}"
+        )
     if not LLAMA_CPP_PEER.is_file():
         raise SystemExit(f"--peer llama.cpp: {LLAMA_CPP_PEER} is missing")
 
@@ -53,17 +60,42 @@ def _check_llama_cpp_peer(peer: str, qtype: str) -> None:
 def _llama_cpp_peer(base: Path, adapter: Path, out: Path, tag: str, qtype: str) -> dict:
     """The merge-then-convert path: ``slimtune merge`` of the same base + adapter (timed: the peer needs
     it), then llama.cpp's convert_hf_to_gguf.py on the merged checkpoint (bench/peers/llama_cpp_convert.sh,
-    its own venv, lazy mode, /usr/bin/time -v). The merged checkpoint and the peer's file are removed."""
-    merged, target = out / f"merged-{tag}", out / f"{tag}-{qtype}-llama.cpp.gguf"
+    its own venv, lazy mode, /usr/bin/time -v); for a mix, convert to f16 and ``llama_model_quantize`` it
+    (``PEER_QUANTIZE_THREADS``). The disk space the route needs: the merged checkpoint beside the f16 file
+    while the converter runs, then the f16 file beside the quantized one (each removed once the next
+    stage has read it). Everything the peer wrote is removed."""
+    convert_type = "f16" if qtype in MIXES else qtype
+    merged, target = out / f"merged-{tag}", out / f"{tag}-{convert_type}-llama.cpp.gguf"
+    quantized = out / f"{tag}-{qtype}-llama.cpp.gguf"
+    quantize = None
     try:
         merge = merge_in_child(base, adapter, merged)
-        peer = subprocess.run(["bash", str(LLAMA_CPP_PEER), str(merged), str(target), qtype], stdout=subprocess.PIPE, text=True)
+        merged_bytes = sum(p.stat().st_size for p in merged.rglob("*") if p.is_file())
+        peer = subprocess.run(["bash", str(LLAMA_CPP_PEER), str(merged), str(target), convert_type], stdout=subprocess.PIPE, text=True)
         if peer.returncode:
             raise SystemExit(f"{LLAMA_CPP_PEER.name} failed with exit code {peer.returncode}")
         stats = json.loads(peer.stdout.strip().splitlines()[-1])
+        disk = merged_bytes + stats["file_bytes"]
+        if qtype in MIXES:
+            shutil.rmtree(merged, ignore_errors=True)
+            quantize = run_child(
+                "bench.llama_quantize_child", str(target), str(quantized), qtype, str(PEER_QUANTIZE_THREADS), what="llama_model_quantize"
+            )
+            quantize["file_bytes"] = quantized.stat().st_size
+            disk = max(disk, stats["file_bytes"] + quantize["file_bytes"])
     finally:
         shutil.rmtree(merged, ignore_errors=True)
         target.unlink(missing_ok=True)
+        quantized.unlink(missing_ok=True)
+    total = merge["merge_s"] + stats["seconds"] + (quantize["quantize_s"] if quantize else 0.0)
+    stages = {}
+    if quantize is not None:
+        stages = {
+            "peer_quantize_s": round(quantize["quantize_s"], 2),
+            "peer_quantize_threads": PEER_QUANTIZE_THREADS,
+            "peer_quantize_peak_rss_mb": round(quantize["peak_rss_mb"], 1),
+            "peer_quantized_bytes": quantize["file_bytes"],
+        }
     return {
         "merge_s": round(merge["merge_s"], 2),
         "merge_peak_rss_mb": round(merge["peak_rss_mb"], 1),
@@ -74,7 +106,9 @@ def _llama_cpp_peer(base: Path, adapter: Path, out: Path, tag: str, qtype: str) 
         "peer_s": stats["seconds"],
         "peer_peak_rss_mb": stats["peak_rss_mb"],
         "peer_file_bytes": stats["file_bytes"],
-        "merge_plus_peer_s": round(merge["merge_s"] + stats["seconds"], 2),
+        **stages,
+        "peer_disk_bytes": disk,
+        "merge_plus_peer_s": round(total, 2),  # every stage of the route
     }
 
 

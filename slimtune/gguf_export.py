@@ -5,9 +5,10 @@ llama.cpp, Ollama and LM Studio load, in bounded memory, with no intermediate 16
 The file is planned from shapes alone before any byte is made (every tensor's GGML type, size and
 offset), written through the ``gguf`` package's own writer for the header, metadata and tensor infos,
 then the data section by row chunks: each chunk is merged in fp32, transformed for llama.cpp
-(``slimtune.formats.gguf_arch``), encoded (quantized by ``gguf.quants.quantize`` on whole rows, so the
-bytes equal the package's quantization of the whole tensor) and written, with the alignment padding
-between tensors. Temporary sibling, fsync, rename: never a partial ``.gguf`` under the final name.
+(``slimtune.formats.gguf_arch``), encoded (quantized on whole rows by ``slimtune.quant.ggml``, ggml's
+reference quantizers in torch on every core, so the bytes equal llama.cpp's quantization of the whole
+tensor) and written by a writer thread while the next chunk is made, with the alignment padding between
+tensors. Temporary sibling, fsync, rename: never a partial ``.gguf`` under the final name.
 
 Example::
 
@@ -21,6 +22,7 @@ import math
 import os
 import tempfile
 import time
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -41,7 +43,7 @@ from slimtune.formats.layout import CheckpointLayout
 from slimtune.formats.manifest import ReadCheck, checks_done, read_check
 from slimtune.generate import read_format_record
 from slimtune.merge import BaseCheckpoint, MergeBase, merged_file_stream
-from slimtune.quant import kquants
+from slimtune.quant import ggml
 from slimtune.tensors import StreamTensor, row_chunks, scalar_source
 
 Q = gguf.GGMLQuantizationType
@@ -59,7 +61,6 @@ _FILE_TYPES = {
 TYPE_NAMES = (*TYPES, *MIXES)
 """Every ``--type``: the plain types (every 2-D weight takes it) and llama.cpp's K-quant mixes."""
 _FILE_TYPES.update({name: ftype for name, (_, ftype) in MIXES.items()})
-_KQUANTS = {Q.Q4_K: "Q4_K", Q.Q5_K: "Q5_K", Q.Q6_K: "Q6_K"}
 _TORCH = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 _F32_TENSORS = (gguf.MODEL_TENSOR.POS_EMBD, gguf.MODEL_TENSOR.ROPE_FREQS)  # kept F32 by llama.cpp's converter
 
@@ -170,20 +171,21 @@ def plan_slots(tensors: list[tuple[str, StreamTensor]], qtypes: list[gguf.GGMLQu
     return GGUFPlan(tuple(slots), offset)
 
 
-def encode_rows(rows: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> torch.Tensor:
-    """fp32 rows as the file stores them (one rounding): a cast for F32/F16/BF16, ``slimtune.quant.kquants``
-    for Q4_K/Q5_K/Q6_K, ``gguf.quants.quantize`` for the other block types. Returned as a flat uint8 tensor;
-    ``FloatingPointError`` where a value (or a block's scale) overflows float16."""
+def encode_rows(rows: torch.Tensor, qtype: gguf.GGMLQuantizationType, quantizer: ggml.Quantizer | None = None):
+    """fp32 rows as the file stores them (one rounding): a cast for F32/F16/BF16, ``slimtune.quant.ggml``
+    (ggml's reference quantizers in torch) for the block types. Returns a function that gives the flat
+    uint8 tensor (a block type goes to ``quantizer``'s threads meanwhile, when one is given); it raises
+    ``FloatingPointError`` where a value (or a legacy block's scale) overflows float16."""
     if qtype in _TORCH:
         out = rows.to(_TORCH[qtype]).contiguous()
         if qtype == Q.F16 and not bool(torch.isfinite(out).all()):
             raise FloatingPointError("float16 overflow")
-        return out.view(-1).view(torch.uint8)
-    with np.errstate(over="raise", invalid="raise"):  # a block scale beyond float16 (finite rows: nothing invalid)
-        if qtype in _KQUANTS:
-            return kquants.quantize(rows, _KQUANTS[qtype])
-        data = gguf.quants.quantize(rows.numpy(), qtype)
-    return torch.from_numpy(np.ascontiguousarray(data).reshape(-1))
+        data = out.view(-1).view(torch.uint8)
+        return lambda: data
+    if quantizer is not None:
+        return quantizer.submit(rows, qtype.name)
+    data = ggml.quantize(rows, qtype.name)
+    return lambda: data
 
 
 class _Sink:
@@ -198,24 +200,31 @@ class _Sink:
         self.bytes += data.nbytes
 
 
-def _data_chunks(plan: GGUFPlan, chunk_bytes: int, start: int) -> Iterator[torch.Tensor]:
-    """The data section: alignment padding, then each tensor by row chunks, each followed by its padding."""
+def _data_chunks(plan: GGUFPlan, chunk_bytes: int, start: int, quantizer: ggml.Quantizer | None = None) -> Iterator[torch.Tensor]:
+    """The data section: alignment padding, then each tensor by row chunks, each followed by its padding.
+    A chunk is quantized on ``quantizer``'s threads while the next one is made (two in flight at most)."""
     yield torch.zeros(_pad(start, plan.alignment) - start, dtype=torch.uint8)
     for slot in plan.slots:
         t = slot.source
         cols = t.shape[-1] if len(t.shape) > 1 else 1
-        made = 0
-        for rows in row_chunks(t, chunk_bytes):  # entries are fp32: chunk_bytes of fp32 rows
-            if not bool(torch.isfinite(rows).all()):
-                raise SlimtuneError(f"tensor {slot.hf_key}: holds NaN or infinite values; llama.cpp would compute garbage from them")
-            try:
-                out = encode_rows(rows.float().reshape(-1, cols), slot.qtype)
-            except FloatingPointError:
-                raise SlimtuneError(
-                    f"tensor {slot.hf_key}: values too large for {slot.qtype.name} (they overflow float16); choose bf16 or f32"
-                ) from None
-            made += out.numel()
-            yield out
+        made, pending = 0, deque()
+        try:
+            for rows in row_chunks(t, chunk_bytes):  # entries are fp32: chunk_bytes of fp32 rows
+                if not bool(torch.isfinite(rows).all()):
+                    raise SlimtuneError(f"tensor {slot.hf_key}: holds NaN or infinite values; llama.cpp would compute garbage from them")
+                pending.append(encode_rows(rows.float().reshape(-1, cols), slot.qtype, quantizer))
+                while len(pending) > (1 if quantizer is not None else 0):
+                    out = pending.popleft()()
+                    made += out.numel()
+                    yield out
+            while pending:
+                out = pending.popleft()()
+                made += out.numel()
+                yield out
+        except FloatingPointError:
+            raise SlimtuneError(
+                f"tensor {slot.hf_key}: values too large for {slot.qtype.name} (they overflow float16); choose bf16 or f32"
+            ) from None
         if made != slot.nbytes:
             raise SlimtuneError(f"tensor {slot.hf_key}: {made} bytes made, the plan says {slot.nbytes}")
         yield torch.zeros(_pad(slot.nbytes, plan.alignment) - slot.nbytes, dtype=torch.uint8)
@@ -235,7 +244,8 @@ def write_gguf(path: Path, arch: GGUFArch, kv: list[tuple], plan: GGUFPlan, opti
             f = writer.fout[0]
             start = f.tell()
             sink = _Sink(f)
-            pipelined_write(sink, _data_chunks(plan, options.chunk_bytes, start), DEFAULT_INFLIGHT_BYTES)
+            with ggml.Quantizer() as quantizer:
+                pipelined_write(sink, _data_chunks(plan, options.chunk_bytes, start, quantizer), DEFAULT_INFLIGHT_BYTES)
             f.flush()
             size = f.tell()
         finally:

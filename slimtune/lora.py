@@ -13,7 +13,7 @@ from torch import nn
 from slimtune.formats.peft import lora_scaling
 from slimtune.formats.peft_config import ALL_LINEAR
 from slimtune.profiler import stage
-from slimtune.quant import base_rows, is_nf4
+from slimtune.quant import base_rows, frozen_linear, is_bnb4, is_nf4
 
 DEFAULT_TARGETS = (ALL_LINEAR,)
 
@@ -75,6 +75,8 @@ class LoRALinear(nn.Module):
             return out if self.bias is None else out + self.bias.to(out.dtype)
         if self.fan_in_fan_out:
             out = _FanInFanOutNF4.apply(x, self.weight) if is_nf4(self.weight) else x @ self.weight.to(x.dtype)
+        elif is_bnb4(self.weight):
+            out = frozen_linear(x, self.weight)
         elif is_nf4(self.weight):
             from slimtune.quant.nf4 import nf4_linear  # saves the NF4 weight, not a dequantized copy, for backward
 
@@ -100,7 +102,7 @@ class LoRALinear(nn.Module):
         return out.to(x.dtype)
 
     def extra_repr(self) -> str:
-        kind = "nf4" if is_nf4(self.weight) else str(self.weight.dtype)
+        kind = "bnb-4bit" if is_bnb4(self.weight) else "nf4" if is_nf4(self.weight) else str(self.weight.dtype)
         layout = ", fan_in_fan_out" if self.fan_in_fan_out else ""
         return f"in={self.in_features}, out={self.out_features}, rank={self.rank}, alpha={self.alpha}, base={kind}{layout}"
 

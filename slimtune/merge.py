@@ -19,7 +19,7 @@ from slimtune.checkpoint.writer import DEFAULT_CHUNK_BYTES, WriteOptions
 from slimtune.distributed import SINGLE, Ranks
 from slimtune.errors import SlimtuneError
 from slimtune.families import frozen_nf4_keys
-from slimtune.formats.bnb import BnbNF4Weight, aux_owner, is_aux_key, load_bnb_weight, quant_state_key, refuse_8bit
+from slimtune.formats.bnb import BnbNF4Weight, aux_owner, is_aux_key, read_4bit_weights, refuse_8bit
 from slimtune.formats.hf import checkpoint_files, export_config_dict, load_config, module_kinds, read_config_dict
 from slimtune.formats.hub import ModelSource, resolve_model
 from slimtune.formats.manifest import ReadCheck, checks_done, read_check
@@ -54,12 +54,7 @@ class BaseCheckpoint:
         self.location = {key: r for r in self.readers for key in r.tensors}
         for key, reader in self.location.items():  # every tensor passes through torch: refuse before writing
             reader.torch_shape(key)
-        self.bnb: dict[str, BnbNF4Weight] = {}
-        for key, reader in self.location.items():
-            if key + ".absmax" in self.location and key.endswith(".weight"):
-                state = quant_state_key(key, self.location) or key + ".quant_state.bitsandbytes__nf4"  # missing: named as NF4's
-                packed = reader.entry(key).nbytes
-                self.bnb[key] = load_bnb_weight(key, self._read_whole, self._byte_reader(key), str(reader.path), packed, state)
+        self.bnb: dict[str, BnbNF4Weight] = read_4bit_weights(self.location, str(self.dir))
         self.keys = [k for k in self.location if not (is_aux_key(k) and aux_owner(k) in self.bnb)]
 
     @property
@@ -68,27 +63,6 @@ class BaseCheckpoint:
         if self._kinds is None:
             self._kinds = module_kinds(self.config, {k: self.shape(k) for k in self.keys})
         return self._kinds
-
-    def _read_whole(self, key: str) -> torch.Tensor:
-        if key not in self.location:
-            raise SlimtuneError(f"{self.dir}: bitsandbytes tensor {key} is missing")
-        return self.location[key].read(key)
-
-    def _byte_reader(self, key: str):
-        """Bytes [b0, b1) of a packed 4-bit weight, held in a [k, 1] tensor of any bnb_4bit_quant_storage dtype
-        (u8, bf16, ...): the rows that hold those bytes are read and viewed as bytes."""
-        reader = self.location[key]
-        entry = reader.entry(key)
-        width = entry.nbytes // entry.shape[0] if len(entry.shape) == 2 and entry.shape[0] else 0
-        if len(entry.shape) != 2 or entry.shape[1] != 1 or entry.dtype is None or width != entry.dtype.itemsize:
-            found = f"{entry.dtype_name} {list(entry.shape)}"
-            raise SlimtuneError(f"{reader.path}: tensor {key}: packed 4-bit weight of {found}, expected [n, 1]")
-
-        def read(b0: int, b1: int) -> torch.Tensor:
-            r0, r1 = b0 // width, -(-b1 // width)
-            return reader.read(key, r0, r1).contiguous().view(torch.uint8).view(-1)[b0 - r0 * width : b1 - r0 * width]
-
-        return read
 
     def shape(self, key: str) -> tuple[int, ...]:
         return self.bnb[key].shape if key in self.bnb else self.location[key].entry(key).shape
@@ -331,6 +305,13 @@ def merge_from_files(
     checks = [read_check(base_dir, verify, fold=ranks.world_size == 1)] if ranks.is_coordinator else []
     base = BaseCheckpoint(base_dir, pool, checks[0] if checks else None)
     try:
+        if base.bnb and ranks.is_coordinator:
+            log.info(
+                "%s: a bitsandbytes 4-bit base: the merge base is the file's dequantized weight (bitsandbytes' own dequantization, "
+                "what training saw; --merge-base %s means it too)",
+                base.dir,
+                merge_base,
+            )
         adapter = read_adapter(adapter_dir)
         if ranks.is_coordinator:  # the adapter is small and read whole already: checked now
             checks_done(read_check(adapter.path, verify))

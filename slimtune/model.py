@@ -1,5 +1,6 @@
 """A QLoRA model from a local Hugging Face checkpoint: built on the meta device, then filled tensor by
-tensor from the safetensors files, quantizing target weights to NF4 as they arrive. The bf16 model is
+tensor from the safetensors files, quantizing target weights to NF4 as they arrive (a bitsandbytes 4-bit
+checkpoint's 4-bit weights are kept as the file stores them). The bf16 model is
 never held: at most one source tensor (and its quantization temporaries) is in memory beside the result.
 
 Under a process group (torchrun) the meta model is FSDP2-sharded *before* any tensor is read
@@ -14,7 +15,9 @@ first, then cut). FSDP2 re-reads the swapped-in shards at its lazy initialisatio
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -41,7 +44,7 @@ from slimtune.families import (
     output_head,
     resolve_targets,
 )
-from slimtune.formats.bnb import bnb_quantization, refuse_8bit
+from slimtune.formats.bnb import BnbNF4Weight, aux_owner, bnb_4bit_settings, four_bit_keys, is_aux_key, read_4bit_weights
 from slimtune.formats.hf import checkpoint_files, load_config, read_config_dict
 from slimtune.formats.hub import ModelSource, resolve_model
 from slimtune.formats.peft import lora_key
@@ -49,6 +52,7 @@ from slimtune.formats.peft_config import ALL_LINEAR
 from slimtune.formats.safetensors import SafetensorsReader
 from slimtune.lora import LoRAConfig, LoRALinear, lora_modules, qlora_linears
 from slimtune.quant import is_nf4
+from slimtune.quant.bnb4 import Bnb4bitTensor, is_bnb4
 from slimtune.quant.nf4 import BLOCK_SIZE, can_quantize, not_quantizable_reason, quantize_nf4
 from slimtune.tensors import DTYPES
 
@@ -175,49 +179,37 @@ def load_qlora_model(
     ``ranks`` of a process group the model comes out FSDP2-sharded, each rank holding only its rows
     (see the module docstring); the adapters start the same on every rank (from ``seed``). ``dtype``:
     the compute dtype the frozen weights that stay unquantized (embeddings, norms) are held in, cast
-    from the checkpoint's dtype as they arrive (default: the checkpoint's dtype).
+    from the checkpoint's dtype as they arrive (default: the checkpoint's dtype). A bitsandbytes 4-bit
+    checkpoint (``quantization_config.load_in_4bit``) keeps its 4-bit weights as stored (``quant.bnb4``):
+    every linear the file holds in 4-bit is a frozen 4-bit weight (with an adapter where targeted), the
+    others (an ``llm_int8_skip_modules`` lm_head) keep the file's dtype; nothing is quantized again.
 
     Example: ``model = load_qlora_model("path/to/Qwen3-0.6B", LoRAConfig(rank=16, alpha=32))``"""
     source = resolve_model(model_dir)
     model_dir = source.path
     lora = lora or LoRAConfig()
-    _refuse_prequantized(read_config_dict(model_dir), model_dir)
+    prequantized = bnb_4bit_settings(read_config_dict(model_dir), str(model_dir / "config.json"))  # 8-bit refused here
     config = load_config(model_dir)
-    model = build_qlora_skeleton(config, lora)  # an unsupported architecture fails here, before any file is read
+    headers = checkpoint_files(model_dir) if prequantized else None
+    four_bit = four_bit_keys([k for h in headers for k in h.tensors]) if prequantized else set()
+    if four_bit:  # every linear the file holds in 4-bit stays 4-bit: frozen, with or without an adapter
+        leaves = sorted({k.rsplit(".", 2)[-2] for k in four_bit})
+        lora = dataclasses.replace(lora, quantize_modules=[*lora.quantize_modules, *leaves])
+        log.info("%s: bitsandbytes 4-bit (%s): %d weights read as stored", model_dir, prequantized, len(four_bit))
+    model = build_qlora_skeleton(config, lora)  # an unsupported architecture fails here, before any tensor is read
     if dtype is not None:
         _hold_frozen_in(model, dtype)
+    facts = facts_of(model)
+    layout = {p.key: p for p in facts.layout}
     sharded = ranks.distributed
     if sharded:
-        whole = _unshardable_nf4(model, ranks, model_dir)
+        whole = _unshardable_nf4(model, ranks, model_dir) | {model.get_parameter(layout[k].param) for k in four_bit if k in layout}
         _tie_embeddings(model, config)  # one parameter before sharding: FSDP2 then holds it once
         init_lora(model, seed)
         shard_model(model, ranks, keep_whole=whole)
-    headers = checkpoint_files(model_dir)
-    facts = facts_of(model)
-    layout = {p.key: p for p in facts.layout}
-    by_param = {p.param: p for p in facts.layout if p.whole}
-    rename = facts.rename
-    targets = {f"{name}.weight" for name in qlora_linears(model)}
-    loaded: set[str] = set()
-    total = sum(e.nbytes for h in headers for e in h.tensors.values())
-    with tqdm(total=total, unit="B", unit_scale=True, desc="load", disable=not progress) as bar:
-        for header in headers:
-            with SafetensorsReader(header.path) as reader:
-                for key, entry in reader.tensors.items():
-                    place = layout.get(key)
-                    if place is None:  # the model's own names, or legacy names transformers renames on load
-                        renamed = rename(key)
-                        place = layout.get(renamed) or by_param.get(renamed)
-                    if place is None or place.key in loaded:
-                        log.warning("%s: tensor %s is not used by %s; skipped", header.path, key, type(model).__name__)
-                        bar.update(entry.nbytes)
-                        continue
-                    if tuple(entry.shape) != tuple(place.shape):
-                        expected = list(place.shape)
-                        raise SlimtuneError(f"{header.path}: tensor {key} has shape {list(entry.shape)}, the model expects {expected}")
-                    _place(model, place, reader.read(key), place.param in targets, header.path)
-                    loaded.add(place.key)
-                    bar.update(entry.nbytes)
+    headers = headers or checkpoint_files(model_dir)
+    targets = set() if prequantized else {f"{name}.weight" for name in qlora_linears(model)}  # a 4-bit base's others stay as stored
+    loaded = _load_tensors(model, headers, targets, bool(four_bit), progress, model_dir)
     tied = _tie_embeddings(model, config)  # sharded: ties the loaded shard again (loading replaced the parameter)
     missing = [p.key for p in facts.layout if p.key not in loaded and p.param not in tied]
     if missing:
@@ -235,16 +227,55 @@ def load_qlora_model(
     return model
 
 
-def _refuse_prequantized(config: dict, model_dir: Path) -> None:
-    """A bitsandbytes base, before anything is built: 8-bit never; 4-bit is read by merge, export and verify,
-    and training from it is not built yet (said plainly, not a shape error on the first packed tensor)."""
-    where = str(model_dir / "config.json")
-    refuse_8bit(config, where)
-    if bnb_quantization(config) == "4bit":
+def _load_tensors(model: nn.Module, headers: list, targets: set[str], four_bit: bool, progress: bool, model_dir: Path) -> set[str]:
+    """Every tensor of the checkpoint's files into the model, one at a time, in file order: converted as
+    transformers converts it (``_place``; ``targets`` quantized to NF4) or, with ``four_bit``, the file's
+    bitsandbytes 4-bit weights held as stored (``_place_4bit``). Returns the layout keys filled."""
+    facts = facts_of(model)
+    layout = {p.key: p for p in facts.layout}
+    by_param = {p.param: p for p in facts.layout if p.whole}
+    loaded: set[str] = set()
+    total = sum(e.nbytes for h in headers for e in h.tensors.values())
+    with tqdm(total=total, unit="B", unit_scale=True, desc="load", disable=not progress) as bar, ExitStack() as files:
+        readers = [files.enter_context(SafetensorsReader(h.path)) for h in headers]
+        location = {key: r for r in readers for key in r.tensors}
+        bnb = read_4bit_weights(location, str(model_dir)) if four_bit else {}
+        for reader in readers:
+            for key, entry in reader.tensors.items():
+                bar.update(entry.nbytes)
+                if is_aux_key(key) and aux_owner(key) in bnb:  # read with its weight
+                    continue
+                place = layout.get(key)
+                if place is None:  # the model's own names, or legacy names transformers renames on load
+                    renamed = facts.rename(key)
+                    place = layout.get(renamed) or by_param.get(renamed)
+                if place is None or place.key in loaded:
+                    log.warning("%s: tensor %s is not used by %s; skipped", reader.path, key, type(model).__name__)
+                    continue
+                shape = bnb[key].shape if key in bnb else tuple(entry.shape)
+                if tuple(shape) != tuple(place.shape):
+                    what = "4-bit weight (its quant state's shape)" if key in bnb else "shape"
+                    raise SlimtuneError(f"{reader.path}: tensor {key} has {what} {list(shape)}, the model expects {list(place.shape)}")
+                if key in bnb:
+                    _place_4bit(model, place, bnb[key], reader.path)
+                else:
+                    _place(model, place, reader.read(key), place.param in targets, reader.path)
+                loaded.add(place.key)
+    return loaded
+
+
+def _place_4bit(model: nn.Module, place: Placement, weight: BnbNF4Weight, path: Path) -> None:
+    """A bitsandbytes 4-bit weight as the frozen weight of its linear: its packed bytes read whole (the
+    file's bytes, held as they are) with the block state ``read_4bit_weights`` checked."""
+    module_name, _, attr = place.param.rpartition(".")
+    module = model.get_submodule(module_name)
+    if not (place.whole and attr == "weight" and isinstance(module, LoRALinear) and not module.fan_in_fan_out):
         raise SlimtuneError(
-            f"{where}: a bitsandbytes 4-bit checkpoint (quantization_config.load_in_4bit); training from one is not "
-            "supported yet (merge, export and verify --base read it): use the model's 16-bit checkpoint"
+            f"{path}: tensor {place.key} is bitsandbytes 4-bit, but {place.param} is not the weight of a linear layer "
+            "slimtune holds whole (4-bit embeddings, fused or Conv1D weights are not supported)"
         )
+    packed = weight.read_bytes(0, (weight.shape[0] * weight.shape[1] + 1) // 2)
+    set_tensor(model, place.param, Bnb4bitTensor(weight, packed))
 
 
 def nf4_report(model: nn.Module) -> dict:
@@ -255,11 +286,14 @@ def nf4_report(model: nn.Module) -> dict:
     Example: ``nf4_report(model)["scaler_blocks"] == {"256": 90, "216": 120}`` on SmolLM2-135M"""
     tensors: dict[str, int] = {}
     kept: dict[str, str] = {}
+    bnb4: dict[str, int] = {}  # bitsandbytes 4-bit as the base file stores it: name -> block size
     for name, module in qlora_linears(model).items():
         weight = module.weight.data
         local = weight.to_local() if is_dtensor(weight) else weight
         if is_nf4(local):
             tensors[f"{name}.weight"] = int(local.scaler_block_size)
+        elif is_bnb4(local):
+            bnb4[f"{name}.weight"] = local.state.blocksize
         else:
             shape = tuple(weight.shape)
             reason = not_quantizable_reason(shape) or "not quantized"
@@ -267,9 +301,10 @@ def nf4_report(model: nn.Module) -> dict:
     counts: dict[str, int] = {}
     for sbs in sorted(tensors.values(), reverse=True):
         counts[str(sbs)] = counts.get(str(sbs), 0) + 1
-    return {
+    extra = {"bnb4": len(bnb4)} if bnb4 else {}  # a pre-quantized base: its 4-bit weights are the file's, not NF4
+    return extra | {
         "block_size": BLOCK_SIZE,
-        "targets": len(tensors) + len(kept),
+        "targets": len(tensors) + len(kept) + len(bnb4),
         "nf4": len(tensors),
         "scaler_blocks": counts,
         "kept": kept,
@@ -282,6 +317,10 @@ def nf4_summary_line(report: dict) -> str:
     ones kept in their dtype with the reason (the first three named)."""
     blocks = ", ".join(f"{sbs} x {n}" for sbs, n in report["scaler_blocks"].items())
     line = f"NF4: {report['nf4']} of {report['targets']} targets" + (f" (scaler blocks: {blocks})" if blocks else "")
+    if report.get("bnb4"):
+        line = f"bitsandbytes 4-bit, as the base file stores it: {report['bnb4']} of {report['targets']} targets" + (
+            f"; NF4: {report['nf4']}" if report["nf4"] else ""
+        )
     kept = report["kept"]
     if kept:
         named = "; ".join(f"{k} {why}" for k, why in list(kept.items())[:3])

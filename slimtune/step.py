@@ -67,6 +67,15 @@ def optimizer_step(parts: StepParts, micro_batches: list[dict[str, torch.Tensor]
         del logits
         parts.scaler.scale(loss).backward()
         loss_sum += loss.detach()
+    apply_gradients(parts)
+    return loss_sum
+
+
+def apply_gradients(parts: StepParts) -> None:
+    """The end of every optimizer step once its micro-batches' gradients are in: unscale (fp16), clip the
+    adapters' gradient norm, AdamW, zero the gradients, schedule (the preference recipe's step ends so too).
+
+    Example: ``loss.backward(); apply_gradients(parts)``"""
     parts.scaler.unscale_(parts.optimizer)
     if parts.max_grad_norm is not None:
         torch.nn.utils.clip_grad_norm_(parts.params, parts.max_grad_norm, foreach=True)
@@ -74,7 +83,6 @@ def optimizer_step(parts: StepParts, micro_batches: list[dict[str, torch.Tensor]
     parts.scaler.update()
     parts.optimizer.zero_grad(set_to_none=True)
     parts.scheduler.step()
-    return loss_sum
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

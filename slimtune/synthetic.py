@@ -1,6 +1,7 @@
 """Synthetic models of real shapes, for the benchmarks and the tests: presets (tiny, Llama 3.2 1B, Llama 3
 8B, Mixtral widths), a QLoRA model built in memory (random NF4 codes and scalers, no slow quantization),
-and a random bf16 base and PEFT adapter written through ``write_checkpoint`` (with manifests).
+and a random bf16 base, bitsandbytes 4-bit base and PEFT adapter written through ``write_checkpoint`` (with
+manifests).
 
 Example::
 
@@ -125,6 +126,72 @@ def write_synthetic_base(config: LlamaConfig, out_dir: Path, max_shard_size: str
     parts = CheckpointParts(merged=stream, config=export_config_dict(config, stream), manifest_extra={"kind": "synthetic-base"})
     write_checkpoint(out_dir, parts, WriteOptions(max_shard_size=max_shard_size, overwrite=True))
     return out_dir
+
+
+# bitsandbytes' NF4 code values (bitsandbytes.functional.get_4bit_type("nf4"), as its checkpoints store quant_map)
+BNB_NF4_CODE = (
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635, -0.18477343022823334,
+    -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+)  # fmt: skip
+
+
+def write_synthetic_bnb_base(config: LlamaConfig, out_dir: Path, max_shard_size: str = DEFAULT_SHARD_SIZE, seed: int = 0) -> Path:
+    """A random bitsandbytes 4-bit checkpoint of the config's shape, as transformers' save_pretrained lays
+    one out (``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)``):
+    every decoder linear as packed u8 codes, u8 absmax codes with their nested state, its quant_map and
+    quant state; embeddings, norms and an untied lm_head random bf16. Streamed by ``write_checkpoint``.
+
+    Example: ``write_synthetic_bnb_base(preset_config("llama3.2-1b"), Path("out/bnb"))``"""
+    import json
+
+    skeleton = build_qlora_skeleton(config, LoRAConfig(target_modules=[], quantize_modules=[]))
+    four_bit = {f"{name}.weight" for name in qlora_linears(build_qlora_skeleton(config, LoRAConfig(target_modules=list(DEFAULT_TARGETS))))}
+    stream = []
+    for i, (name, (shape, dtype)) in enumerate(expected_checkpoint_keys(skeleton).items()):
+        if name not in four_bit:
+            stream.append(StreamTensor(name, tuple(shape), dtype, _random_rows(seed * 1_000_003 + i * 65_537, shape, dtype)))
+            continue
+        numel, blocks = shape[0] * shape[1], -(-shape[0] * shape[1] // BLOCK_SIZE)
+        state = {"quant_type": "nf4", "absmax": [], "blocksize": BLOCK_SIZE, "quant_map": [], "dtype": "bfloat16", "shape": list(shape)}
+        state.update(nested_blocksize=256, nested_offset=0.01, nested_dtype="float32")
+        state_bytes = torch.tensor(list(json.dumps(state).encode()), dtype=torch.uint8)
+        small = {
+            ".absmax": _random_rows(i, (blocks,), torch.uint8),
+            ".nested_absmax": lambda s, e: torch.full((e - s,), 0.01),
+            ".nested_quant_map": lambda s, e: torch.linspace(-1, 1, 256)[s:e],
+            ".quant_map": lambda s, e: torch.tensor(BNB_NF4_CODE)[s:e],
+            ".quant_state.bitsandbytes__nf4": lambda s, e, b=state_bytes: b[s:e],
+        }
+        lengths = {".absmax": blocks, ".nested_absmax": -(-blocks // 256), ".nested_quant_map": 256, ".quant_map": 16}
+        lengths[".quant_state.bitsandbytes__nf4"] = state_bytes.numel()
+        stream.append(StreamTensor(name, ((numel + 1) // 2, 1), torch.uint8, _random_rows(seed + i, ((numel + 1) // 2, 1), torch.uint8)))
+        for suffix, rows in small.items():
+            dtype = torch.uint8 if suffix in (".absmax", ".quant_state.bitsandbytes__nf4") else torch.float32
+            stream.append(StreamTensor(name + suffix, (lengths[suffix],), dtype, rows))
+    quantization = {
+        "quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False, "bnb_4bit_quant_type": "nf4",
+        "bnb_4bit_use_double_quant": True, "bnb_4bit_compute_dtype": "bfloat16", "bnb_4bit_quant_storage": "uint8",
+        "llm_int8_skip_modules": ["lm_head"],
+    }  # fmt: skip
+    hf_config = export_config_dict(config, stream) | {"quantization_config": quantization, "dtype": "bfloat16", "torch_dtype": "bfloat16"}
+    parts = CheckpointParts(merged=stream, config=hf_config, manifest_extra={"kind": "synthetic-bnb-base"})
+    write_checkpoint(out_dir, parts, WriteOptions(max_shard_size=max_shard_size, overwrite=True))
+    return out_dir
+
+
+def _random_rows(seed: int, shape: tuple[int, ...], dtype: torch.dtype):
+    """Rows of a random tensor, each chunk from its own seed: floats N(0, 0.02) (norms ones), bytes uniform."""
+
+    def rows(start: int, end: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(seed + start)
+        if dtype == torch.uint8:
+            return torch.randint(0, 256, (end - start, *shape[1:]), dtype=torch.uint8, generator=gen)
+        if len(shape) == 1:
+            return torch.ones(end - start, dtype=dtype)
+        return (torch.randn((end - start, *shape[1:]), generator=gen) * 0.02).to(dtype)
+
+    return rows
 
 
 def write_synthetic_adapter(config: LlamaConfig, out_dir: Path, rank: int = 8, seed: int = 0) -> Path:

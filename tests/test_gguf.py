@@ -427,6 +427,12 @@ def kquant_models(tmp_path_factory):
     return {256: _kquant_llama(tmp_path_factory, 256, 2, 256, True), 320: _kquant_llama(tmp_path_factory, 320, 2, 512, False)}
 
 
+@pytest.fixture(scope="session")
+def kquant_f32(kquant_models, tmp_path_factory):
+    """slimtune's own f32 file of each width's model, exported once: the input of every mix's oracle."""
+    return {w: export(src, "f32", tmp_path_factory.mktemp(f"kquant-f32-{w}") / "f32.gguf") for w, src in kquant_models.items()}
+
+
 def llama_quantize(src: Path, out: Path, mix: str) -> Path:
     """llama.cpp's own llama-quantize (llama_model_quantize, no importance matrix) of a GGUF file."""
     from slimtune.formats.gguf_mix import MIXES as FTYPES
@@ -454,10 +460,9 @@ def assert_same_gguf(ours: Path, theirs: Path, ignore_keys: frozenset[str] = fro
 
 @pytest.mark.parametrize("width", [256, 320])
 @pytest.mark.parametrize("mix", MIXES)
-def test_mix_equals_llama_quantize(kquant_models, tmp_path, mix, width):
+def test_mix_equals_llama_quantize(kquant_models, kquant_f32, tmp_path, mix, width):
     """`slimtune export --type MIX` is byte for byte llama-quantize's MIX of slimtune's own f32 file, and loads."""
-    src = kquant_models[width]
-    f32 = export(src, "f32", tmp_path / "f32.gguf")
+    src, f32 = kquant_models[width], kquant_f32[width]
     ours = export(src, mix, tmp_path / f"{mix}.gguf")
     assert_same_gguf(ours, llama_quantize(f32, tmp_path / f"{mix}-llama.gguf", mix), LLAMA_QUANTIZE_ADDS)
     types = {t.name: t.tensor_type.name for t in Reader(ours).tensors}

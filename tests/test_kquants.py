@@ -1,9 +1,11 @@
-"""slimtune.quant.kquants checked block by block against ggml itself: ``ggml_quantize_chunk`` of the
-libggml that llama-cpp-python loads (the function ``llama_model_quantize`` calls for every tensor; with no
-importance matrix it runs ``quantize_row_q{4,5,6}_K_ref``), and ``ggml_fp32_to_fp16_row`` for the fp16
-rounding. Every block must be byte-identical: random rows of several scales, and the edge rows (zeros,
-signed zeros, constants, huge and tiny magnitudes up to 3e38, subnormals, outliers, exact ties, zero
-sub-blocks). The file-level comparison with ``llama_model_quantize`` is in test_gguf.py."""
+"""slimtune.quant.kquants and slimtune.quant.ggml checked block by block against ggml itself:
+``ggml_quantize_chunk`` of the libggml that llama-cpp-python loads (the function ``llama_model_quantize``
+calls for every tensor; with no importance matrix it runs ``quantize_row_*_ref``), and
+``ggml_fp32_to_fp16_row`` for the fp16 rounding. Every block of every type (the K-quants and the legacy
+Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) must be byte-identical: random rows of several scales, and the edge rows
+(zeros, signed zeros, constants, huge and tiny magnitudes up to 3e38, subnormals, outliers, exact ties,
+zero sub-blocks); the legacy types equal the ``gguf`` package's numpy quantizers too. The file-level
+comparison with ``llama_model_quantize`` is in test_gguf.py."""
 
 from __future__ import annotations
 
@@ -13,11 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-from slimtune.quant import kquants
+from slimtune.quant import ggml, kquants
 from tests.conftest import llama_cpp_oracle
 
 llama_cpp = llama_cpp_oracle()
-_GGML_TYPE = {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+_GGML_TYPE = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+KQUANTS = ["Q4_K", "Q5_K", "Q6_K"]
+LEGACY = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 
 
 def _ggml():
@@ -35,10 +39,10 @@ def _ggml():
 def ggml_quantize(rows: np.ndarray, type_name: str) -> np.ndarray:
     """ggml's own quantization of fp32 rows (no importance matrix), as bytes per block."""
     rows = np.ascontiguousarray(rows, dtype=np.float32)
-    out = np.zeros(rows.size // 256 * kquants.BLOCK_BYTES[type_name], dtype=np.uint8)
+    out = np.zeros(rows.size // ggml.BLOCK_VALUES[type_name] * ggml.BLOCK_BYTES[type_name], dtype=np.uint8)
     n = _ggml().ggml_quantize_chunk(_GGML_TYPE[type_name], rows.ctypes.data, out.ctypes.data, 0, rows.shape[0], rows.shape[1], None)
     assert n == out.size
-    return out.reshape(-1, kquants.BLOCK_BYTES[type_name])
+    return out.reshape(-1, ggml.BLOCK_BYTES[type_name])
 
 
 def edge_rows(seed: int) -> torch.Tensor:
@@ -86,23 +90,64 @@ def random_rows(seed: int) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def _assert_blocks_equal(rows: torch.Tensor, type_name: str) -> None:
-    ours = kquants.quantize(rows, type_name).numpy().reshape(-1, kquants.BLOCK_BYTES[type_name])
+def _assert_blocks_equal(rows: torch.Tensor, type_name: str, threads: int | None = None) -> None:
+    ours = ggml.quantize(rows, type_name, threads).numpy().reshape(-1, ggml.BLOCK_BYTES[type_name])
     with np.errstate(all="ignore"):
         ref = ggml_quantize(rows.numpy(), type_name)
     bad = np.nonzero((ours != ref).any(axis=1))[0]
     assert len(bad) == 0, f"{type_name}: {len(bad)} of {len(ref)} blocks differ from ggml's, first {bad[:8].tolist()}"
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
+def _fp16_safe(rows: torch.Tensor) -> torch.Tensor:
+    """The rows whose legacy block scales fit float16 (the others are one error line: test_legacy_overflow)."""
+    return rows[rows.abs().amax(1) < 60000]
+
+
+@pytest.mark.parametrize("type_name", KQUANTS + LEGACY)
 def test_random_rows_byte_identical_to_ggml(type_name):
     _assert_blocks_equal(random_rows(0), type_name)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", KQUANTS + LEGACY)
 def test_edge_rows_byte_identical_to_ggml(type_name):
     for seed in range(2):
-        _assert_blocks_equal(edge_rows(seed), type_name)
+        rows = edge_rows(seed)
+        _assert_blocks_equal(rows if type_name in KQUANTS else _fp16_safe(rows), type_name)
+
+
+@pytest.mark.parametrize("type_name", LEGACY)
+def test_legacy_types_equal_the_gguf_package(type_name):
+    """slimtune equals the gguf package's numpy quantizers on every block where the package equals ggml.
+    They differ on one kind here: a Q4_0/Q5_0 block of -0.0 only, whose scale is -0.0 in ggml (its max
+    starts at +0.0 and never moves) and +0.0 in the package (slimtune writes ggml's, checked above)."""
+    import gguf
+
+    rows = torch.cat([random_rows(1)[:, :256], _fp16_safe(edge_rows(2))])
+    size = ggml.BLOCK_BYTES[type_name]
+    ours = ggml.quantize(rows, type_name).numpy().reshape(-1, size)
+    with np.errstate(all="ignore"):
+        theirs = gguf.quants.quantize(rows.numpy(), gguf.GGMLQuantizationType[type_name]).reshape(-1, size)
+        ref = ggml_quantize(rows.numpy(), type_name)
+    agree = (theirs == ref).all(axis=1)
+    negative_zero = (rows.reshape(-1, 32) == 0).all(1).numpy() & torch.signbit(rows.reshape(-1, 32)).all(1).numpy()
+    assert np.array_equal(~agree, negative_zero & (type_name in ("Q4_0", "Q5_0")))
+    assert np.array_equal(ours[agree], theirs[agree]) and np.array_equal(ours, ref)
+
+
+def test_threads_and_pieces_do_not_change_the_bytes():
+    """Several pieces on two threads: the same blocks, in order, as one thread."""
+    rows = random_rows(3)[:, :256].repeat(1, 40)  # 320 rows x 10,240 values: several pieces of every type
+    for type_name in ("Q8_0", "Q4_K", "Q6_K"):
+        one, two = ggml.quantize(rows, type_name, threads=1), ggml.quantize(rows, type_name, threads=2)
+        assert torch.equal(one, two)
+    _assert_blocks_equal(rows[:64], "Q4_K", threads=2)
+
+
+def test_legacy_overflow():
+    """A block scale beyond float16 is a FloatingPointError (the export's one line), not an inf in the file."""
+    for type_name in LEGACY:
+        with pytest.raises(FloatingPointError):
+            ggml.quantize(torch.full((1, 32), 3e38), type_name)
 
 
 def test_fp16_rounding_is_ggmls():
@@ -144,7 +189,9 @@ def test_running_sum_is_sequential():
 
 def test_bad_input():
     with pytest.raises(ValueError, match="blocks of 256"):
-        kquants.quantize(torch.zeros(2, 320), "Q4_K")
+        ggml.quantize(torch.zeros(2, 320), "Q4_K")
+    with pytest.raises(ValueError, match="blocks of 32"):
+        ggml.quantize(torch.zeros(2, 48), "Q8_0")
     with pytest.raises(ValueError, match="Q3_K"):
-        kquants.quantize(torch.zeros(2, 256), "Q3_K")
-    assert kquants.quantize(torch.zeros(0, 256), "Q6_K").numel() == 0
+        ggml.quantize(torch.zeros(2, 256), "Q3_K")
+    assert ggml.quantize(torch.zeros(0, 256), "Q6_K").numel() == 0

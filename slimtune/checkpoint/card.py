@@ -56,10 +56,17 @@ def model_card(f: CardFacts) -> str:
     lora = f.lora
     scaling = "alpha / sqrt(r) (rsLoRA)" if lora["use_rslora"] else "alpha / r"
     evaluated = (
-        f"{f.eval['eval_loss']:.4f} (perplexity {f.eval['eval_ppl']:.2f}, {f.eval['eval_tokens']:,} tokens)" if f.eval else "not evaluated"
+        (
+            f"{f.eval['eval_loss']:.4f} (perplexity {f.eval['eval_ppl']:.2f}, {f.eval['eval_tokens']:,} tokens)"
+            if f.eval
+            else "not evaluated"
+        )
+        if not f.eval or "eval_ppl" in f.eval
+        else _preference_eval(f.eval)
     )
     files = "\n".join(f"| `{path}` | `{sha}` |" for path, sha in f.files)
     shapes = ", ".join(f"{n} {shape}" for shape, n in sorted(f.shapes.items()))
+    quantized = "a bitsandbytes 4-bit" if _prequantized(f) else "an NF4-quantized"
     return f"""---
 base_model: {f.base}
 library_name: peft
@@ -68,7 +75,7 @@ tags: [slimtune, qlora, lora]
 
 # QLoRA adapter for `{f.base}` (slimtune)
 
-Fine-tuned with slimtune (QLoRA) on an NF4-quantized `{f.model_type}` base: step {f.step} of {f.total_steps}
+Fine-tuned with slimtune (QLoRA) on {quantized} `{f.model_type}` base: step {f.step} of {f.total_steps}
 (epoch {f.epoch}). {_quantized_text(f.nf4)}
 
 | | |
@@ -82,7 +89,7 @@ Fine-tuned with slimtune (QLoRA) on an NF4-quantized `{f.model_type}` base: step
 | LoRA targets | {", ".join(lora["target_modules"])} |
 | data rows | {shapes} |
 | prompt format | {f.prompt_format} (see below) |
-| merge base | {"quantized: dequant(NF4(W))" if f.merged else "n/a (adapter only)"} |
+| merge base | {_merge_base_text(f)} |
 | software | {", ".join(f"{name} {version}" for name, version in f.versions.items())} |
 
 ## Data files
@@ -100,14 +107,35 @@ Training rendered conversations with the chat template stored in this checkpoint
 {_how_to_load(f, scaling)}"""
 
 
+def _prequantized(f: CardFacts) -> bool:
+    """Trained from a bitsandbytes 4-bit checkpoint: its dequantized weights are the base (there is no other W)."""
+    return bool(f.nf4 and f.nf4.get("bnb4"))
+
+
+def _merge_base_text(f: CardFacts) -> str:
+    if not f.merged:
+        return "n/a (adapter only)"
+    if _prequantized(f):
+        return "the base file's dequantized weight (bitsandbytes 4-bit, bitsandbytes' own dequantization: what training saw)"
+    return "quantized: dequant(NF4(W))"
+
+
 def _how_to_load(f: CardFacts, scaling: str) -> str:
     """The card's last section: the merged model, the adapter on NF4, the adapter on W with PEFT."""
+    base_weight = "dequant_bnb(W4)" if _prequantized(f) else "dequant(NF4(W))"
     merged_text = (
-        f"The merged model at the checkpoint's root ({f.merged_dtype} safetensors) is W' = dequant(NF4(W)) + {scaling} * B A, computed "
+        f"The merged model at the checkpoint's root ({f.merged_dtype} safetensors) is W' = {base_weight} + {scaling} * B A, computed "
         "in fp32 and rounded once: the weights training computed with (merge base `quantized`), not the original W."
         if f.merged
         else "This checkpoint holds the adapter only (merge it with `slimtune merge --merge-base quantized`)."
     )
+    if f.merged and _prequantized(f):
+        merged_text = (
+            f"The merged model at the checkpoint's root ({f.merged_dtype} safetensors) is W' = {base_weight} + {scaling} * B A, computed "
+            "in fp32 and rounded once, where dequant_bnb(W4) is the base file's bitsandbytes 4-bit weight as bitsandbytes dequantizes "
+            "it: what training computed with, and the only base weight there is (both `--merge-base` choices mean it). Its config "
+            "has no `quantization_config`: a plain 16-bit model."
+        )
     return f"""## How to load it
 
 {merged_text}
@@ -146,6 +174,11 @@ def _quantized_text(nf4: dict | None) -> str:
     """One sentence: how many targeted linears were NF4, with which scaler blocks, and which were not."""
     if not nf4:
         return ""
+    if nf4.get("bnb4"):
+        return (
+            f"The base is a bitsandbytes 4-bit checkpoint: {nf4['bnb4']} of {nf4['targets']} frozen linears are its 4-bit "
+            "weights as stored, dequantized as bitsandbytes dequantizes them."
+        )
     blocks = ", ".join(f"{sbs} x {n}" for sbs, n in nf4["scaler_blocks"].items())
     text = f"NF4 (blocks of {nf4['block_size']}): {nf4['nf4']} of {nf4['targets']} targeted linears"
     text += f"; scaler block (64-element blocks per double-quantized scale) x tensors: {blocks}" if blocks else ""
@@ -153,6 +186,11 @@ def _quantized_text(nf4: dict | None) -> str:
     if kept:
         text += f"; kept in their dtype: {', '.join(f'`{k}` ({why})' for k, why in kept.items())}"
     return text + ". Per-tensor scaler blocks: `slimtune_format.json`, key `nf4`."
+
+
+def _preference_eval(e: dict) -> str:
+    """A preference run's evaluation: its loss, reward accuracy and margin (TRL's eval_ names)."""
+    return f"{e['eval_loss']:.4f} (reward accuracy {e['eval_rewards/accuracies']:.3f}, margin {e['eval_rewards/margins']:.4f})"
 
 
 def _merged_eval_row(f: CardFacts) -> str:

@@ -26,6 +26,12 @@ class ModelSection:
     create_tiny: bool = setting(
         False, "When model.path does not exist and is not a hub id, write the embedded tiny Llama there (offline demo)."
     )
+    adapter: ConfigPath | None = setting(
+        None,
+        "Start from this LoRA adapter (a checkpoint step-N/, its adapter/ directory or an adapter_model.safetensors, of the "
+        "same lora.rank and targets) instead of fresh adapters; with a preference objective it is also the frozen reference.",
+        fixed=True,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,11 +138,47 @@ class TrainingSection:
         "torch.compile each decoder layer (regional compilation, as torchtune does): inductor on CPU and CUDA; the first "
         "steps pay a one-off compile (logged), later ones run faster.",
     )
+    objective: Literal["sft", "dpo", "ipo", "simpo"] = setting(
+        "sft",
+        "sft: next-token loss on dataset rows; dpo (sigmoid), ipo: preference pairs against the reference (the model as "
+        "loaded); simpo: reference-free preference loss (TRL's CPO loss_type=simpo). docs/training.md: Preference tuning.",
+        fixed=True,
+    )
     num_threads: int | None = setting(
         None,
         "CPU threads torch uses; null: the cores this process may use (its CPU affinity), divided among the ranks on this "
         "machine under torchrun (never the momentary load: runs stay reproducible). Set it lower where other processes share the cores.",
         minimum=1,
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreferenceSection:
+    """preference.*: the preference objectives (training.objective dpo, ipo, simpo), TRL 1.16's defaults."""
+
+    beta: float = setting(
+        0.1, "beta of TRL's DPOConfig / CPOConfig: the reward scale (dpo, simpo); IPO's regularisation tau (ipo).", minimum=0
+    )
+    label_smoothing: float = setting(
+        0.0,
+        "simpo only (TRL CPO): the conservative loss's label-noise rate; TRL 1.16's DPO sigmoid and IPO losses take none.",
+        minimum=0,
+        maximum=0.5,
+    )
+    simpo_gamma: float = setting(0.5, "simpo: the target reward margin gamma (TRL CPOConfig.simpo_gamma).", minimum=0)
+    cpo_alpha: float = setting(
+        1.0, "simpo: weight of the chosen answers' next-token loss added to the loss (TRL CPOConfig.cpo_alpha; 0: pure SimPO).", minimum=0
+    )
+    truncation_mode: Literal["keep_start", "keep_end"] = setting(
+        "keep_start",
+        "TRL's: prompt + answer longer than dataset.max_seq_len (TRL's max_length) keeps its start (keep_start) or its end (keep_end).",
+        fixed=True,
+    )
+    bad_rows: Literal["error", "drop"] = setting(
+        "error",
+        "A bad pair (missing key, empty or identical answers, a prompt that fills dataset.max_seq_len): error (one line naming "
+        "file and row, exit 2) or drop (skipped, counted in the log).",
+        fixed=True,
     )
 
 
@@ -233,6 +275,7 @@ class Config:
     lora: LoraSection
     dataset: DatasetSection
     training: TrainingSection
+    preference: PreferenceSection
     optimizer: OptimizerSection
     scheduler: SchedulerSection
     checkpoint: CheckpointSection

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from slimtune.data.packing import collate, epoch_order, epoch_steps, model_inputs, pack, rank_batch
+from slimtune.data.preference import BadPair, PairOptions, PreferencePair, rank_pairs, tokenize_pair
 from slimtune.data.readers import (
     FILE_TYPES,
     MAX_LINE_BYTES,
@@ -49,6 +50,8 @@ __all__ = [
     "Data",
     "DataSpec",
     "Example",
+    "PairOptions",
+    "PreferencePair",
     "FALLBACK_CHAT_TEMPLATE",
     "FILE_TYPES",
     "FORMATS",
@@ -69,6 +72,7 @@ __all__ = [
     "model_inputs",
     "pack",
     "rank_batch",
+    "rank_pairs",
     "parse_json",
     "parse_json_object",
     "read_jsonl",
@@ -93,6 +97,8 @@ class DataSpec:
     train_on_inputs: bool = False
     packed: bool = False
     seed: int = 0
+    pairs: PairOptions | None = None  # preference pairs (training.objective dpo, ipo, simpo) instead of SFT rows
+    drop_bad_pairs: bool = False  # preference.bad_rows=drop: bad pairs are skipped and counted, not an error
 
     @classmethod
     def from_config(cls, cfg) -> DataSpec:
@@ -108,6 +114,8 @@ class DataSpec:
             train_on_inputs=d.train_on_inputs,
             packed=d.packed,
             seed=cfg.seed,
+            pairs=None if cfg.training.objective == "sft" else PairOptions(d.max_seq_len, cfg.preference.truncation_mode),
+            drop_bad_pairs=cfg.preference.bad_rows == "drop",
         )
 
 
@@ -115,9 +123,9 @@ class DataSpec:
 class Data:
     """Tokenized train (and eval) examples, and what the run records about them."""
 
-    train: list[Example]
+    train: list[Example]  # PreferencePair with spec.pairs
     eval: list[Example]
-    dropped: int
+    dropped: int  # examples with no trained token (SFT), bad pairs dropped (preference.bad_rows=drop)
     files: list[tuple[str, str]]  # (path, sha256) of every file read, eval file included
     sha256: str  # identifies the training data (files, weights, split, packing) for resume checks
     shapes: Counter  # rows per shape
@@ -158,6 +166,7 @@ def load_data(spec: DataSpec, tokenizer, rows: dict[str, list[dict]] | None = No
     if spec.packed:
         train, held_out = pack(train, spec.max_seq_len, spec.seed), pack(held_out, spec.max_seq_len, spec.seed)
     extra = f"|fraction={spec.eval_fraction!r}|packed={spec.packed}|inputs={spec.train_on_inputs}|columns={sorted(spec.columns.items())}"
+    extra += f"|pairs={spec.pairs!r}" if spec.pairs is not None else ""
     sha = sha256_bytes(";".join(identity) + extra)
     return Data(train, held_out, dropped, files, sha, shapes, documents)
 
@@ -171,6 +180,8 @@ def _source(path: str, rows: dict[str, list[dict]]) -> tuple[Iterable[Record], s
 def _tokenize_all(
     records: Iterable[Record], tokenizer, spec: DataSpec, shapes: Counter, vocab_size: int | None
 ) -> tuple[list[Example], int]:
+    if spec.pairs is not None:
+        return _tokenize_pairs(records, tokenizer, spec, shapes, vocab_size)
     examples, dropped = [], 0
     for record in records:
         record = _renamed(record, spec.columns)
@@ -187,6 +198,32 @@ def _tokenize_all(
             continue
         examples.append(example)
     return examples, dropped
+
+
+def _tokenize_pairs(
+    records: Iterable[Record], tokenizer, spec: DataSpec, shapes: Counter, vocab_size: int | None
+) -> tuple[list[PreferencePair], int]:
+    """Preference rows as TRL tokenizes them (``data/preference.py``); a bad pair is an error, or with
+    ``spec.drop_bad_pairs`` skipped and counted."""
+    pairs, dropped = [], 0
+    for record in records:
+        record = _renamed(record, spec.columns)
+        try:
+            pair = tokenize_pair(record, tokenizer, spec.pairs)
+        except BadPair:
+            if not spec.drop_bad_pairs:
+                raise
+            dropped += 1
+            continue
+        top = max(int(pair.chosen.input_ids.max()), int(pair.rejected.input_ids.max()))
+        if vocab_size is not None and top >= vocab_size:
+            raise SlimtuneError(
+                f"{record.where}: the tokenizer produced token id {top}, but the model's vocab_size is {vocab_size} "
+                "(the tokenizer does not belong to this model)"
+            )
+        shapes[pair.shape] += 1
+        pairs.append(pair)
+    return pairs, dropped
 
 
 def _renamed(record: Record, columns: dict[str, str]) -> Record:

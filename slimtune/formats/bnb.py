@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from slimtune.errors import SlimtuneError
+from slimtune.formats.safetensors import SafetensorsReader
 from slimtune.formats.strict_json import json_kind, loads_json, safe_name
 
 QUANT_STATE_SUFFIX = ".quant_state.bitsandbytes__nf4"
@@ -38,27 +39,72 @@ def aux_owner(key: str) -> str:
 
 @dataclass
 class BnbNF4Weight:
-    """One 4-bit weight: its small state held in memory, its packed codes read by row range."""
+    """One 4-bit weight: its small state held in memory as stored (a double-quantized absmax stays u8 codes,
+    undone per row range), its packed codes read by row range."""
 
     key: str
     shape: tuple[int, int]
     dtype: torch.dtype
     blocksize: int
-    absmax: torch.Tensor  # fp32, one per block, nested quantization already undone
+    absmax: torch.Tensor  # one per block: fp32, or the u8 codes of the nested quantization (``nested``)
     quant_map: torch.Tensor  # fp32[16]
     read_bytes: Callable[[int, int], torch.Tensor]  # packed byte range [b0, b1) of the u8 weight
+    nested: tuple[torch.Tensor, torch.Tensor, int, float] | None = None  # fp32 code[256], fp32 nested absmax, nested blocksize, offset
+
+    def scales(self, b0: int, b1: int) -> torch.Tensor:
+        """The fp32 absmax of blocks [b0, b1), the nested quantization undone as bitsandbytes undoes it."""
+        if self.nested is None:
+            return self.absmax[b0:b1]
+        code, nested_absmax, nested_blocksize, offset = self.nested
+        idx = torch.arange(b0, b1, device=self.absmax.device) // nested_blocksize
+        return code[self.absmax[b0:b1].long()] * nested_absmax[idx] + offset
+
+    def nbytes(self) -> int:
+        """Bytes of the packed codes and the block state (what a frozen 4-bit weight holds)."""
+        state = [self.absmax, self.quant_map, *(self.nested[:2] if self.nested else ())]
+        return (self.shape[0] * self.shape[1] + 1) // 2 + sum(t.numel() * t.element_size() for t in state)
+
+    def to(self, device: torch.device, read_bytes: Callable[[int, int], torch.Tensor]) -> BnbNF4Weight:
+        """The same weight with its state on ``device``, its bytes from ``read_bytes``."""
+        nested = None if self.nested is None else (self.nested[0].to(device), self.nested[1].to(device), *self.nested[2:])
+        return BnbNF4Weight(
+            self.key, self.shape, self.dtype, self.blocksize, self.absmax.to(device), self.quant_map.to(device), read_bytes, nested
+        )
 
     def rows(self, start: int, end: int) -> torch.Tensor:
-        cols = self.shape[1]
+        """Rows [start, end) as ``bitsandbytes.functional.dequantize_4bit`` makes them: code value * block
+        absmax in fp32, cast to the weight's dtype (bit for bit: only the gathers differ)."""
+        cols, bs = self.shape[1], self.blocksize
         e0, e1 = start * cols, end * cols
+        if bs % 2:
+            return self._rows_by_element(e0, e1).view(end - start, cols)
+        b0, b1 = e0 // bs, -(-e1 // bs)
+        f0, f1 = b0 * bs, min(b1 * bs, self.shape[0] * cols)  # whole blocks (the last may be short)
+        packed = self.read_bytes(f0 // 2, (f1 + 1) // 2)
+        values = _pair_table(self.quant_map).index_select(0, packed.to(torch.int32)).view(-1)[: f1 - f0]
+        if f1 - f0 == (b1 - b0) * bs:
+            values = (values.view(b1 - b0, bs) * self.scales(b0, b1).unsqueeze(-1)).view(-1)
+        else:
+            values = values * self.scales(b0, b1).repeat_interleave(bs)[: f1 - f0]
+        return values[e0 - f0 : e1 - f0].to(self.dtype).view(end - start, cols)
+
+    def _rows_by_element(self, e0: int, e1: int) -> torch.Tensor:
         packed = self.read_bytes(e0 // 2, (e1 + 1) // 2)
-        codes = torch.empty(packed.numel() * 2, dtype=torch.int32)
+        codes = torch.empty(packed.numel() * 2, dtype=torch.int32, device=packed.device)
         codes[0::2] = packed >> 4
         codes[1::2] = packed & 0xF
         first = e0 - (e0 // 2) * 2
         values = self.quant_map[codes[first : first + e1 - e0]]
-        scale = self.absmax[torch.arange(e0, e1) // self.blocksize]
-        return (values * scale).to(self.dtype).view(end - start, cols)
+        b0, b1 = e0 // self.blocksize, -(-e1 // self.blocksize)
+        blocks = torch.arange(e0, e1, device=packed.device) // self.blocksize - b0
+        return (values * self.scales(b0, b1)[blocks]).to(self.dtype)
+
+
+def _pair_table(quant_map: torch.Tensor) -> torch.Tensor:
+    """fp32 [256, 2]: the two code values (high nibble first) of each byte, so one gather per byte
+    replaces two per element (only bits move: nothing is rounded)."""
+    codes = torch.arange(256, device=quant_map.device)
+    return torch.stack([quant_map[codes >> 4], quant_map[codes & 15]], dim=1)
 
 
 def bnb_quantization(config: dict) -> str | None:
@@ -77,6 +123,52 @@ def refuse_8bit(config: dict, where: str) -> None:
             f"{where}: a bitsandbytes 8-bit checkpoint (quantization_config.load_in_8bit); slimtune reads 16-bit bases and "
             "bitsandbytes 4-bit ones (load_in_4bit), not 8-bit: use the model's 16-bit checkpoint"
         )
+
+
+_STORAGE_DTYPES = ("uint8", "int8", "bfloat16", "float16", "float32")
+
+
+def bnb_4bit_settings(config: dict, where: str) -> str | None:
+    """For a training base: None for a plain (16-bit) config.json; for a bitsandbytes 4-bit one its
+    ``quantization_config`` checked (quant type nf4 or fp4, compute and storage dtype names, the skipped
+    modules a list of names) and described in a few words for the log. 8-bit bitsandbytes and other
+    quantization methods are refused in one line.
+
+    Example: ``bnb_4bit_settings(read_config_dict(d), str(d / "config.json"))`` -> ``"nf4, double quant, ..."``"""
+    q = config.get("quantization_config")
+    if q is None:
+        return None
+    label = f"{where}: quantization_config"
+    if not isinstance(q, dict):
+        raise SlimtuneError(f"{label} must be an object, found {json_kind(q)}")
+    method = q.get("quant_method", "bitsandbytes")
+    if method != "bitsandbytes":
+        shown = safe_name(method)[:40] if isinstance(method, str) else json_kind(method)
+        raise SlimtuneError(f"{label}.quant_method {shown}: slimtune trains from 16-bit bases and bitsandbytes 4-bit ones only")
+    refuse_8bit(config, where)
+    if bnb_quantization(config) != "4bit":
+        raise SlimtuneError(f"{label}: bitsandbytes without load_in_4bit (nor load_in_8bit) true: not a checkpoint slimtune reads")
+    quant_type = q.get("bnb_4bit_quant_type", "fp4")
+    if quant_type not in QUANT_STATE_SUFFIXES:
+        shown = safe_name(repr(quant_type))[:40] if isinstance(quant_type, str) else json_kind(quant_type)
+        raise SlimtuneError(f"{label}.bnb_4bit_quant_type {shown}: expected 'nf4' or 'fp4'")
+    for key, names in (("bnb_4bit_compute_dtype", tuple(_FLOAT_DTYPES)), ("bnb_4bit_quant_storage", _STORAGE_DTYPES)):
+        value = q.get(key)
+        if value is not None and value not in names:
+            shown = safe_name(repr(value))[:40] if isinstance(value, str) else json_kind(value)
+            raise SlimtuneError(f"{label}.{key} {shown}: expected one of {list(names)}")
+    skip = q.get("llm_int8_skip_modules")
+    if skip is not None and not (isinstance(skip, list) and all(isinstance(m, str) for m in skip)):
+        raise SlimtuneError(f"{label}.llm_int8_skip_modules must be a list of module names, found {json_kind(skip)}")
+    double = "double quant" if q.get("bnb_4bit_use_double_quant") is True else "no double quant"
+    compute, storage = q.get("bnb_4bit_compute_dtype") or "float32", q.get("bnb_4bit_quant_storage") or "uint8"
+    return f"{quant_type}, {double}, compute dtype {compute}, storage {storage}"
+
+
+def four_bit_keys(names) -> set[str]:
+    """The 4-bit weights among a checkpoint's tensor names: each ``P.weight`` with a ``P.weight.absmax``."""
+    names = set(names)
+    return {k for k in names if k.endswith(".weight") and k + ".absmax" in names}
 
 
 def quant_state_key(key: str, present) -> str | None:
@@ -130,36 +222,77 @@ def load_bnb_weight(
         raise SlimtuneError(
             f"{where}: tensor {safe_name(key)}.absmax has shape {list(absmax.shape)}, shape {list(shape)} needs [{n_blocks}]"
         )
+    nested = None
     if absmax.dtype == torch.uint8:
-        nested_absmax, nested_code = read_small(key + ".nested_absmax"), read_small(key + ".nested_quant_map")
-        nested_blocksize, offset = state.get("nested_blocksize", 256), state.get("nested_offset", 0.0)
-        if type(nested_blocksize) is not int or not 0 < nested_blocksize <= 1 << 20:
-            raise SlimtuneError(f"{label}: nested_blocksize must be a positive integer, found {nested_blocksize!r}"[:300])
-        if not isinstance(offset, (int, float)) or isinstance(offset, bool) or not math.isfinite(offset):
-            raise SlimtuneError(f"{label}: nested_offset must be a finite number, found {json_kind(offset)}")
-        if nested_code.numel() != 256 or nested_code.dtype not in _FLOAT_DTYPES.values():
-            raise SlimtuneError(
-                f"{where}: tensor {safe_name(key)}.nested_quant_map must be 256 floats, found {nested_code.dtype} {list(nested_code.shape)}"
-            )
-        if (
-            nested_absmax.dim() != 1
-            or nested_absmax.numel() != -(-n_blocks // nested_blocksize)
-            or nested_absmax.dtype not in _FLOAT_DTYPES.values()
-        ):
-            raise SlimtuneError(
-                f"{where}: tensor {safe_name(key)}.nested_absmax has {nested_absmax.dtype} {list(nested_absmax.shape)}, "
-                f"expected {-(-n_blocks // nested_blocksize)} floats"
-            )
-        idx = torch.arange(absmax.numel()) // nested_blocksize
-        absmax = nested_code.float()[absmax.long()] * nested_absmax.float()[idx] + offset
+        nested = _nested_state(key, state, read_small, n_blocks, label, where)
+        scales = nested[0][absmax.long()] * nested[1][torch.arange(n_blocks) // nested[2]] + nested[3]
     elif absmax.dtype not in _FLOAT_DTYPES.values():
         raise SlimtuneError(f"{where}: tensor {safe_name(key)}.absmax is {absmax.dtype}, expected a float or u8 (nested) tensor")
-    absmax = absmax.float()
-    if not bool(torch.isfinite(absmax).all()):
+    else:
+        absmax = scales = absmax.float()
+    if not bool(torch.isfinite(scales).all()):
         raise SlimtuneError(f"{where}: tensor {safe_name(key)}.absmax holds NaN or infinite scales")
     quant_map = read_small(key + ".quant_map")
     if quant_map.numel() != 16 or quant_map.dtype not in _FLOAT_DTYPES.values() or not bool(torch.isfinite(quant_map).all()):
         raise SlimtuneError(
             f"{where}: tensor {safe_name(key)}.quant_map must be 16 finite floats, found {quant_map.dtype} {list(quant_map.shape)}"
         )
-    return BnbNF4Weight(key, shape, dtype, blocksize, absmax, quant_map.float().reshape(16), read_bytes)
+    return BnbNF4Weight(key, shape, dtype, blocksize, absmax, quant_map.float().reshape(16), read_bytes, nested)
+
+
+def _nested_state(key: str, state: dict, read_small, n_blocks: int, label: str, where: str) -> tuple:
+    """A double-quantized absmax's state, checked: (fp32 code[256], fp32 nested absmax, nested blocksize, offset)."""
+    nested_absmax, nested_code = read_small(key + ".nested_absmax"), read_small(key + ".nested_quant_map")
+    nested_blocksize, offset = state.get("nested_blocksize", 256), state.get("nested_offset", 0.0)
+    if type(nested_blocksize) is not int or not 0 < nested_blocksize <= 1 << 20:
+        raise SlimtuneError(f"{label}: nested_blocksize must be a positive integer, found {nested_blocksize!r}"[:300])
+    if not isinstance(offset, (int, float)) or isinstance(offset, bool) or not math.isfinite(offset):
+        raise SlimtuneError(f"{label}: nested_offset must be a finite number, found {json_kind(offset)}")
+    if nested_code.numel() != 256 or nested_code.dtype not in _FLOAT_DTYPES.values():
+        raise SlimtuneError(
+            f"{where}: tensor {safe_name(key)}.nested_quant_map must be 256 floats, found {nested_code.dtype} {list(nested_code.shape)}"
+        )
+    groups = -(-n_blocks // nested_blocksize)
+    if nested_absmax.dim() != 1 or nested_absmax.numel() != groups or nested_absmax.dtype not in _FLOAT_DTYPES.values():
+        raise SlimtuneError(
+            f"{where}: tensor {safe_name(key)}.nested_absmax has {nested_absmax.dtype} {list(nested_absmax.shape)}, "
+            f"expected {groups} floats"
+        )
+    return nested_code.float().reshape(256), nested_absmax.float(), nested_blocksize, offset
+
+
+def packed_byte_reader(reader: SafetensorsReader, key: str) -> Callable[[int, int], torch.Tensor]:
+    """Bytes [b0, b1) of a packed 4-bit weight, held in a [k, 1] tensor of any bnb_4bit_quant_storage dtype
+    (u8, bf16, ...): the rows that hold those bytes are read and viewed as bytes."""
+    entry = reader.entry(key)
+    width = entry.nbytes // entry.shape[0] if len(entry.shape) == 2 and entry.shape[0] else 0
+    if len(entry.shape) != 2 or entry.shape[1] != 1 or entry.dtype is None or width != entry.dtype.itemsize:
+        found = f"{entry.dtype_name} {list(entry.shape)}"
+        raise SlimtuneError(f"{reader.path}: tensor {safe_name(key)}: packed 4-bit weight of {found}, expected [n, 1]")
+
+    def read(b0: int, b1: int) -> torch.Tensor:
+        r0, r1 = b0 // width, -(-b1 // width)
+        return reader.read(key, r0, r1).contiguous().view(torch.uint8).view(-1)[b0 - r0 * width : b1 - r0 * width]
+
+    return read
+
+
+def read_4bit_weights(location: dict[str, SafetensorsReader], where: str) -> dict[str, BnbNF4Weight]:
+    """Every bitsandbytes 4-bit weight of a checkpoint (``location``: tensor name -> the shard holding it;
+    a weight's auxiliary tensors may sit in another shard), its state checked and held, its packed bytes
+    read from the file by range. A ``P.weight`` with a ``P.weight.absmax`` is 4-bit.
+
+    Example: ``weights = read_4bit_weights({k: r for r in readers for k in r.tensors}, str(model_dir))``"""
+
+    def read_small(name: str) -> torch.Tensor:
+        if name not in location:
+            raise SlimtuneError(f"{where}: bitsandbytes tensor {safe_name(name)} is missing")
+        return location[name].read(name)
+
+    weights = {}
+    for key in sorted(four_bit_keys(location)):
+        reader = location[key]
+        state = quant_state_key(key, location) or key + QUANT_STATE_SUFFIX  # missing: named as NF4's
+        packed = reader.entry(key).nbytes
+        weights[key] = load_bnb_weight(key, read_small, packed_byte_reader(reader, key), str(reader.path), packed, state)
+    return weights

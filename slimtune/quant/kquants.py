@@ -11,32 +11,32 @@ here is a vectorized re-derivation. What byte identity needs, each handled below
   is compiled without FMA contraction on x86-64: no ``-march`` flags reach ``ggml-quants.c``), and the
   scalar constants (``rmin + rdelta * is + nmax``) are float32 arithmetic (numpy float32 scalars);
 - ``nearest_int`` is ggml's bit trick (add 1.5 * 2**23, keep the low mantissa bits): round half to even
-  inside its range and ggml's exact garbage outside it (an infinite or NaN argument);
+  inside its range and ggml's exact garbage outside it (an infinite or NaN argument); where a bound on the
+  argument proves it inside (``_levels``: every block but those whose span overflows), the clamped level is
+  made in three float passes instead;
 - comparisons are the C's strict ``<`` / ``>`` applied sequentially (first best wins, NaN never wins);
 - ``sqrtf`` is correctly rounded, torch's float32 ``sqrt`` is not (``_sqrtf``);
 - the block scales are rounded to fp16 by ggml's own ``ggml_compute_fp32_to_fp16`` (``fp16_bits``);
 - integer narrowing (``uint8_t ls = nearest_int(...)``, the int8 Q6_K scales) wraps modulo 256, as C does.
 
+Speed (the scale searches are most of the work: 21 candidate scales for each Q4_K sub-block, 19 for Q6_K):
+every pass is a torch op over all the blocks of a piece at once (cache-sized, ``slimtune.quant.ggml``),
+the sequential sums add in place, the three sums of a candidate in one pass over a (n, 3, blocks) buffer,
+no levels are kept per candidate (the winner's are made again), and Q6_K's candidates, which do not
+depend on each other, are computed together.
+
 Example::
 
-    rows = torch.randn(4, 512)
-    data = quantize(rows, "Q4_K")        # uint8, 4 rows x 2 blocks x 144 bytes
+    data = slimtune.quant.ggml.quantize(torch.randn(4, 512), "Q4_K")   # uint8, 4 rows x 2 blocks x 144 bytes
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 
 import numpy as np
 import torch
 
 QK_K = 256
 BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
-_PIECE_BLOCKS = {"Q4_K": 256, "Q5_K": 256, "Q6_K": 64}
-"""Superblocks quantized at once: bounds the temporaries whatever the chunk (Q6_K's 19 candidate scales
-over 256 values per superblock: 1.2 MB per float32 temporary) and keeps them in cache (measured fastest)."""
 
 _F32 = np.float32
 _GROUP_MAX_EPS = float(_F32(1e-15))  # 1e-15f
@@ -66,7 +66,7 @@ def fp16_value(bits: torch.Tensor) -> torch.Tensor:
     return (bits - ((bits & 0x8000) << 1)).to(torch.int16).view(torch.float16).float()
 
 
-def _le16(bits: torch.Tensor) -> torch.Tensor:
+def le16(bits: torch.Tensor) -> torch.Tensor:
     """int32 fp16 bits (..., ) -> little-endian bytes (..., 2) as uint8."""
     return torch.stack([bits & 0xFF, (bits >> 8) & 0xFF], dim=-1).to(torch.uint8)
 
@@ -83,54 +83,104 @@ def _sqrtf(t: torch.Tensor) -> torch.Tensor:
     return t.double().sqrt().float()
 
 
+def first_extreme(x: torch.Tensor, values: torch.Tensor, need: torch.Tensor, arg, dim: int) -> torch.Tensor:
+    """``values`` (a reduction of the 2-D ``x`` over ``dim``: amax, amin) with, where ``need`` (a tie, a zero:
+    rare), the value of the first element ``arg`` picks (argmax/argmin: the first of equal values, as the
+    C's sequential strict comparisons pick it; its sign of zero). torch's argmax over a short dim is many
+    times slower than amax, hence only there."""
+    idx = need.nonzero()[:, 0]
+    if idx.numel():
+        sub = x.index_select(1 - dim, idx)  # 2-D: the blocks needing it
+        values = values.clone()
+        values[idx] = sub.gather(dim, arg(sub).unsqueeze(dim)).squeeze(dim)
+    return values
+
+
+def signed_absmax(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """The C's ``amax = 0; max = 0; for v: if (fabsf(v) > amax) { amax = fabsf(v); max = v; }`` over ``dim``:
+    the first value of largest magnitude, +0.0 where all are zero."""
+    hi, lo = x.amax(dim), x.amin(dim)
+    mx = torch.where(hi >= -lo, hi, lo) + 0.0  # + 0.0: -0.0 -> +0.0 (all zero), nothing else changes
+    return first_extreme(x, mx, (hi == -lo) & (hi > 0), lambda s: s.abs().argmax(dim), dim)
+
+
 def _running_sum(terms: torch.Tensor, start: torch.Tensor | None = None) -> torch.Tensor:
-    """``s = start (or 0); for t in terms: s += t`` over the first dimension, float32 one addition at a time."""
+    """``s = start (or 0); for t in terms: s += t`` over the first dimension, float32 one addition at a time
+    (in place on one accumulator)."""
     s = torch.zeros_like(terms[0]) if start is None else start.clone()
     for t in terms:
-        s = s + t
+        s.add_(t)
     return s
 
 
 # --- Q4_K, Q5_K: 8 sub-blocks of 32 with a 6-bit scale and min ------------------------------------------
 
+_MAGIC = 12582912.0  # 1.5 * 2**23: nearest_int's constant
+_FAST_RANGE = 2.0**21
+"""Below this bound on |v| (half nearest_int's range, a margin for the bound's own rounding), ``v + 1.5 * 2**23``
+is exactly ``1.5 * 2**23 + nearest_int(v)`` in float32, so the levels can be made in float arithmetic."""
+
+
+def _levels(v: torch.Tensor, lo: int, hi: int, bound: torch.Tensor) -> torch.Tensor:
+    """``max(lo, min(hi, nearest_int(v)))`` as float32. ``bound``: an upper bound of |v| (per block, any
+    shape that reduces to one value); where it is under ``_FAST_RANGE`` and finite (always, but for spans
+    that overflow to inf and the like), three float passes (add, clamp, subtract: exact there); else ggml's
+    integer bit trick."""
+    if bool(torch.all(bound < _FAST_RANGE)):  # NaN and inf fail the test
+        t = v.add_(_MAGIC).clamp_(_MAGIC + lo, _MAGIC + hi)
+        return t.sub_(_MAGIC)
+    return nearest_int(v).clamp_(lo, hi).float()
+
 
 def _make_qkx2(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int):
     """ggml's ``make_qkx2_quants`` on sub-blocks ``x`` (n, M): values along dim 0, one sub-block per
-    column. Returns (scale (M,), the_min (M,), L (n, M) int32 in 0..nmax)."""
-    mn, mx = x[0].clone(), x[0].clone()
-    for xi in x[1:]:
-        mn = torch.where(xi < mn, xi, mn)
-        mx = torch.where(xi > mx, xi, mx)
+    column. Returns (scale (M,), the_min (M,), L (n, M) int32 in 0..nmax).
+
+    The candidate scales go in the C's order, each from the best ``min`` so far (a better candidate moves
+    it), every block at once. The levels are not kept per candidate: each block remembers the winner's
+    (iscale, min) and its levels are made again once at the end (the same float operations)."""
+    lo, mx = x.amin(0), x.amax(0)
     sum_w = _running_sum(w[1:], w[0])
     sum_x = _running_sum(w[1:] * x[1:], w[0] * x[0])
-    mn = torch.where(mn > 0, torch.zeros_like(mn), mn)
+    mn = torch.where(lo > 0, torch.zeros_like(lo), lo)
     flat = mx == mn
     iscale = _over(nmax, mx - mn)
     scale = _over(1.0, iscale)
-    L = nearest_int(iscale * (x - mn)).clamp(0, nmax)
-    diff = (scale * L.float() + mn) - x
-    best_error = _running_sum(w * (diff * diff))
-    # the candidate scales in order: each one starts from the best min so far (the C updates ``min``)
-    steps = [float(_F32(rmin) + _F32(rdelta) * _F32(i) + _F32(nmax)) for i in range(nstep + 1)]
-    for step in steps:
-        span = mx - mn
-        laux = nearest_int(_over(step, span) * (x - mn)).clamp(0, nmax)
-        lf = laux.float()
-        wl = w * lf
-        sum_l, sum_l2, sum_xl = _running_sum(torch.stack([wl, wl * lf, wl * x], dim=1))
+    win_iscale, win_min = iscale, mn
+
+    def levels(isc: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        # |isc * (x - m)| is at most this (rounding is monotonic: the extremes of x - m are at x's)
+        bound = torch.maximum((lo - m).abs(), (mx - m).abs()) * isc.abs()
+        bound = torch.where(flat, torch.zeros_like(bound), bound)  # flat blocks' levels are overwritten
+        return _levels((x - m).mul_(isc), 0, nmax, bound)
+
+    lf = levels(iscale, mn)
+    diff = (lf.mul_(scale) + mn).sub_(x)
+    best_error = _running_sum(diff.mul_(diff).mul_(w))
+    n, m_blocks = x.shape
+    sums = torch.empty(n, 3, m_blocks)
+    for i in range(nstep + 1):
+        step = float(_F32(rmin) + _F32(rdelta) * _F32(i) + _F32(nmax))
+        isc = _over(step, mx - mn)  # the C's (rmin + rdelta*is + nmax)/(max - min)
+        lf = levels(isc, mn)
+        wl = torch.mul(w, lf, out=sums[:, 0])
+        torch.mul(wl, lf, out=sums[:, 1])
+        torch.mul(wl, x, out=sums[:, 2])
+        sum_l, sum_l2, sum_xl = _running_sum(sums)
         D = sum_w * sum_l2 - sum_l * sum_l
         this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
         this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
         clipped = this_min > 0
         this_min = torch.where(clipped, torch.zeros_like(this_min), this_min)
         this_scale = torch.where(clipped, sum_xl / sum_l2, this_scale)
-        diff = (this_scale * lf + this_min) - x
-        cur_error = _running_sum(w * (diff * diff))
+        diff = (lf.mul_(this_scale) + this_min).sub_(x)
+        cur_error = _running_sum(diff.mul_(diff).mul_(w))
         better = (D > 0) & (cur_error < best_error)
         best_error = torch.where(better, cur_error, best_error)
         scale = torch.where(better, this_scale, scale)
+        win_iscale, win_min = torch.where(better, isc, win_iscale), torch.where(better, mn, win_min)
         mn = torch.where(better, this_min, mn)
-        L = torch.where(better, laux, L)
+    L = levels(win_iscale, win_min).to(torch.int32)
     scale = torch.where(flat, torch.zeros_like(scale), scale)
     L = torch.where(flat, torch.zeros_like(L), L)
     return scale, -mn, L
@@ -174,7 +224,7 @@ def _q4_k(x: torch.Tensor) -> torch.Tensor:
     d, dmin, scales, L = _quantize_qkx(x, 15, -1.0, 0.1, 20)
     pairs = L.view(-1, 4, 2, 32)
     qs = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(-1, 128)
-    return torch.cat([_le16(d), _le16(dmin), scales.to(torch.uint8), qs.to(torch.uint8)], dim=1)
+    return torch.cat([le16(d), le16(dmin), scales.to(torch.uint8), qs.to(torch.uint8)], dim=1)
 
 
 def _q5_k(x: torch.Tensor) -> torch.Tensor:
@@ -185,7 +235,7 @@ def _q5_k(x: torch.Tensor) -> torch.Tensor:
     high = (pairs >> 4) & 1  # bit 2p of qh[j] from L[64p + j], bit 2p + 1 from L[64p + 32 + j]
     shifts = torch.arange(8, dtype=torch.int32).view(1, 4, 2, 1)
     qh = (high << shifts).sum(dim=(1, 2))
-    return torch.cat([_le16(d), _le16(dmin), scales.to(torch.uint8), qh.to(torch.uint8), qs.to(torch.uint8)], dim=1)
+    return torch.cat([le16(d), le16(dmin), scales.to(torch.uint8), qh.to(torch.uint8), qs.to(torch.uint8)], dim=1)
 
 
 # --- Q6_K: 16 sub-blocks of 16 with an 8-bit scale ------------------------------------------------------
@@ -196,29 +246,31 @@ _QX_STEPS = [0, *range(-9, 0), *range(1, 10)]
 
 def _make_qx(x: torch.Tensor, nmax: int):
     """ggml's ``make_qx_quants(n, nmax, x, L, rmse_type=1, NULL)`` on sub-blocks ``x`` (n, M): values
-    along dim 0. Returns (scale (M,), L (n, M) int32 in 0..2*nmax-1)."""
-    amax, mx = torch.zeros_like(x[0]), torch.zeros_like(x[0])
-    for xi in x:
-        ax = xi.abs()
-        bigger = ax > amax
-        amax = torch.where(bigger, ax, amax)
-        mx = torch.where(bigger, xi, mx)
+    along dim 0. Returns (scale (M,), L (n, M) int32 in 0..2*nmax-1). Every candidate scale's sums at
+    once (n, candidates, M); the choice among them in the C's order (each compared with the best so far)."""
+    mx = signed_absmax(x, 0)
+    amax = mx.abs()
     zero = amax < _GROUP_MAX_EPS
-    consts = np.array([-(_F32(nmax) + _F32(0.1) * _F32(i)) for i in _QX_STEPS], dtype=np.float32)
-    iscales = torch.from_numpy(consts)[:, None] / mx[None]  # (S, M)
-    ls = nearest_int(iscales[:, None, :] * x[None]).clamp(-nmax, nmax - 1)  # (S, n, M)
-    lf = ls.float()
+    mx = torch.where(zero, torch.ones_like(mx), mx)  # all-zero sub-blocks: any scale (overwritten below)
+    consts = torch.from_numpy(np.array([-(_F32(nmax) + _F32(0.1) * _F32(i)) for i in _QX_STEPS], dtype=np.float32))
+    iscales = consts[:, None] / mx  # (S, M): the C's -(nmax + 0.1f*is) / max
+    bound = iscales.abs().amax(0) * torch.where(zero, torch.ones_like(amax), amax)
+    lf = _levels(x[:, None, :] * iscales, -nmax, nmax - 1, bound)  # (n, S, M)
     w = x * x
-    sumlx = _running_sum(((w * x) * lf).transpose(0, 1))
-    suml2 = _running_sum(((w * lf) * lf).transpose(0, 1))
+    wl = lf * w[:, None, :]
+    suml2 = _running_sum(wl * lf)
+    sumlx = _running_sum(lf.mul_((w * x)[:, None, :]))  # (w * x) * l, as the C's w*x[i]*l
+    lf = None
     scale = torch.where(suml2[0] != 0, sumlx[0] / suml2[0], torch.zeros_like(suml2[0]))
     best = scale * sumlx[0]
-    L = ls[0]
+    pick = torch.zeros_like(mx, dtype=torch.int64)
     for s in range(1, len(_QX_STEPS)):
         better = (suml2[s] > 0) & (sumlx[s] * sumlx[s] > best * suml2[s])
         scale = torch.where(better, sumlx[s] / suml2[s], scale)
         best = torch.where(better, scale * sumlx[s], best)
-        L = torch.where(better, ls[s], L)
+        pick = torch.where(better, s, pick)
+    chosen = iscales.gather(0, pick[None])  # the winner's iscale: its levels again (cheaper than keeping all)
+    L = _levels(x * chosen, -nmax, nmax - 1, bound).to(torch.int32)
     scale = torch.where(zero, torch.zeros_like(scale), scale)
     L = torch.where(zero, torch.full_like(L, -nmax), L) + nmax
     return scale, L
@@ -246,46 +298,9 @@ def _q6_k(x: torch.Tensor) -> torch.Tensor:
     low, high = L & 0xF, L >> 4
     ql = torch.cat([low[:, :, 0] | (low[:, :, 2] << 4), low[:, :, 1] | (low[:, :, 3] << 4)], dim=2).reshape(n, 128)
     qh = (high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)).reshape(n, 64)
-    out = torch.cat([ql.to(torch.uint8), qh.to(torch.uint8), sc.to(torch.uint8), _le16(d_bits)], dim=1)
+    out = torch.cat([ql.to(torch.uint8), qh.to(torch.uint8), sc.to(torch.uint8), le16(d_bits)], dim=1)
     return torch.where(zero[:, None], torch.zeros_like(out), out)
 
 
-_QUANTIZERS = {"Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
-
-
-@contextmanager
-def _intraop_threads(n: int) -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def quantize(rows: torch.Tensor, type_name: str, threads: int | None = None) -> torch.Tensor:
-    """fp32 rows (..., k * 256) quantized to ``type_name`` (Q4_K, Q5_K or Q6_K): the bytes ggml's reference
-    quantizer writes for them, as a flat uint8 tensor (rows one after the other, blocks in order).
-
-    The blocks go in pieces (a few hundred superblocks: cache-sized temporaries) to ``threads`` threads
-    (default: torch's intra-op thread count, the cores the process may use), each piece's torch ops on one
-    thread: the ops are small, and torch's own parallelism over them spent more time at its barriers than
-    computing (10x slower with 2 threads on a busy machine, measured).
-    Example: ``quantize(torch.randn(2, 256), "Q6_K").numel() == 2 * 210``"""
-    if type_name not in _QUANTIZERS:
-        raise ValueError(f"K-quant type {type_name!r}: expected one of {', '.join(_QUANTIZERS)}")
-    if rows.shape[-1] % QK_K:
-        raise ValueError(f"rows of {rows.shape[-1]} values do not divide into {type_name}'s blocks of {QK_K}")
-    blocks = rows.detach().to(torch.float32).reshape(-1, QK_K)
-    fn, piece = _QUANTIZERS[type_name], _PIECE_BLOCKS[type_name]
-    pieces = [blocks[i : i + piece] for i in range(0, blocks.shape[0], piece)]
-    if not pieces:
-        return torch.empty(0, dtype=torch.uint8)
-    threads = min(len(pieces), threads or torch.get_num_threads())
-    with torch.no_grad(), _intraop_threads(1):
-        if threads > 1:
-            with ThreadPoolExecutor(threads, thread_name_prefix="kquants") as pool:
-                parts = list(pool.map(fn, pieces))
-        else:
-            parts = [fn(p) for p in pieces]
-    return torch.cat(parts).reshape(-1)
+QUANTIZERS = {"Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+"""Superblocks (N, 256) -> their bytes (N, BLOCK_BYTES[type]); ``slimtune.quant.ggml.quantize`` runs them."""

@@ -42,15 +42,13 @@ from torch import nn
 
 from slimtune.checkpoint.fidelity import merged_forward
 from slimtune.checkpoint.manager import CreatedByRun
-from slimtune.checkpoint.run_state import ResumePoint, check_data
 from slimtune.config import Config
-from slimtune.data import IGNORE_INDEX, DataSpec, builtin_tiny_records, epoch_order, epoch_steps, load_data, model_inputs, rank_batch
+from slimtune.data import IGNORE_INDEX, epoch_order, epoch_steps, model_inputs, rank_batch
 from slimtune.distributed import SINGLE, Ranks, all_sum, init_distributed, reshard
 from slimtune.errors import SlimtuneError
-from slimtune.formats.hf import load_config as load_hf_config
-from slimtune.formats.hub import ModelSource
 from slimtune.lora import lora_parameters
-from slimtune.model import load_tokenizer, pick_device
+from slimtune.model import pick_device
+from slimtune.recipes.preference import PREFERENCE_STEPS
 from slimtune.recipes.run import FinetuneResult, Inputs, Placement, Run, Span
 from slimtune.recipes.steps import (
     adapter_only,
@@ -64,6 +62,7 @@ from slimtune.recipes.steps import (
     open_run_dir,
     place,
     plan_span,
+    read_data,
     resolve_base,
     restore,
     save_step,
@@ -72,7 +71,6 @@ from slimtune.recipes.steps import (
     write_tiny_base,
 )
 from slimtune.step import StepParts, optimizer_step, step_token_counts, token_loss_sum
-from slimtune.tiny import byte_tokenizer, tiny_config
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +85,8 @@ def run_finetune(cfg: Config, on_step: Callable[[dict], None] | None = None) -> 
     made = [Path(cfg.model.path)] if needs_tiny_base(cfg) else []
     created = CreatedByRun(Path(cfg.output_dir), [*made, Path(cfg.dataset.path)]) if ranks.is_coordinator else None
     try:
-        run = setup(cfg, ranks)
+        setup_run, step, evaluate_run, figures = _steps_of(cfg.training.objective)
+        run = setup_run(cfg, ranks)
         restore(run)
         at = run.at
         while at.global_step < run.span.stop_at:
@@ -99,14 +98,14 @@ def run_finetune(cfg: Config, on_step: Callable[[dict], None] | None = None) -> 
             for index in range(at.step_in_epoch, len(steps)):
                 epoch_end = index + 1 == len(steps)
                 at.position = (at.epoch + 1, 0) if epoch_end else (at.epoch, index + 1)
-                record = train_step(run, steps[index])
+                record = step(run, steps[index])
                 # a checkpoint at each epoch end, every save_every_n_steps and where this invocation stops
                 save_now = epoch_end or every(at.global_step, cfg.checkpoint.save_every_n_steps) or at.global_step == run.span.stop_at
                 if run.inputs.data.eval and (save_now or every(at.global_step, cfg.training.eval_every_n_steps)):
-                    record.update(evaluate(run, merged=save_now and not adapter_only(run)))
+                    record.update(evaluate_run(run, merged=save_now and not adapter_only(run)))
                 if save_now:
                     save_step(run)
-                log_step(run, on_step)
+                log_step(run, on_step, shown=figures(run))
                 if at.global_step >= run.span.stop_at:
                     break
             at.epoch, at.step_in_epoch = at.position
@@ -115,6 +114,14 @@ def run_finetune(cfg: Config, on_step: Callable[[dict], None] | None = None) -> 
         if created is not None:
             created.undo()
         raise
+
+
+def _steps_of(objective: str) -> tuple[Callable, Callable, Callable, Callable]:
+    """The recipe's own steps for training.objective: (setup, train_step, evaluate, the progress bar's
+    figures); sft's are this file's, the preference objectives' ``recipes/preference.py``'s."""
+    if objective == "sft":
+        return setup, train_step, evaluate, lambda run: None
+    return PREFERENCE_STEPS
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -142,30 +149,6 @@ def setup(cfg: Config, ranks: Ranks = SINGLE) -> Run:
     optim = make_optimization(model, cfg, span.total_steps, where)
     log.info(_summary(cfg, where, model, inputs, span))
     return Run(cfg=cfg, where=where, manager=manager, resume=resume, inputs=inputs, model=model, optim=optim, span=span)
-
-
-def read_data(cfg: Config, resume: ResumePoint | None, base: ModelSource) -> Inputs:
-    """The tokenizer and the tokenized data, checked against the checkpoint resumed from (``check_data``).
-    Writes nothing: the built-in rows (when dataset.path does not exist) are written by ``restore``, the
-    embedded tiny model by ``write_tiny_base``, whose tokenizer and config stand in until then.
-
-    Example: ``inputs = read_data(cfg, None, resolve_base(cfg, SINGLE, None))``"""
-    dataset_path = Path(cfg.dataset.path)
-    builtin_rows = None
-    if not dataset_path.is_file():
-        if not cfg.dataset.create_builtin:
-            raise SlimtuneError(f"{dataset_path}: no such dataset file (dataset.path)")
-        builtin_rows = builtin_tiny_records()
-    if needs_tiny_base(cfg):  # the embedded model's tokenizer and config, before its files exist
-        tokenizer, hf_config = byte_tokenizer(), tiny_config()
-    else:
-        hf_config = load_hf_config(base.path)  # a malformed model directory fails here, before the tokenizer
-        tokenizer = load_tokenizer(base.path)
-    rows = {str(dataset_path): builtin_rows} if builtin_rows is not None else None
-    data = load_data(DataSpec.from_config(cfg), tokenizer, rows=rows, vocab_size=getattr(hf_config, "vocab_size", None))
-    if resume is not None:
-        check_data(resume, data)
-    return Inputs(tokenizer=tokenizer, hf_config=hf_config, data=data, base=base, builtin_rows=builtin_rows)
 
 
 def train_step(run: Run, batch: list[list[int]]) -> dict:

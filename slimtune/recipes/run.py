@@ -128,6 +128,7 @@ class Run:
     sinks: Sinks = field(default_factory=Sinks)
     result: FinetuneResult | None = None
     saver: BackgroundSaver | None = None  # checkpoint.async: the background writer
+    extra_state: dict = field(default_factory=dict)  # a recipe's own facts in each checkpoint's recipe state (plain containers, tensors)
 
     @property
     def base_dtype(self) -> torch.dtype:

@@ -1,6 +1,7 @@
 """The steps every recipe shares, around its own data reading, training step and evaluation: where the run
 computes (``place``), its run directory and resume point (``open_run_dir``), the embedded tiny base
-(``write_tiny_base``), the step arithmetic (``plan_span``), the QLoRA model (``load_model``), AdamW and its
+(``write_tiny_base``), the tokenizer and data (``read_data``: SFT rows or preference pairs), the step
+arithmetic (``plan_span``), the QLoRA model (``load_model``), AdamW and its
 schedule (``make_optimization``), then ``restore`` (a fresh output_dir or the checkpoint's state),
 ``save_step`` (a checkpoint), ``log_step`` (a step's record to every sink) and ``finish``. A recipe's
 ``setup`` calls the set-up steps in order and builds its ``Run`` by keyword; its loop calls the rest.
@@ -33,28 +34,38 @@ from tqdm.auto import tqdm
 from slimtune.checkpoint.background import BackgroundSaver, WriterSpec
 from slimtune.checkpoint.docs import CheckpointDocs, prompt_format_of
 from slimtune.checkpoint.manager import CheckpointManager
-from slimtune.checkpoint.run_state import Optimization, ResumePoint, check_resumable, recipe_state, restore_training, training_state
+from slimtune.checkpoint.run_state import (
+    Optimization,
+    ResumePoint,
+    check_data,
+    check_resumable,
+    recipe_state,
+    restore_training,
+    training_state,
+)
 from slimtune.checkpoint.save import SaveOptions, SaveResult
 from slimtune.checkpoint.train_state import seed_everything
 from slimtune.checkpoint.writer import WriteOptions
 from slimtune.config import Config
-from slimtune.data import epoch_steps, write_jsonl
+from slimtune.data import DataSpec, builtin_tiny_records, epoch_steps, load_data, write_jsonl
 from slimtune.distributed import Ranks, reshard
 from slimtune.errors import SlimtuneError
 from slimtune.facts import facts_of
 from slimtune.fileio import os_errors
+from slimtune.formats.hf import load_config as load_hf_config
 from slimtune.formats.hub import ModelSource, is_hub_id, resolve_model
+from slimtune.formats.peft import read_adapter
 from slimtune.formats.peft_config import serving_problems
 from slimtune.generate import Loaded, SamplingOptions, generate, prompt_ids
 from slimtune.gguf_export import export_checkpoint_gguf
-from slimtune.lora import LoRAConfig, lora_parameters
+from slimtune.lora import LoRAConfig, lora_modules, lora_parameters
 from slimtune.memory import PeakMemory
 from slimtune.model import load_qlora_model, load_tokenizer, nf4_report, nf4_summary_line, pick_device, pick_dtype
-from slimtune.recipes.run import FinetuneResult, Placement, Run, Span
+from slimtune.recipes.run import FinetuneResult, Inputs, Placement, Run, Span
 from slimtune.runtime import choose_num_threads, compile_decoder_layers, enable_activation_checkpointing
 from slimtune.schedule import warmup_cosine
 from slimtune.tensors import DTYPES
-from slimtune.tiny import make_tiny_checkpoint
+from slimtune.tiny import byte_tokenizer, make_tiny_checkpoint, tiny_config
 from slimtune.tracking import MetricsLog, Trackers, plot_losses
 
 log = logging.getLogger(__name__)
@@ -146,6 +157,31 @@ def write_tiny_base(cfg: Config, ranks: Ranks) -> object:
     return load_tokenizer(model_dir)
 
 
+def read_data(cfg: Config, resume: ResumePoint | None, base: ModelSource) -> Inputs:
+    """The tokenizer and the tokenized data (SFT rows, or preference pairs for a preference objective:
+    ``DataSpec.from_config``), checked against the checkpoint resumed from (``check_data``).
+    Writes nothing: the built-in rows (when dataset.path does not exist) are written by ``restore``, the
+    embedded tiny model by ``write_tiny_base``, whose tokenizer and config stand in until then.
+
+    Example: ``inputs = read_data(cfg, None, resolve_base(cfg, SINGLE, None))``"""
+    dataset_path = Path(cfg.dataset.path)
+    builtin_rows = None
+    if not dataset_path.is_file():
+        if not cfg.dataset.create_builtin:
+            raise SlimtuneError(f"{dataset_path}: no such dataset file (dataset.path)")
+        builtin_rows = builtin_tiny_records()
+    if needs_tiny_base(cfg):  # the embedded model's tokenizer and config, before its files exist
+        tokenizer, hf_config = byte_tokenizer(), tiny_config()
+    else:
+        hf_config = load_hf_config(base.path)  # a malformed model directory fails here, before the tokenizer
+        tokenizer = load_tokenizer(base.path)
+    rows = {str(dataset_path): builtin_rows} if builtin_rows is not None else None
+    data = load_data(DataSpec.from_config(cfg), tokenizer, rows=rows, vocab_size=getattr(hf_config, "vocab_size", None))
+    if resume is not None:
+        check_data(resume, data)
+    return Inputs(tokenizer=tokenizer, hf_config=hf_config, data=data, base=base, builtin_rows=builtin_rows)
+
+
 def plan_span(cfg: Config, num_examples: int) -> Span:
     """Steps per epoch (training.batch_size x gradient_accumulation_steps examples each), the run's
     steps (training.total_epochs, capped by training.max_steps) and where this invocation stops.
@@ -173,14 +209,60 @@ def load_model(cfg: Config, where: Placement, base: ModelSource) -> nn.Module:
     progress = cfg.logging.progress_bar and ranks.is_coordinator
     model = load_qlora_model(base, lora, seed=cfg.seed, progress=progress, ranks=ranks, dtype=where.dtype)
     log.info(f"lora targets ({', '.join(lora.target_modules)}): {', '.join(facts_of(model).targets)}")
-    log.info(nf4_summary_line(nf4_report(model)))
+    report = nf4_report(model)
+    log.info(nf4_summary_line(report))
+    if report.get("bnb4"):
+        log.info("merge base of the merged saves: the base file's dequantized 4-bit weights (bitsandbytes' own dequantization)")
     if not ranks.distributed:
         model.to(where.device)  # FSDP2 placed each rank's shards on its device already
+    if cfg.model.adapter:
+        log.info(f"adapters start from {load_start_adapter(model, Path(cfg.model.adapter), lora)}")
     if cfg.training.activation_checkpointing:
         enable_activation_checkpointing(model)
     if cfg.training.compile:
         log.info(f"compile: {compile_decoder_layers(model)} decoder layers (torch.compile, regional); the first step compiles them")
     return model
+
+
+def load_start_adapter(model: nn.Module, path: Path, lora: LoRAConfig) -> Path:
+    """model.adapter's weights (a checkpoint, its adapter/ directory or its adapter_model.safetensors; read
+    and checked by ``read_adapter``) into the model's adapters, bit for bit (each rank its shard under
+    FSDP2); its rank, alpha, rsLoRA and modules must be the config's. Returns the adapter directory.
+
+    Example: ``load_start_adapter(model, Path("runs/sft/step-000100"), lora_config(cfg))``"""
+    adapter = read_adapter(path.parent if path.is_file() else path)
+    mine = lora_modules(model)
+    for name, m in adapter.modules.items():
+        if name not in mine:
+            targets = ", ".join(lora.target_modules)
+            raise SlimtuneError(f"{adapter.path}: module {name} has no adapter in this model (lora.target_modules: {targets})")
+        if (m.rank, m.alpha, adapter.use_rslora) != (lora.rank, lora.alpha, lora.use_rslora) or m.embedding or m.magnitude is not None:
+            raise SlimtuneError(
+                f"{adapter.path}: module {name} has r={m.rank}, lora_alpha={m.alpha}, use_rslora={adapter.use_rslora}; "
+                f"the config has lora.rank={lora.rank}, lora.alpha={lora.alpha}, lora.use_rslora={lora.use_rslora} (plain LoRA only)"
+            )
+    missing = sorted(set(mine) - set(adapter.modules))
+    if missing:
+        more = " ..." if len(missing) > 3 else ""
+        raise SlimtuneError(f"{adapter.path}: no adapter for {', '.join(missing[:3])}{more} (lora.target_modules)")
+    with torch.no_grad():
+        for name, module in mine.items():
+            for param, full in ((module.lora_a.weight, adapter.modules[name].lora_a), (module.lora_b.weight, adapter.modules[name].lora_b)):
+                if tuple(full.shape) != tuple(param.shape):
+                    raise SlimtuneError(f"{adapter.path}: module {name}: shape {list(full.shape)}, the model's is {list(param.shape)}")
+                param.copy_(_placed_like(full.to(param.dtype), param))
+    return adapter.path
+
+
+def _placed_like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``full`` laid out as ``param``: this rank's shard of it for a DTensor (FSDP2), else itself on its device."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return full.to(param.device)
+    from torch.distributed.tensor import DTensor, distribute_tensor  # FSDP2 may have sharded: not loaded by a one-process run
+
+    if isinstance(param, DTensor):
+        return distribute_tensor(full.to(param.device), param.device_mesh, param.placements)
+    return full.to(param.device)
 
 
 def make_optimization(model: nn.Module, cfg: Config, total_steps: int, where: Placement) -> Optimization:
@@ -263,6 +345,7 @@ def save_step(run: Run) -> SaveResult | None:
     ckpt = run.manager.step_path(step)
     data = run.inputs.data
     state = {**recipe_state(cfg, step, data.sha256, len(data.train), run.span.total_steps, ranks), "base": run.inputs.base.record()}
+    state.update(run.extra_state)
     state["metrics"] = {**record, "checkpoint": ckpt.name}  # rewritten on resume if a kill takes it
     only_adapter = adapter_only(run)
     facts = dict(step=step, total_steps=run.span.total_steps, epoch=run.at.epoch + 1, train_loss=record["loss"], merged=not only_adapter)
@@ -333,7 +416,7 @@ def finish(run: Run) -> FinetuneResult:
     if result.losses:
         first_step = step - len(result.losses) + 1
         evaluated = ""
-        if last_eval and "eval_loss" in last_eval:  # a recipe whose evaluation reports other figures says them itself
+        if last_eval and "eval_ppl" in last_eval:  # a recipe whose evaluation reports other figures says them itself
             evaluated = f"; eval loss {last_eval['eval_loss']:.4f} (perplexity {last_eval['eval_ppl']:.2f})"
         log.info(f"trained steps {first_step}-{step} of {total}: loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}{evaluated}")
     if step < total:

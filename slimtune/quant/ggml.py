@@ -1,0 +1,211 @@
+"""ggml's block types quantized in torch: ``quantize(rows, type_name)`` for every quantized type slimtune
+writes to GGUF, byte for byte what ggml's reference quantizers (``quantize_row_*_ref`` in ``ggml-quants.c``,
+the path ``llama_model_quantize`` takes without an importance matrix) write:
+
+- the legacy 32-value blocks Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (here: a few passes over the blocks each);
+- the K-quants Q4_K, Q5_K, Q6_K (``slimtune.quant.kquants``: the iterative scale searches).
+
+The ``gguf`` package quantizes the legacy types too, in numpy on one core; these run on every core the
+process may use (``threads``), in pieces of cache-sized blocks, and agree with both ggml and the package
+(tests/test_kquants.py). The C was read to learn each function; what byte identity needs:
+
+- ``id = d ? 1.0f/d : 0.0f`` and the block scale ``d`` are float32 divisions (tensor by tensor: torch's
+  division by a Python scalar may be a multiplication by its reciprocal);
+- the signed maximum of |x| (Q4_0, Q5_0) and the minimum and maximum (Q4_1, Q5_1) are the first ones in
+  the block, as the C's strict comparisons pick them (the sign of a zero reaches the file through ``m``);
+- ``(int8_t)(x0 + 8.5f)`` truncates; Q8_0's ``roundf`` rounds half away from zero;
+- fp16 by ggml's own ``ggml_compute_fp32_to_fp16`` (``kquants.fp16_bits``); a scale beyond float16 is a
+  ``FloatingPointError`` (as the gguf package's numpy cast raises it), the caller's one error line.
+
+Example::
+
+    data = quantize(torch.randn(4, 4096), "Q8_0")   # uint8, 4 rows x 128 blocks x 34 bytes
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from slimtune.quant import kquants
+from slimtune.quant.kquants import QUANTIZERS, first_extreme, fp16_bits, le16, signed_absmax
+
+
+def _div(t: torch.Tensor, c: float) -> torch.Tensor:
+    """The float32 quotient ``t / c`` (one rounding)."""
+    return t / torch.full_like(t, c)
+
+
+def _inverse(d: torch.Tensor) -> torch.Tensor:
+    """``d ? 1.0f/d : 0.0f``."""
+    return torch.where(d != 0, torch.full_like(d, 1.0) / d, torch.zeros_like(d))
+
+
+def _fp16(t: torch.Tensor) -> torch.Tensor:
+    """fp16 bits of block scales; FloatingPointError where one overflows (inf: llama.cpp would compute garbage)."""
+    bits = fp16_bits(t)
+    if bool(((bits & 0x7C00) == 0x7C00).any()):
+        raise FloatingPointError("float16 overflow")
+    return bits
+
+
+def _to_int(v: torch.Tensor) -> torch.Tensor:
+    """The C's ``(int8_t)v`` / ``(uint8_t)v`` of the levels, as int32: truncation; an infinite or NaN ``v``
+    (a block whose scale is subnormal: ``1.0f/d`` overflows) converts to 0 (x86-64's cvttss2si gives
+    0x80000000, whose low byte is 0). Finite levels are within the type (|x * id| <= the level count)."""
+    return v.nan_to_num_(0.0, 0.0, 0.0).trunc_().to(torch.int32)
+
+
+def _nibbles(q: torch.Tensor) -> torch.Tensor:
+    """Levels (N, 32) -> qs (N, 16): byte j holds level j (low nibble) and level j + 16 (high)."""
+    return (q[:, :16] & 0xF) | ((q[:, 16:] & 0xF) << 4)
+
+
+def _high_bits(q: torch.Tensor) -> torch.Tensor:
+    """qh (N, 4): bit j of the little-endian uint32 is bit 4 of level j."""
+    bits = ((q >> 4) & 1).view(-1, 4, 8)
+    out = bits[..., 0].clone()
+    for j in range(1, 8):
+        out |= bits[..., j] << j
+    return out
+
+
+def _q8_0(b: torch.Tensor) -> torch.Tensor:
+    d = _div(b.abs().amax(1), 127.0)
+    x0 = b * _inverse(d)[:, None]
+    t = x0.trunc()
+    q = _to_int(t + (x0 - t).mul_(2).trunc_())  # roundf: the fraction's doubled truncation is +-1 from one half on
+    return torch.cat([le16(_fp16(d)), q.to(torch.int8).view(torch.uint8)], dim=1)
+
+
+def _signed_scale(b: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_0/Q5_0: d = max / -levels/2 (max: the first value of largest |x|, +0.0 where every |x| is 0:
+    the C's ``max`` starts at 0 and moves only on a larger |x|), and the levels
+    ``MIN(levels - 1, (int8_t)(x * id + levels/2 + 0.5))``."""
+    d = _div(signed_absmax(b, 1), -levels / 2)
+    q = _to_int((b * _inverse(d)[:, None]).add_(levels / 2 + 0.5)).clamp_max_(levels - 1)
+    return d, q, torch.empty(0)
+
+
+def _min_scale(b: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_1/Q5_1: d = (max - min) / (levels - 1), the levels ``(x - min) * id + 0.5`` truncated, at most levels - 1."""
+    mn, mx = b.amin(1), b.amax(1)  # where one is a zero, the first such element's (its sign: d and m)
+    mn = first_extreme(b, mn, mn == 0, lambda s: s.argmin(1), 1)
+    mx = first_extreme(b, mx, mx == 0, lambda s: s.argmax(1), 1)
+    d = _div(mx - mn, levels - 1)
+    q = _to_int((b - mn[:, None]).mul_(_inverse(d)[:, None]).add_(0.5)).clamp_max_(levels - 1)
+    return d, q, mn
+
+
+def _q4_0(b: torch.Tensor) -> torch.Tensor:
+    d, q, _ = _signed_scale(b, 16)
+    return torch.cat([le16(_fp16(d)), _nibbles(q).to(torch.uint8)], dim=1)
+
+
+def _q5_0(b: torch.Tensor) -> torch.Tensor:
+    d, q, _ = _signed_scale(b, 32)
+    return torch.cat([le16(_fp16(d)), _high_bits(q).to(torch.uint8), _nibbles(q).to(torch.uint8)], dim=1)
+
+
+def _q4_1(b: torch.Tensor) -> torch.Tensor:
+    d, q, m = _min_scale(b, 16)
+    return torch.cat([le16(_fp16(d)), le16(_fp16(m)), _nibbles(q).to(torch.uint8)], dim=1)
+
+
+def _q5_1(b: torch.Tensor) -> torch.Tensor:
+    d, q, m = _min_scale(b, 32)
+    return torch.cat([le16(_fp16(d)), le16(_fp16(m)), _high_bits(q).to(torch.uint8), _nibbles(q).to(torch.uint8)], dim=1)
+
+
+_TYPES: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], int, int]] = {
+    # type: (quantizer of blocks (N, block values) -> (N, block bytes), values per block, blocks per piece)
+    "Q8_0": (_q8_0, 32, 4096),
+    "Q4_0": (_q4_0, 32, 4096),
+    "Q4_1": (_q4_1, 32, 4096),
+    "Q5_0": (_q5_0, 32, 4096),
+    "Q5_1": (_q5_1, 32, 4096),
+    "Q4_K": (QUANTIZERS["Q4_K"], kquants.QK_K, 512),
+    "Q5_K": (QUANTIZERS["Q5_K"], kquants.QK_K, 512),
+    "Q6_K": (QUANTIZERS["Q6_K"], kquants.QK_K, 128),
+}
+"""Blocks per piece: cache-sized temporaries (Q6_K's 19 candidate scales over 256 values per superblock)
+with few enough torch calls per value (measured fastest on this machine's CPU)."""
+BLOCK_VALUES = {name: values for name, (_, values, _) in _TYPES.items()}
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, **kquants.BLOCK_BYTES}
+
+
+def _pieces(rows: torch.Tensor, type_name: str) -> tuple[Callable[[torch.Tensor], torch.Tensor], list[torch.Tensor]]:
+    if type_name not in _TYPES:
+        raise ValueError(f"GGML block type {type_name!r}: expected one of {', '.join(_TYPES)}")
+    fn, values, piece = _TYPES[type_name]
+    if rows.shape[-1] % values:
+        raise ValueError(f"rows of {rows.shape[-1]} values do not divide into {type_name}'s blocks of {values}")
+    blocks = rows.detach().to(torch.float32).reshape(-1, values)
+    return fn, [blocks[i : i + piece] for i in range(0, blocks.shape[0], piece)]
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(parts).reshape(-1) if parts else torch.empty(0, dtype=torch.uint8)
+
+
+class Quantizer:
+    """A pool of ``threads`` threads (default: torch's intra-op thread count, the cores the process may
+    use) that quantizes pieces of blocks, each piece's torch ops on one thread, while torch's own intra-op
+    parallelism is off (restored on exit): the ops are small, and torch's threads spent more time at their
+    barriers than computing (2 threads 10-50x slower than one on this busy 2-core machine, measured).
+    ``submit`` returns at once; the export makes the next chunk's rows while the pool quantizes this one.
+
+    Example::
+
+        with Quantizer() as q:
+            data = q.submit(torch.randn(64, 4096), "Q4_K")()   # the bytes, flat uint8
+    """
+
+    def __init__(self, threads: int | None = None):
+        self.threads = threads or torch.get_num_threads()
+        self._pool: ThreadPoolExecutor | None = None
+        self._before = 0
+
+    def __enter__(self) -> Quantizer:
+        self._before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="slimtune-quant")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        assert self._pool is not None
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        torch.set_num_threads(self._before)
+
+    def submit(self, rows: torch.Tensor, type_name: str) -> Callable[[], torch.Tensor]:
+        """Start quantizing ``rows`` (see ``quantize``); the returned function waits and gives the bytes
+        (or raises what a piece raised: ``FloatingPointError``)."""
+        assert self._pool is not None, "use Quantizer in a with block"
+        fn, pieces = _pieces(rows, type_name)
+        futures = [self._pool.submit(_no_grad, fn, p) for p in pieces]
+        return lambda: _joined([f.result() for f in futures])
+
+
+def _no_grad(fn: Callable[[torch.Tensor], torch.Tensor], piece: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return fn(piece)
+
+
+def quantize(rows: torch.Tensor, type_name: str, threads: int | None = None) -> torch.Tensor:
+    """fp32 rows (..., k * block values) quantized to ``type_name`` (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K,
+    Q5_K or Q6_K): the bytes ggml's reference quantizer writes for them, as a flat uint8 tensor (rows one
+    after the other, blocks in order). ``FloatingPointError`` where a legacy block's scale overflows float16.
+    The blocks go in cache-sized pieces to ``threads`` threads (``Quantizer``; 1: this thread).
+    Example: ``quantize(torch.randn(2, 256), "Q6_K").numel() == 2 * 210``"""
+    fn, pieces = _pieces(rows, type_name)
+    if (threads or torch.get_num_threads()) > 1 and len(pieces) > 1:
+        with Quantizer(threads) as q:
+            return q.submit(rows, type_name)()
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _joined([_no_grad(fn, p) for p in pieces])
+    finally:
+        torch.set_num_threads(before)

@@ -95,8 +95,19 @@ def main(argv: list[str] | None = None) -> None:
     gg.add_argument("--tokenizer", type=Path, default=None, help="tokenizer files for the base (default: SmolLM2's)")
     gg.add_argument("--peer", choices=["llama.cpp"], help="also slimtune merge + llama.cpp's convert_hf_to_gguf.py on it")
     gg.add_argument("--no-verify", dest="verify", action="store_false", help="export without the sha256 check of the base and adapter")
+    gq = sub.add_parser("gguf-quality", help="q4_k_m of the real SmolLM2 + adapter: KL and top-1 vs the fp32 merge, slimtune vs llama.cpp")
+    gq.add_argument("--b-std", type=float, default=0.01, help="the random adapter's B ~ N(0, this) (default 0.01)")
+    gq.add_argument("--steps", type=int, default=0, help="train the adapter with slimtune finetune for this many steps instead")
+    gq.add_argument("--adapter", type=Path, default=None, help="a PEFT adapter of SmolLM2 instead of training one")
+    gq.add_argument("--rows", type=int, default=12, help="held-out chat rows evaluated, besides one prose+code text (default 12)")
+    gq.add_argument("--out", type=Path, default=Path("bench-out/gguf-quality"))
     args = parser.parse_args(argv)
     quiet_library_logs()
+    if args.command == "gguf-quality":
+        from bench.gguf_quality import bench_gguf_quality  # transformers, peft, llama_cpp: only for this bench
+
+        args.out.mkdir(parents=True, exist_ok=True)
+        print(json.dumps(bench_gguf_quality(args.out, args.steps, args.adapter, args.rows, args.b_std)))
     if args.command == "train-step":
         _train_step(args)
     if args.command == "train-save":

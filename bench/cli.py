@@ -10,6 +10,7 @@ from pathlib import Path
 
 from bench.common import synthetic_train_base
 from bench.gguf_export import bench_gguf
+from bench.load_bnb import bench_load_bnb
 from bench.load_moe import bench_load_moe
 from bench.merge import bench_merge, bench_merge_cold
 from bench.nf4 import bench_nf4
@@ -70,6 +71,10 @@ def main(argv: list[str] | None = None) -> None:
     load = sub.add_parser("load-moe", help="QLoRA load of a synthetic 2-layer Mixtral of real widths: peak RSS vs resident")
     load.add_argument("--out", type=Path, required=True)
     load.add_argument("--layers", type=int, default=2)
+    bnb = sub.add_parser("load-bnb", help="training load of a bitsandbytes 4-bit Llama-3-8B-shape base beside a bf16 one: peak RSS")
+    bnb.add_argument("--out", type=Path, required=True)
+    bnb.add_argument("--layers", type=int, default=None, help="layers of the 4-bit base (default 32)")
+    bnb.add_argument("--bf16-layers", type=int, default=None, help="layers of the bf16 base (default: --layers; 0: skip it)")
     nf4 = sub.add_parser("nf4", help="NF4 dequantization throughput vs torchao on a 4096x14336 weight")
     nf4.add_argument("--device", default="cpu")
     quant = sub.add_parser("quant", help="GGML block quantizers (slimtune.quant.ggml) vs the gguf package's numpy and ggml's C, MB/s")
@@ -116,8 +121,19 @@ def main(argv: list[str] | None = None) -> None:
     gg.add_argument("--tokenizer", type=Path, default=None, help="tokenizer files for the base (default: SmolLM2's)")
     gg.add_argument("--peer", choices=["llama.cpp"], help="also slimtune merge + llama.cpp's convert_hf_to_gguf.py on it")
     gg.add_argument("--no-verify", dest="verify", action="store_false", help="export without the sha256 check of the base and adapter")
+    gq = sub.add_parser("gguf-quality", help="q4_k_m of the real SmolLM2 + adapter: KL and top-1 vs the fp32 merge, slimtune vs llama.cpp")
+    gq.add_argument("--b-std", type=float, default=0.01, help="the random adapter's B ~ N(0, this) (default 0.01)")
+    gq.add_argument("--steps", type=int, default=0, help="train the adapter with slimtune finetune for this many steps instead")
+    gq.add_argument("--adapter", type=Path, default=None, help="a PEFT adapter of SmolLM2 instead of training one")
+    gq.add_argument("--rows", type=int, default=12, help="held-out chat rows evaluated, besides one prose+code text (default 12)")
+    gq.add_argument("--out", type=Path, default=Path("bench-out/gguf-quality"))
     args = parser.parse_args(argv)
     quiet_library_logs()
+    if args.command == "gguf-quality":
+        from bench.gguf_quality import bench_gguf_quality  # transformers, peft, llama_cpp: only for this bench
+
+        args.out.mkdir(parents=True, exist_ok=True)
+        print(json.dumps(bench_gguf_quality(args.out, args.steps, args.adapter, args.rows, args.b_std)))
     if args.command == "train-step":
         _train_step(args)
     if args.command == "step-profile":
@@ -138,6 +154,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "load-moe":
         args.out.mkdir(parents=True, exist_ok=True)
         print(json.dumps(bench_load_moe(args.out, args.layers)))
+    if args.command == "load-bnb":
+        args.out.mkdir(parents=True, exist_ok=True)
+        print(json.dumps(bench_load_bnb(args.out, args.layers, args.bf16_layers)))
     if args.command == "quant":
         print(json.dumps(bench_quant(args.rows, args.threads, args.rounds)))
     if args.command == "nf4":

@@ -10,18 +10,34 @@ from pathlib import Path
 
 from bench.common import synthetic_train_base
 from bench.gguf_export import bench_gguf
+from bench.load_bnb import bench_load_bnb
 from bench.load_moe import bench_load_moe
 from bench.merge import bench_merge, bench_merge_cold
 from bench.nf4 import bench_nf4
 from bench.quant import bench_quant
 from bench.save import bench_dist_save, bench_save
+from bench.step_profile import bench_step_profile
 from bench.train_save import TRAIN_SAVE_MODES, bench_train_save
-from bench.train_step import bench_train_step, print_row
+from bench.train_step import bench_recipe_step, bench_train_step, print_row
 from slimtune.cli import quiet_library_logs
 from slimtune.synthetic import PRESETS
 
 
+def _real_rows(out: Path) -> Path:
+    """The real-model tests' short chat rows (stdlib questions, one-paragraph answers) as a JSONL file under ``out``."""
+    from tests.real_model import write_docstring_data
+
+    return write_docstring_data(out / "recipe-data")[0]
+
+
 def _train_step(args: argparse.Namespace) -> None:
+    if args.recipe:
+        if args.model is None:
+            raise SystemExit("train-step --recipe: --model DIR is required")
+        data = args.data or _real_rows(args.out)
+        peers = tuple(dict.fromkeys(args.peer or ["peft"]))
+        print_row(bench_recipe_step(args.model, data, args.out, args.steps or 10, args.rounds, peers, args.threads))
+        return
     real = args.model is not None
     shape = dict(preset=args.preset, layers=args.layers, steps=args.steps or (8 if real else 6), batch=args.batch or (4 if real else 2))
     shape.update(seq=args.seq or (256 if real else 512), rank=args.rank or (16 if real else 8), real=real)
@@ -55,6 +71,10 @@ def main(argv: list[str] | None = None) -> None:
     load = sub.add_parser("load-moe", help="QLoRA load of a synthetic 2-layer Mixtral of real widths: peak RSS vs resident")
     load.add_argument("--out", type=Path, required=True)
     load.add_argument("--layers", type=int, default=2)
+    bnb = sub.add_parser("load-bnb", help="training load of a bitsandbytes 4-bit Llama-3-8B-shape base beside a bf16 one: peak RSS")
+    bnb.add_argument("--out", type=Path, required=True)
+    bnb.add_argument("--layers", type=int, default=None, help="layers of the 4-bit base (default 32)")
+    bnb.add_argument("--bf16-layers", type=int, default=None, help="layers of the bf16 base (default: --layers; 0: skip it)")
     nf4 = sub.add_parser("nf4", help="NF4 dequantization throughput vs torchao on a 4096x14336 weight")
     nf4.add_argument("--device", default="cpu")
     quant = sub.add_parser("quant", help="GGML block quantizers (slimtune.quant.ggml) vs the gguf package's numpy and ggml's C, MB/s")
@@ -65,7 +85,11 @@ def main(argv: list[str] | None = None) -> None:
     step.add_argument("--preset", choices=sorted(PRESETS), default="llama3.2-1b")
     step.add_argument("--layers", type=int, default=2)
     step.add_argument("--model", type=Path, default=None, help="a real HF checkpoint directory instead of the synthetic preset")
-    step.add_argument("--peer", choices=["peft"], default="peft")
+    step.add_argument("--recipe", action="store_true", help="the user's case: the recipe on --data's rows, as the CLI runs it")
+    step.add_argument("--data", type=Path, default=None, help="with --recipe: a JSONL dataset (default: the real-model tests' chat rows)")
+    step.add_argument(
+        "--peer", choices=["peft", "peft-bnb"], action="append", help="peft: PEFT on bf16; peft-bnb: PEFT + bitsandbytes NF4 (--recipe)"
+    )
     step.add_argument("--out", type=Path, default=Path("bench-out"))
     step.add_argument("--steps", type=int, default=None, help="steps per run (default 6 synthetic, 8 with --model)")
     step.add_argument("--batch", type=int, default=None, help="sequences per step (default 2 synthetic, 4 with --model)")
@@ -74,6 +98,13 @@ def main(argv: list[str] | None = None) -> None:
     step.add_argument("--rounds", type=int, default=2, help="slimtune/peer alternations")
     step.add_argument("--compile", action="store_true", help="slimtune with training.compile=true")
     step.add_argument("--threads", type=int, default=None, help="torch CPU threads for both sides (default: as the recipe picks)")
+    sp = sub.add_parser("step-profile", help="torch.profiler of one recipe step vs the bare QLoRA step vs the bf16 PEFT peer")
+    sp.add_argument("--model", type=Path, required=True)
+    sp.add_argument("--data", type=Path, default=None, help="a JSONL dataset (default: the real-model tests' chat rows)")
+    sp.add_argument("--out", type=Path, default=Path("bench-out"))
+    sp.add_argument("--warmup", type=int, default=4)
+    sp.add_argument("--steps", type=int, default=3)
+    sp.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: as the recipe picks)")
     ts = sub.add_parser("train-save", help="training with no / synchronous / background merged saves (and a writer thread)")
     ts.add_argument("--preset", choices=sorted(PRESETS), default="llama3.2-1b")
     ts.add_argument("--out", type=Path, default=Path("bench-out/train-save"))
@@ -90,10 +121,25 @@ def main(argv: list[str] | None = None) -> None:
     gg.add_argument("--tokenizer", type=Path, default=None, help="tokenizer files for the base (default: SmolLM2's)")
     gg.add_argument("--peer", choices=["llama.cpp"], help="also slimtune merge + llama.cpp's convert_hf_to_gguf.py on it")
     gg.add_argument("--no-verify", dest="verify", action="store_false", help="export without the sha256 check of the base and adapter")
+    gq = sub.add_parser("gguf-quality", help="q4_k_m of the real SmolLM2 + adapter: KL and top-1 vs the fp32 merge, slimtune vs llama.cpp")
+    gq.add_argument("--b-std", type=float, default=0.01, help="the random adapter's B ~ N(0, this) (default 0.01)")
+    gq.add_argument("--steps", type=int, default=0, help="train the adapter with slimtune finetune for this many steps instead")
+    gq.add_argument("--adapter", type=Path, default=None, help="a PEFT adapter of SmolLM2 instead of training one")
+    gq.add_argument("--rows", type=int, default=12, help="held-out chat rows evaluated, besides one prose+code text (default 12)")
+    gq.add_argument("--out", type=Path, default=Path("bench-out/gguf-quality"))
     args = parser.parse_args(argv)
     quiet_library_logs()
+    if args.command == "gguf-quality":
+        from bench.gguf_quality import bench_gguf_quality  # transformers, peft, llama_cpp: only for this bench
+
+        args.out.mkdir(parents=True, exist_ok=True)
+        print(json.dumps(bench_gguf_quality(args.out, args.steps, args.adapter, args.rows, args.b_std)))
     if args.command == "train-step":
         _train_step(args)
+    if args.command == "step-profile":
+        args.out.mkdir(parents=True, exist_ok=True)
+        data = args.data or _real_rows(args.out)
+        print(json.dumps(bench_step_profile(args.model, data, args.out, args.warmup, args.steps, threads=args.threads)))
     if args.command == "train-save":
         result = bench_train_save(args.preset, args.out, args.steps, args.save_every, args.layers, args.device)
         if not args.keep:
@@ -108,6 +154,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "load-moe":
         args.out.mkdir(parents=True, exist_ok=True)
         print(json.dumps(bench_load_moe(args.out, args.layers)))
+    if args.command == "load-bnb":
+        args.out.mkdir(parents=True, exist_ok=True)
+        print(json.dumps(bench_load_bnb(args.out, args.layers, args.bf16_layers)))
     if args.command == "quant":
         print(json.dumps(bench_quant(args.rows, args.threads, args.rounds)))
     if args.command == "nf4":

@@ -26,7 +26,7 @@ def main(argv: list[str]) -> None:
     peak, after = peak_rss_mb(), rss_mb()
     resident = sum(resident_bytes(p) for p in model.parameters()) / 2**20
     experts = [m for m in model.modules() if isinstance(m, NF4Experts)]
-    largest = max(p.numel() * 2 for m in experts for p in m.pieces.values()) / 2**20
+    largest = max((p.numel() * 2 for m in experts for p in m.pieces.values()), default=0) / 2**20
     figures = dict(load_s=seconds, rss_before_mb=before, peak_rss_mb=peak, rss_after_mb=after, model_mb=resident)
     print(json.dumps(figures | dict(largest_expert_tensor_bf16_mb=largest, expert_pieces=sum(len(m.pieces) for m in experts))))
 

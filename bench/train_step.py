@@ -13,7 +13,17 @@ Without ``--model`` the base is synthetic, of a preset's shape (``--layers`` of 
 ``--out`` with the byte-level tokenizer (``bench.common.synthetic_train_base``); the data is random text,
 packed into rows of ``--seq`` tokens.
 With ``--model DIR`` it is that checkpoint and its tokenizer; rows of random words truncated to ``--seq``
-tokens (every row the full length)."""
+tokens (every row the full length). Both are the fixed-batch mode: every step the same shape.
+
+``--recipe`` (``bench_recipe_step``) is the user's case instead: the recipe run as ``slimtune finetune
+--config tiny model.path=DIR dataset.path=FILE lora.rank=16 lora.alpha=32 training.max_steps=N`` runs
+it (the user's rows and their lengths, shuffling, the chat template, logging, the progress bar,
+metrics.jsonl, the default checkpoint settings: a merged save at the last step, outside the steps'
+timing). Its figure is the recipe's own ``tokens_per_s``. Peers, each a plain loop on the same tokenized
+batches in the same order (``_peft_steps``): PEFT on bf16 weights (``peft``) and PEFT +
+bitsandbytes 4-bit NF4 QLoRA (``peft-bnb``: like for like). On every side tokens/s = the step's
+non-padding tokens / its wall time, collation included; the runs alternate (recipe, peer, peer, recipe,
+...) and each side's figure is the median of its steady steps (step 3 on) pooled over the rounds."""
 
 from __future__ import annotations
 
@@ -87,6 +97,63 @@ def bench_train_step(model_dir: Path, out: Path, shape: dict, rounds: int = 2, c
     }
 
 
+def bench_recipe_step(
+    model_dir: Path, data: Path, out: Path, steps: int = 10, rounds: int = 2, peers: tuple[str, ...] = ("peft",), threads: int | None = None
+) -> dict:
+    """The user's case (module docstring): the recipe on ``data`` vs each of ``peers`` on its batches, alternated.
+
+    Example: ``bench_recipe_step(Path(".cache/real-model/SmolLM2-135M-Instruct"), Path("train.jsonl"), Path("bench-out"), steps=10)``"""
+    out.mkdir(parents=True, exist_ok=True)
+    threads = choose_num_threads(threads)
+    values = {
+        "output_dir": str(out / "train-step-recipe-run"),
+        "overwrite": True,
+        "model.path": str(model_dir),
+        "model.create_tiny": False,
+        "dataset.path": str(data),
+        "dataset.create_builtin": False,
+        "lora.rank": 16,
+        "lora.alpha": 32,
+        "training.max_steps": steps,
+        "training.num_threads": threads,
+    }
+    cfg = load_config("tiny", values=values)
+    tokenizer = load_tokenizer(model_dir)
+    examples = load_data(DataSpec.from_config(cfg), tokenizer, vocab_size=load_hf_config(model_dir).vocab_size).train
+    tok_s: dict[str, list[float]] = {"slimtune": [], **{p: [] for p in peers}}
+    step_s: dict[str, list[float]] = {k: [] for k in tok_s}
+    load_before = os.getloadavg()[0]
+    for _ in range(rounds):
+        records = _slimtune_steps(cfg)
+        tok_s["slimtune"] += [r["tokens_per_s"] for r in records[2:]]
+        step_s["slimtune"] += [r["step_s"] for r in records[2:]]
+        for peer in peers:
+            t, s = _peft_steps(model_dir, examples, cfg, tokenizer, quantized=peer == "peft-bnb")
+            tok_s[peer] += t[2:]
+            step_s[peer] += s[2:]
+    shutil.rmtree(out / "train-step-recipe-run", ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in tok_s.items()}
+    lengths = sorted(len(e.input_ids) for e in examples)
+    return {
+        "bench": "train-step --recipe",
+        "model": str(model_dir),
+        "data": str(data),
+        "rows": len(examples),
+        "row_tokens_min_median_max": [lengths[0], lengths[len(lengths) // 2], lengths[-1]],
+        "batch": cfg.training.batch_size,
+        "rank": cfg.lora.rank,
+        "steps": steps,
+        "rounds": rounds,
+        "threads": threads,
+        **{f"{k}_tok_s": round(v, 1) for k, v in med.items()},
+        **{f"{k}_step_s": round(statistics.median(v), 4) for k, v in step_s.items()},
+        **{f"ratio_vs_{p}": round(med["slimtune"] / med[p], 3) for p in peers},
+        **{f"{k}_tok_s_all": [round(x, 1) for x in v] for k, v in tok_s.items()},
+        "machine": f"CPU, {os.cpu_count()} cores",
+        "load_average_1min_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+    }
+
+
 def _config_values(model_dir: Path, data_path: Path, run_dir: Path, shape: dict, compile: bool) -> dict:
     return {
         "output_dir": str(run_dir),
@@ -119,13 +186,17 @@ def _slimtune_steps(cfg) -> list[dict]:
     return records
 
 
-def _peft_steps(model_dir: Path, examples: list, cfg, tokenizer) -> tuple[list[float], list[float]]:
-    """A plain PEFT bf16 LoRA loop on the recipe's batches, in the recipe's order; tokens/s and seconds per step."""
+def _peft_steps(model_dir: Path, examples: list, cfg, tokenizer, quantized: bool = False) -> tuple[list[float], list[float]]:
+    """A plain PEFT LoRA loop on the recipe's batches, in the recipe's order, on bf16 weights or (``quantized``)
+    bitsandbytes 4-bit NF4 ones with bf16 compute (QLoRA, on the CPU too with bitsandbytes >= 0.49); tokens/s
+    and seconds per step."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     torch.manual_seed(cfg.seed)
-    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16, local_files_only=True)
+    bnb = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+    extra = dict(quantization_config=BitsAndBytesConfig(**bnb), device_map="cpu") if quantized else {}
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16, local_files_only=True, **extra)
     lora = LoraConfig(r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_dropout=0.0, target_modules="all-linear")
     model = get_peft_model(base, lora)
     model.train()

@@ -41,7 +41,7 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 
 from slimtune.data import IGNORE_INDEX, collate, epoch_order, epoch_steps, model_inputs
-from slimtune.formats.hf import load_config
+from slimtune.formats.hf import load_config, tokenizer_files
 from slimtune.lora import LoRAConfig, lora_modules, qlora_linears
 from slimtune.model import build_qlora_skeleton, init_lora
 from slimtune.quant import is_nf4
@@ -225,10 +225,26 @@ def initial_adapters(base: Path) -> dict[str, tuple]:
     return {name: (m.lora_a.weight.detach(), m.lora_b.weight.detach()) for name, m in lora_modules(skeleton).items()}
 
 
+def bnb_4bit_checkpoint(source: Path, out: Path, max_shard_size: str = "5GB", **layout) -> Path:
+    """``source`` (a 16-bit HF checkpoint) quantized by transformers + bitsandbytes
+    (``BitsAndBytesConfig(load_in_4bit=True, **layout)``) and written by ``save_pretrained``, with its tokenizer files."""
+    config = transformers.BitsAndBytesConfig(load_in_4bit=True, **layout)
+    load = dict(quantization_config=config, device_map="cpu", dtype=torch.bfloat16)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(source), **load)
+    model.save_pretrained(str(out), max_shard_size=max_shard_size)
+    for f in tokenizer_files(source):
+        if not (out / f.name).exists():
+            shutil.copy2(f, out / f.name)
+    return out
+
+
 def peft_lora_model(base: Path, adapters: dict[str, tuple]):
-    """PEFT LoRA (SETTINGS) on the plain HF checkpoint ``base``, its adapters set to ``adapters``."""
+    """PEFT LoRA (SETTINGS) on the HF checkpoint ``base`` (plain, or bitsandbytes 4-bit: then transformers loads
+    it with bitsandbytes' Linear4bit layers, which PEFT wraps), its adapters set to ``adapters``."""
     s = SETTINGS
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.bfloat16)
+    four_bit = "quantization_config" in json.loads((base / "config.json").read_text())
+    where = {"device_map": "cpu"} if four_bit else {}
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.bfloat16, **where)
     model = get_peft_model(model, LoraConfig(r=s["rank"], lora_alpha=s["alpha"], lora_dropout=0.0, target_modules=TARGETS))
     set_names = set()
     with torch.no_grad():

@@ -33,6 +33,7 @@ from slimtune.merge import BaseCheckpoint, merge_from_files
 from slimtune.model import load_qlora_model, nf4_report
 from slimtune.quant import base_rows, is_bnb4
 from slimtune.tiny import make_tiny_checkpoint
+from tests.real_model import bnb_4bit_checkpoint
 from tests.test_merge import make_peft_adapter
 
 bnb = pytest.importorskip("bitsandbytes")
@@ -47,19 +48,7 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def bnb_base(request, tiny_base, tmp_path_factory):
-    return save_bnb(tiny_base, tmp_path_factory.mktemp("bnb") / request.param, **LAYOUTS[request.param])
-
-
-def save_bnb(source, out, max_shard_size: str = "5GB", **layout):
-    """``source`` (a 16-bit checkpoint) quantized by transformers + bitsandbytes and saved with save_pretrained."""
-    from transformers import BitsAndBytesConfig
-
-    config = BitsAndBytesConfig(load_in_4bit=True, **layout)
-    model = AutoModelForCausalLM.from_pretrained(str(source), quantization_config=config, device_map="cpu", dtype=torch.bfloat16)
-    model.save_pretrained(str(out), max_shard_size=max_shard_size)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(source / name, out / name)
-    return out
+    return bnb_4bit_checkpoint(tiny_base, tmp_path_factory.mktemp("bnb") / request.param, **LAYOUTS[request.param])
 
 
 def _tensors(path) -> dict[str, tuple]:
@@ -150,7 +139,7 @@ def test_tied_embeddings_and_sharded_files(copies, tmp_path):
     from safetensors.torch import load_file, save_file
 
     tied = make_tiny_checkpoint(tmp_path / "tied", seed=2, tie_word_embeddings=True)
-    out = save_bnb(tied, tmp_path / "bnb", max_shard_size="100KB", bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)
+    out = bnb_4bit_checkpoint(tied, tmp_path / "bnb", max_shard_size="100KB", bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 3 and "lm_head.weight" not in index["weight_map"]
     if copies == "twice":
@@ -198,7 +187,9 @@ def trained_base(tiny_base, tmp_path_factory):
     """The acceptance layout: BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_use_double_quant=True), NF4, with
     bf16 as bitsandbytes' compute dtype (slimtune computes in bf16: the oracle then runs the same matmuls)."""
     out = tmp_path_factory.mktemp("bnb-train") / "base"
-    return save_bnb(tiny_base, out, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16)
+    return bnb_4bit_checkpoint(
+        tiny_base, out, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16
+    )
 
 
 @pytest.mark.parametrize("case", list(BAD_STATES))
@@ -307,20 +298,11 @@ def test_peft_on_the_bitsandbytes_model_applies_the_adapter_with_slimtune_logits
 def test_step_losses_equal_peft_bitsandbytes_qlora(run):
     """PEFT LoRA on transformers' 4-bit load of the same file (bitsandbytes' Linear4bit), from slimtune's initial
     adapters, on the same batches, loss, AdamW and schedule: step losses within test_recipe_real_model's bounds."""
-    from peft import LoraConfig, get_peft_model
-
-    from tests.real_model import SETTINGS, TARGETS, initial_adapters, peft_train
+    from tests.real_model import initial_adapters, peft_lora_model, peft_train
     from tests.test_recipe_real_model import FIRST_STEP_BOUND, STEP_LOSS_BOUND
 
-    s, adapters = SETTINGS, initial_adapters(run.base)
-    model = get_peft_model(_bnb_hf(run.base), LoraConfig(r=s["rank"], lora_alpha=s["alpha"], lora_dropout=0.0, target_modules=TARGETS))
+    model = peft_lora_model(run.base, initial_adapters(run.base))
     assert sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules()) == 14  # bitsandbytes' layers, wrapped by PEFT
-    with torch.no_grad():
-        for name, module in model.named_modules():
-            if hasattr(module, "lora_A") and "default" in module.lora_A:
-                key = name.removeprefix("base_model.model.")
-                module.lora_A["default"].weight.copy_(adapters[key][0])
-                module.lora_B["default"].weight.copy_(adapters[key][1])
     theirs, _ = peft_train(model, run.data.train, run.pad_id, STEPS, STEPS)
     ours = [r["loss"] for r in run.metrics[:STEPS]]
     diffs = [abs(x - y) for x, y in zip(ours, theirs, strict=True)]

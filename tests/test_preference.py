@@ -197,10 +197,17 @@ def test_one_batch_equals_trl(objective, start, kind, tiny_base, pair_files, tmp
     theirs = dict(peft_model.named_parameters())
     top = max(float(g.abs().max()) for pair in grads.values() for g in pair)
     assert top > 0
+    worst = 0.0
     for name, (ga, gb) in grads.items():
         for mine, part in ((ga, "lora_A"), (gb, "lora_B")):
             other = theirs[f"base_model.model.{name}.{part}.default.weight"].grad
+            worst = max(worst, float((mine - other).abs().max()))
             assert float((mine - other).abs().max()) <= 1e-4 * top, (name, part)
+    metric_gap = max(abs(ours[n] - metrics[n]) for n in ("rewards/chosen", "rewards/margins", "logps/chosen", "logps/rejected"))
+    print(
+        f"\n{objective} from {start}: |loss - TRL's| {abs(ours['loss'] - their_loss.item()):.1e}, largest metric gap {metric_gap:.1e}, "
+        f"largest gradient gap {worst / top:.1e} of the largest gradient"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from bench.merge import bench_merge, bench_merge_cold
 from bench.nf4 import bench_nf4
 from bench.quant import bench_quant
 from bench.save import bench_dist_save, bench_save
+from bench.seed import bench_seed
 from bench.step_profile import bench_step_profile
 from bench.train_save import TRAIN_SAVE_MODES, bench_train_save
 from bench.train_step import bench_recipe_step, bench_train_step, print_row
@@ -105,6 +106,12 @@ def main(argv: list[str] | None = None) -> None:
     sp.add_argument("--warmup", type=int, default=4)
     sp.add_argument("--steps", type=int, default=3)
     sp.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: as the recipe picks)")
+    sd = sub.add_parser("seed", help="the seed's scenario on the CPU: llama3-8b_qlora, 12 short rows, 1 step, merged save: RSS by phase")
+    sd.add_argument("--out", type=Path, default=Path("bench-out"))
+    sd.add_argument("--rows", type=int, default=12)
+    sd.add_argument("--words", type=int, default=24, help="words per row")
+    sd.add_argument("--eval-fraction", type=float, default=0.0, help="hold out this share: evaluation and eval_loss_merged run too")
+    sd.add_argument("--layers", type=int, default=None, help="fewer decoder layers (a quick check; the scenario is all 32)")
     ts = sub.add_parser("train-save", help="training with no / synchronous / background merged saves (and a writer thread)")
     ts.add_argument("--preset", choices=sorted(PRESETS), default="llama3.2-1b")
     ts.add_argument("--out", type=Path, default=Path("bench-out/train-save"))
@@ -140,6 +147,9 @@ def main(argv: list[str] | None = None) -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         data = args.data or _real_rows(args.out)
         print(json.dumps(bench_step_profile(args.model, data, args.out, args.warmup, args.steps, threads=args.threads)))
+    if args.command == "seed":
+        print_row(bench_seed(args.out, args.rows, args.words, args.eval_fraction, args.layers))
+        return
     if args.command == "train-save":
         result = bench_train_save(args.preset, args.out, args.steps, args.save_every, args.layers, args.device)
         if not args.keep:

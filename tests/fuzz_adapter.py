@@ -34,8 +34,15 @@ from tests.gguf_inputs import tiny_merged
 from tests.mutate import mutate_bytes, mutate_json
 
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-SHAPES = {"q_proj": (64, 64), "k_proj": (32, 64), "v_proj": (32, 64), "o_proj": (64, 64), "gate_proj": (128, 64), "up_proj": (128, 64),
-          "down_proj": (64, 128)}  # fmt: skip  (out, in) of tests/gguf_inputs.tiny_merged's weights
+SHAPES = {
+    "q_proj": (64, 64),
+    "k_proj": (32, 64),
+    "v_proj": (32, 64),
+    "o_proj": (64, 64),
+    "gate_proj": (128, 64),
+    "up_proj": (128, 64),
+    "down_proj": (64, 128),
+}  # fmt: skip  (out, in) of tests/gguf_inputs.tiny_merged's weights
 TYPES = ["f16", "f32", "bf16", "q8_0", "q8_0", "q4_k_m", "f8"]
 MEMORY_BOUND_MB = 512
 _HOSTILE = [0, -1, 1, 2, 3, 7, 64, 65, 2**31, 2**63, 1e39, -8.0, 0.5, float("nan"), "4", None, True, [], {}, "q_proj", ".*", ""]
@@ -94,16 +101,16 @@ def _tensors(d: Path, rng: random.Random) -> str:
     key = rng.choice(sorted(tensors))
     kind = rng.randrange(8)
     if kind == 0:
-        tensors[key.replace("lora_", rng.choice(["lora_", "lora", "LoRA_", ""]), 1).replace("layers.0", rng.choice(["layers.0", "layers.7"]))] = (
-            tensors.pop(key)
-        )
+        renamed = key.replace("lora_", rng.choice(["lora_", "lora", "LoRA_", ""]), 1)
+        tensors[renamed.replace("layers.0", rng.choice(["layers.0", "layers.7"]))] = tensors.pop(key)
     elif kind == 1:
         del tensors[key]
     elif kind == 2:
         t = tensors[key]
         tensors[key] = torch.randn(*[max(0, s + rng.choice([-1, 1, 0])) for s in t.shape] + ([1] if rng.random() < 0.2 else []))
     elif kind == 3:
-        tensors[key] = tensors[key].to(rng.choice([torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.bool, torch.float8_e4m3fn]))
+        dtypes = [torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.bool, torch.float8_e4m3fn]
+        tensors[key] = tensors[key].to(rng.choice(dtypes))
     elif kind == 4:
         tensors[key][0, 0] = rng.choice([float("nan"), float("inf"), -float("inf")])
     elif kind == 5:
@@ -208,7 +215,8 @@ def main(argv: list[str] | None = None) -> dict:
             out_dir = _fresh(tmp / f"case-{i}" / "out")
             Path("/proc/self/clear_refs").write_text("5")
             before = _vm("VmRSS")
-            outcome, detail = run_case(src, out_dir, typ, ["--adapter-only", "--base", str(base), "--adapter", str(src), *extra], src_arg=False)
+            args = ["--adapter-only", "--base", str(base), "--adapter", str(src), *extra]
+            outcome, detail = run_case(src, out_dir, typ, args, src_arg=False)
             if (_vm("VmHWM") - before) / 2**20 > MEMORY_BOUND_MB:
                 outcome = "memory"
             if outcome == "ok" and not _modelfile_ok(out_dir):

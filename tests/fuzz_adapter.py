@@ -1,5 +1,5 @@
 """Seeded fuzzer of the adapter GGUF export (``slimtune export --adapter-only``, slimtune/gguf_adapter.py):
-``python -m tests.fuzz_adapter --seed 0 --cases 60`` prints one JSON line of figures. Each case is a copy of a
+``python -m tests.fuzz_adapter --seed 0 --cases 30`` prints one JSON line of figures. Each case is a copy of a
 small PEFT LoRA adapter (written here as PEFT lays it out: adapter_config.json, adapter_model.safetensors)
 for a tiny Llama base (tests/gguf_inputs.py), mutated, exported by the CLI's entry point in this process;
 every adapter written is applied by llama.cpp to the base's f16 GGUF in one long-lived process
@@ -186,7 +186,7 @@ def _modelfile_ok(out_dir: Path) -> bool:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--cases", type=int, default=60)
+    parser.add_argument("--cases", type=int, default=30)
     args = parser.parse_args(argv)
     import logging
 
@@ -202,6 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
     by_input: dict[str, dict[str, int]] = {}
     failures: list[str] = []
     llama = AdapterLlamaProcess()
+    llama._start()  # its imports overlap the base's set-up: the first case's time limit is the case's own
     try:
         base = tiny_merged(tmp / "base")
         base_gguf = tmp / "model-f16.gguf"
@@ -215,8 +216,8 @@ def main(argv: list[str] | None = None) -> dict:
             out_dir = _fresh(tmp / f"case-{i}" / "out")
             Path("/proc/self/clear_refs").write_text("5")
             before = _vm("VmRSS")
-            args = ["--adapter-only", "--base", str(base), "--adapter", str(src), *extra]
-            outcome, detail = run_case(src, out_dir, typ, args, src_arg=False)
+            cli = ["--adapter-only", "--base", str(base), "--adapter", str(src), *extra]
+            outcome, detail = run_case(src, out_dir, typ, cli, src_arg=False)
             if (_vm("VmHWM") - before) / 2**20 > MEMORY_BOUND_MB:
                 outcome = "memory"
             if outcome == "ok" and not _modelfile_ok(out_dir):

@@ -97,6 +97,30 @@ def test_every_4bit_weight_is_bitsandbytes_dequantization(bnb_base):
         base.close()
 
 
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+@pytest.mark.parametrize("double", [True, False], ids=["double", "plain"])
+def test_rows_of_any_shape_are_dequantize_4bit(quant_type, double):
+    """formats.bnb's row reader against bitsandbytes.functional.dequantize_4bit on shapes whose last 64-block
+    and last nested group of 256 blocks are short, whole and by many row ranges (each range's first and last
+    block shared with its neighbours), bf16 and fp32 weights."""
+    from bitsandbytes.functional import quantize_4bit
+
+    from slimtune.formats.bnb import BnbNF4Weight
+
+    gen = torch.Generator().manual_seed(3)
+    for shape, dtype in (((577, 131), torch.bfloat16), ((3, 1000), torch.float32), ((300, 448), torch.bfloat16)):
+        w = (torch.randn(*shape, generator=gen) * 0.02).to(dtype)
+        packed, qs = quantize_4bit(w, blocksize=64, compress_statistics=double, quant_type=quant_type)
+        reference, flat = dequantize_4bit(packed, qs), packed.view(-1)
+        nested = (qs.state2.code.float(), qs.state2.absmax.float(), qs.state2.blocksize, float(qs.offset)) if double else None
+        ours = BnbNF4Weight("w", shape, dtype, 64, qs.absmax, qs.code.float(), lambda a, b, flat=flat: flat[a:b], nested)
+        assert torch.equal(ours.rows(0, shape[0]), reference), shape
+        for start in range(0, shape[0], 37):
+            for n in (1, 2, 13):
+                end = min(shape[0], start + n)
+                assert torch.equal(ours.rows(start, end), reference[start:end]), (shape, start, end)
+
+
 def test_a_merge_from_a_4bit_base_is_a_plain_16bit_model(bnb_base, tiny_base, tmp_path):
     adapter = tmp_path / "adapter"
     make_peft_adapter(tiny_base, adapter, r=4, lora_alpha=8, target_modules=["q_proj"])

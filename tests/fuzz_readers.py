@@ -326,6 +326,66 @@ def fuzz_quant_state(run: Runner, rng: random.Random, tmp: Path, n: int) -> None
         run.case("bnb quant state", load, len(text))
 
 
+PAIR_ROWS = [
+    {"prompt": "Say red:", "chosen": " red.", "rejected": " blue!"},
+    {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say red"}],
+     "chosen": [{"role": "assistant", "content": "red"}], "rejected": [{"role": "assistant", "content": "blue"}]},
+]  # fmt: skip
+PAIR_JUNK = [None, 3, -1.5, True, "", " ", "x" * 20_000, "\ud800", "\x00", [], {}, [None], [[]], [{"role": "user"}],
+             [{"role": 1, "content": "a"}], [{"role": "user", "content": ["a"]}], [{"role": "tool", "content": "a"}],
+             [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}], [{"content": "a", "x": {"y": [1]}}],
+             {"role": "user", "content": "a"}, [{"role": "user", "content": "a"}] * 2000]  # fmt: skip
+
+
+def _pair_text(rng: random.Random) -> bytes:
+    """A few jsonl lines: valid standard/conversational rows, structured mutations of them, hostile values
+    put at a key or removed, and byte damage (non-UTF-8 included)."""
+    lines = []
+    for _ in range(rng.randint(1, 3)):
+        row = json.loads(json.dumps(rng.choice(PAIR_ROWS)))
+        r = rng.random()
+        if r < 0.45:
+            text = mutate_json(row, rng)
+        elif r < 0.8:
+            key = rng.choice(["prompt", "chosen", "rejected", "prompt", "extra"])
+            if rng.random() < 0.2:
+                row.pop(key, None)
+            else:
+                row[key] = rng.choice(PAIR_JUNK)
+            text = json.dumps(row)
+        else:
+            text = json.dumps(row)
+        lines.append(text.encode("utf-8", "surrogatepass"))
+    data = b"\n".join(lines) + b"\n"
+    if rng.random() < 0.15:
+        data = mutate_bytes(data, rng)
+    if rng.random() < 0.05:
+        data = data.replace(b"red", b"r\xff\xfed", 1)  # not UTF-8
+    return data
+
+
+def fuzz_preference(run: Runner, rng: random.Random, tmp: Path, n: int) -> None:
+    """The preference-row reader (data/preference.py through ``load_data``, as a preference run reads its
+    file): a refusal must be one line naming the file (``Runner.case``'s names)."""
+    from slimtune.data import DataSpec, PairOptions, load_data
+    from slimtune.prompts import FALLBACK_CHAT_TEMPLATE
+    from slimtune.tiny import byte_tokenizer
+
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = FALLBACK_CHAT_TEMPLATE
+    path = tmp / "pairs.jsonl"
+    for _ in range(n):
+        data = _pair_text(rng)
+        path.write_bytes(data)
+        options = PairOptions(max_length=rng.choice([8, 64, 512]), truncation_mode=rng.choice(["keep_start", "keep_end"]))
+        spec = DataSpec([str(path)], pairs=options, drop_bad_pairs=rng.random() < 0.2, eval_fraction=rng.choice([0.0, 0.5]))
+
+        def read(spec=spec):
+            load_data(spec, tokenizer, vocab_size=259)
+
+        run.case("preference rows", read, len(data), (str(path),))
+
+
 BNB_QUANTIZATION = {"quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False, "bnb_4bit_quant_type": "nf4",
                     "bnb_4bit_use_double_quant": True, "bnb_4bit_compute_dtype": "bfloat16", "bnb_4bit_quant_storage": "uint8",
                     "llm_int8_skip_modules": ["lm_head"], "llm_int8_threshold": 6.0}  # fmt: skip
@@ -433,6 +493,7 @@ FUZZERS = {
     "manifest": (fuzz_manifest, 1500),
     "yaml": (fuzz_yaml, 600),
     "bnb quant state": (fuzz_quant_state, 1500),
+    "preference rows": (fuzz_preference, 800),
     "bnb quantization_config": (fuzz_quantization_config, 600),
     "bnb shard": (fuzz_bnb_shard, 300),
 }

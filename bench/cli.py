@@ -8,6 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
+from bench.bnb_dequant import bench_bnb_dequant
 from bench.common import synthetic_train_base
 from bench.gguf_export import bench_gguf
 from bench.load_bnb import bench_load_bnb
@@ -75,6 +76,10 @@ def main(argv: list[str] | None = None) -> None:
     bnb.add_argument("--out", type=Path, required=True)
     bnb.add_argument("--layers", type=int, default=None, help="layers of the 4-bit base (default 32)")
     bnb.add_argument("--bf16-layers", type=int, default=None, help="layers of the bf16 base (default: --layers; 0: skip it)")
+    dq = sub.add_parser("bnb-dequant", help="bitsandbytes 4-bit dequantization: slimtune vs bitsandbytes and slimtune's NF4")
+    dq.add_argument("--rows", type=int, default=1536)
+    dq.add_argument("--cols", type=int, default=576)
+    dq.add_argument("--rounds", type=int, default=3)
     nf4 = sub.add_parser("nf4", help="NF4 dequantization throughput vs torchao on a 4096x14336 weight")
     nf4.add_argument("--device", default="cpu")
     quant = sub.add_parser("quant", help="GGML block quantizers (slimtune.quant.ggml) vs the gguf package's numpy and ggml's C, MB/s")
@@ -169,6 +174,8 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(bench_load_bnb(args.out, args.layers, args.bf16_layers)))
     if args.command == "quant":
         print(json.dumps(bench_quant(args.rows, args.threads, args.rounds)))
+    if args.command == "bnb-dequant":
+        print(json.dumps(bench_bnb_dequant(args.rows, args.cols, args.rounds)))
     if args.command == "nf4":
         print(json.dumps(bench_nf4(device=args.device)))
     if args.command == "merge":

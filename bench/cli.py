@@ -126,6 +126,11 @@ def main(argv: list[str] | None = None) -> None:
     gg.add_argument("--tokenizer", type=Path, default=None, help="tokenizer files for the base (default: SmolLM2's)")
     gg.add_argument("--peer", choices=["llama.cpp"], help="also slimtune merge + llama.cpp's convert_hf_to_gguf.py on it")
     gg.add_argument("--no-verify", dest="verify", action="store_false", help="export without the sha256 check of the base and adapter")
+    gs = sub.add_parser("gguf-stages", help="a GGUF export's stages timed one by one, one thread (bench/gguf_stages.py)")
+    gs.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    gs.add_argument("--layers", type=int, default=None)
+    gs.add_argument("--out", type=Path, default=Path("bench-out"))
+    gs.add_argument("--block-type", default="Q8_0", help="a slimtune.quant.ggml block type (default Q8_0)")
     gq = sub.add_parser("gguf-quality", help="q4_k_m of the real SmolLM2 + adapter: KL and top-1 vs the fp32 merge, slimtune vs llama.cpp")
     gq.add_argument("--b-std", type=float, default=0.01, help="the random adapter's B ~ N(0, this) (default 0.01)")
     gq.add_argument("--steps", type=int, default=0, help="train the adapter with slimtune finetune for this many steps instead")
@@ -151,6 +156,11 @@ def main(argv: list[str] | None = None) -> None:
             for mode in TRAIN_SAVE_MODES:
                 shutil.rmtree(args.out / f"run-{mode}", ignore_errors=True)
         print(json.dumps(result))
+    if args.command == "gguf-stages":
+        from bench.gguf_stages import bench_gguf_stages
+
+        args.out.mkdir(parents=True, exist_ok=True)
+        print(json.dumps(bench_gguf_stages(args.preset, args.out, args.layers, args.block_type)))
     if args.command == "gguf":
         args.out.mkdir(parents=True, exist_ok=True)
         print(json.dumps(bench_gguf(args.preset, args.out, args.type, args.layers, args.tokenizer, args.peer, args.verify)))

@@ -8,6 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
+from bench.bnb_dequant import bench_bnb_dequant
 from bench.common import synthetic_train_base
 from bench.gguf_export import bench_gguf
 from bench.load_bnb import bench_load_bnb
@@ -76,6 +77,10 @@ def main(argv: list[str] | None = None) -> None:
     bnb.add_argument("--out", type=Path, required=True)
     bnb.add_argument("--layers", type=int, default=None, help="layers of the 4-bit base (default 32)")
     bnb.add_argument("--bf16-layers", type=int, default=None, help="layers of the bf16 base (default: --layers; 0: skip it)")
+    dq = sub.add_parser("bnb-dequant", help="bitsandbytes 4-bit dequantization: slimtune vs bitsandbytes and slimtune's NF4")
+    dq.add_argument("--rows", type=int, default=1536)
+    dq.add_argument("--cols", type=int, default=576)
+    dq.add_argument("--rounds", type=int, default=3)
     nf4 = sub.add_parser("nf4", help="NF4 dequantization throughput vs torchao on a 4096x14336 weight")
     nf4.add_argument("--device", default="cpu")
     quant = sub.add_parser("quant", help="GGML block quantizers (slimtune.quant.ggml) vs the gguf package's numpy and ggml's C, MB/s")
@@ -128,6 +133,11 @@ def main(argv: list[str] | None = None) -> None:
     gg.add_argument("--tokenizer", type=Path, default=None, help="tokenizer files for the base (default: SmolLM2's)")
     gg.add_argument("--peer", choices=["llama.cpp"], help="also slimtune merge + llama.cpp's convert_hf_to_gguf.py on it")
     gg.add_argument("--no-verify", dest="verify", action="store_false", help="export without the sha256 check of the base and adapter")
+    gs = sub.add_parser("gguf-stages", help="a GGUF export's stages timed one by one, one thread (bench/gguf_stages.py)")
+    gs.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    gs.add_argument("--layers", type=int, default=None)
+    gs.add_argument("--out", type=Path, default=Path("bench-out"))
+    gs.add_argument("--block-type", default="Q8_0", help="a slimtune.quant.ggml block type (default Q8_0)")
     gq = sub.add_parser("gguf-quality", help="q4_k_m of the real SmolLM2 + adapter: KL and top-1 vs the fp32 merge, slimtune vs llama.cpp")
     gq.add_argument("--b-std", type=float, default=0.01, help="the random adapter's B ~ N(0, this) (default 0.01)")
     gq.add_argument("--steps", type=int, default=0, help="train the adapter with slimtune finetune for this many steps instead")
@@ -156,6 +166,11 @@ def main(argv: list[str] | None = None) -> None:
             for mode in TRAIN_SAVE_MODES:
                 shutil.rmtree(args.out / f"run-{mode}", ignore_errors=True)
         print(json.dumps(result))
+    if args.command == "gguf-stages":
+        from bench.gguf_stages import bench_gguf_stages
+
+        args.out.mkdir(parents=True, exist_ok=True)
+        print(json.dumps(bench_gguf_stages(args.preset, args.out, args.layers, args.block_type)))
     if args.command == "gguf":
         args.out.mkdir(parents=True, exist_ok=True)
         print(json.dumps(bench_gguf(args.preset, args.out, args.type, args.layers, args.tokenizer, args.peer, args.verify)))
@@ -169,6 +184,8 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(bench_load_bnb(args.out, args.layers, args.bf16_layers)))
     if args.command == "quant":
         print(json.dumps(bench_quant(args.rows, args.threads, args.rounds)))
+    if args.command == "bnb-dequant":
+        print(json.dumps(bench_bnb_dequant(args.rows, args.cols, args.rounds)))
     if args.command == "nf4":
         print(json.dumps(bench_nf4(device=args.device)))
     if args.command == "merge":

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from slimtune.data import IGNORE_INDEX
-from slimtune.step import _chunk_rows
+from slimtune.step import chunk_rows
 
 OBJECTIVES = ("dpo", "ipo", "simpo")
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected")
@@ -136,7 +136,7 @@ class _ChunkedTokenLogps(torch.autograd.Function):
         vocab = logits.shape[-1]
         flat, flat_targets = logits.reshape(-1, vocab), targets.reshape(-1)
         out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
-        rows = _chunk_rows(logits)
+        rows = chunk_rows(logits)
         for start in range(0, flat.shape[0], rows):
             x = flat[start : start + rows].float()
             t = flat_targets[start : start + rows]
@@ -151,7 +151,7 @@ class _ChunkedTokenLogps(torch.autograd.Function):
         vocab = logits.shape[-1]
         flat, flat_targets, flat_grad = logits.reshape(-1, vocab), targets.reshape(-1), grad.reshape(-1)
         out = torch.empty_like(flat)
-        rows = _chunk_rows(logits)
+        rows = chunk_rows(logits)
         for start in range(0, flat.shape[0], rows):
             t = flat_targets[start : start + rows]
             g = torch.where(t != IGNORE_INDEX, flat_grad[start : start + rows], 0.0).unsqueeze(1)

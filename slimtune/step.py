@@ -87,16 +87,19 @@ def apply_gradients(parts: StepParts) -> None:
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Sum of next-token cross-entropy over the trained (non -100) labels, in fp32, chunk by chunk of
-    positions (``_chunk_rows``: at most 64 MB of fp32 at a time, 2 MB on a CPU); differentiable in ``logits``.
+    positions (``chunk_rows``: at most 64 MB of fp32 at a time, 2 MB on a CPU); differentiable in ``logits``.
 
     Example: ``token_loss_sum(model(input_ids).logits, labels) / trained_tokens``"""
     targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # position t predicts t + 1
     return _ChunkedCrossEntropy.apply(logits, targets.to(logits.device))
 
 
-def _chunk_rows(logits: torch.Tensor) -> int:
-    """Positions per chunk: as many as fit ``LOSS_CHUNK_BYTES`` of fp32 on a GPU, ``CPU_LOSS_CHUNK_BYTES`` on
-    a CPU. Every row's values are the same whatever the chunk (row-wise kernels), so the loss is too."""
+def chunk_rows(logits: torch.Tensor) -> int:
+    """Positions per chunk of a chunked loss over ``logits`` [..., vocab]: as many as fit ``LOSS_CHUNK_BYTES``
+    of fp32 on a GPU, ``CPU_LOSS_CHUNK_BYTES`` on a CPU. Every row's values are the same whatever the chunk
+    (row-wise kernels), so the loss is too. Used by ``token_loss_sum`` and ``preference.sequence_logps``.
+
+    Example: ``for start in range(0, flat.shape[0], chunk_rows(logits)): ...``"""
     chunk_bytes = LOSS_CHUNK_BYTES if logits.is_cuda else CPU_LOSS_CHUNK_BYTES
     return max(1, chunk_bytes // (4 * logits.shape[-1]))
 
@@ -106,7 +109,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         vocab = logits.shape[-1]
         flat, flat_targets = logits.reshape(-1, vocab), targets.reshape(-1)
-        rows = _chunk_rows(logits)
+        rows = chunk_rows(logits)
         total = torch.zeros((), dtype=torch.float32, device=logits.device)
         for start in range(0, flat.shape[0], rows):
             x = flat[start : start + rows].float()
@@ -123,7 +126,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         vocab = logits.shape[-1]
         flat, flat_targets = logits.reshape(-1, vocab), targets.reshape(-1)
         out = torch.empty_like(flat)
-        rows = _chunk_rows(logits)
+        rows = chunk_rows(logits)
         for start in range(0, flat.shape[0], rows):
             t = flat_targets[start : start + rows]
             g = torch.where(t != IGNORE_INDEX, grad, 0.0).unsqueeze(1)  # d(sum)/d(loss_i), 0 where not trained

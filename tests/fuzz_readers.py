@@ -44,7 +44,9 @@ class Runner:
         self.slowest, self.slowest_reader = 0.0, ""
         self.largest_input = 0
 
-    def case(self, reader: str, fn, size: int = 0) -> None:
+    def case(self, reader: str, fn, size: int = 0, names: tuple[str, ...] = ()) -> None:
+        """One input: ``fn`` accepts it or raises SlimtuneError; with ``names``, that error is one line
+        naming one of them (the file or tensor), else the case fails."""
         s = self.stats.setdefault(reader, {"cases": 0, "accepted": 0, "refused": 0, "crashed": 0, "ms": 0})
         s["cases"] += 1
         self.largest_input = max(self.largest_input, size)
@@ -54,7 +56,13 @@ class Runner:
             s["accepted"] += 1
         except SlimtuneError as e:
             s["refused"] += 1
-            str(e).encode("utf-8")  # the message itself must print
+            message = str(e)
+            message.encode("utf-8")  # the message itself must print
+            if names and ("\n" in message or not any(n in message for n in names)):
+                s["refused"] -= 1
+                s["crashed"] += 1
+                if len(self.failures) < 20:
+                    self.failures.append(f"{reader}: not one line naming {names}: {message[:300]!r}")
         except BaseException as e:  # noqa: BLE001 - that is what a fuzzer looks for
             s["crashed"] += 1
             if len(self.failures) < 20:
@@ -318,6 +326,167 @@ def fuzz_quant_state(run: Runner, rng: random.Random, tmp: Path, n: int) -> None
         run.case("bnb quant state", load, len(text))
 
 
+PAIR_ROWS = [
+    {"prompt": "Say red:", "chosen": " red.", "rejected": " blue!"},
+    {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say red"}],
+     "chosen": [{"role": "assistant", "content": "red"}], "rejected": [{"role": "assistant", "content": "blue"}]},
+]  # fmt: skip
+PAIR_JUNK = [None, 3, -1.5, True, "", " ", "x" * 20_000, "\ud800", "\x00", [], {}, [None], [[]], [{"role": "user"}],
+             [{"role": 1, "content": "a"}], [{"role": "user", "content": ["a"]}], [{"role": "tool", "content": "a"}],
+             [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}], [{"content": "a", "x": {"y": [1]}}],
+             {"role": "user", "content": "a"}, [{"role": "user", "content": "a"}] * 2000]  # fmt: skip
+
+
+def _pair_text(rng: random.Random) -> bytes:
+    """A few jsonl lines: valid standard/conversational rows, structured mutations of them, hostile values
+    put at a key or removed, and byte damage (non-UTF-8 included)."""
+    lines = []
+    for _ in range(rng.randint(1, 3)):
+        row = json.loads(json.dumps(rng.choice(PAIR_ROWS)))
+        r = rng.random()
+        if r < 0.45:
+            text = mutate_json(row, rng)
+        elif r < 0.8:
+            key = rng.choice(["prompt", "chosen", "rejected", "prompt", "extra"])
+            if rng.random() < 0.2:
+                row.pop(key, None)
+            else:
+                row[key] = rng.choice(PAIR_JUNK)
+            text = json.dumps(row)
+        else:
+            text = json.dumps(row)
+        lines.append(text.encode("utf-8", "surrogatepass"))
+    data = b"\n".join(lines) + b"\n"
+    if rng.random() < 0.15:
+        data = mutate_bytes(data, rng)
+    if rng.random() < 0.05:
+        data = data.replace(b"red", b"r\xff\xfed", 1)  # not UTF-8
+    return data
+
+
+def fuzz_preference(run: Runner, rng: random.Random, tmp: Path, n: int) -> None:
+    """The preference-row reader (data/preference.py through ``load_data``, as a preference run reads its
+    file): a refusal must be one line naming the file (``Runner.case``'s names)."""
+    from slimtune.data import DataSpec, PairOptions, load_data
+    from slimtune.prompts import FALLBACK_CHAT_TEMPLATE
+    from slimtune.tiny import byte_tokenizer
+
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = FALLBACK_CHAT_TEMPLATE
+    path = tmp / "pairs.jsonl"
+    for _ in range(n):
+        data = _pair_text(rng)
+        path.write_bytes(data)
+        options = PairOptions(max_length=rng.choice([8, 64, 512]), truncation_mode=rng.choice(["keep_start", "keep_end"]))
+        spec = DataSpec([str(path)], pairs=options, drop_bad_pairs=rng.random() < 0.2, eval_fraction=rng.choice([0.0, 0.5]))
+
+        def read(spec=spec):
+            load_data(spec, tokenizer, vocab_size=259)
+
+        run.case("preference rows", read, len(data), (str(path),))
+
+
+BNB_QUANTIZATION = {"quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False, "bnb_4bit_quant_type": "nf4",
+                    "bnb_4bit_use_double_quant": True, "bnb_4bit_compute_dtype": "bfloat16", "bnb_4bit_quant_storage": "uint8",
+                    "llm_int8_skip_modules": ["lm_head"], "llm_int8_threshold": 6.0}  # fmt: skip
+
+
+def fuzz_quantization_config(run: Runner, rng: random.Random, tmp: Path, n: int) -> None:
+    """config.json's ``quantization_config`` as a training base's load reads it (read_config_dict, then
+    formats.bnb.bnb_4bit_settings): refusals are one line naming config.json."""
+    from slimtune.formats.bnb import bnb_4bit_settings
+    from slimtune.formats.hf import read_config_dict
+
+    d = tmp / "bnbcfg"
+    d.mkdir()
+    head = json.dumps(LLAMA_CONFIG)[:-1]
+    for _ in range(n):
+        text = head + ', "quantization_config": ' + mutate_json(BNB_QUANTIZATION, rng) + "}"
+        data = text.encode("utf-8", "surrogatepass")
+        if rng.random() < 0.1:
+            data = mutate_bytes(data, rng)
+        (d / "config.json").write_bytes(data)
+        settings = lambda: bnb_4bit_settings(read_config_dict(d), str(d / "config.json"))  # noqa: E731
+        run.case("bnb quantization_config", settings, len(data), ("config.json",))
+
+
+BNB_STATE = {"quant_type": "nf4", "absmax": [], "blocksize": 64, "quant_map": [], "dtype": "bfloat16", "shape": [8, 64],
+             "nested_blocksize": 256, "nested_offset": 0.0123, "nested_dtype": "float32"}  # fmt: skip
+
+
+def _bnb_tensors(rng: random.Random) -> dict[str, torch.Tensor]:
+    """One double-quantized NF4 weight [8, 64] as save_pretrained stores it (values random, layout exact)."""
+    state = BNB_STATE
+    key = "model.layers.0.mlp.up_proj.weight"
+    return {
+        key: torch.randint(0, 256, (256, 1), dtype=torch.uint8),
+        key + ".absmax": torch.randint(0, 256, (8,), dtype=torch.uint8),
+        key + ".nested_absmax": torch.rand(1),
+        key + ".nested_quant_map": torch.linspace(-1, 1, 256),
+        key + ".quant_map": torch.linspace(-1, 1, 16),
+        key + ".quant_state.bitsandbytes__nf4": torch.tensor(list(json.dumps(state).encode()), dtype=torch.uint8),
+    }
+
+
+_HOSTILE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.int8, torch.int64, torch.bool, torch.float64)
+
+
+def _hostile_tensor(t: torch.Tensor, rng: random.Random) -> torch.Tensor:
+    """``t`` with a wrong dtype, shape, length or values (NaN, infinities, huge, negative)."""
+    kind = rng.randrange(6)
+    if kind == 0:
+        return t.to(rng.choice(_HOSTILE_DTYPES))
+    if kind == 1:
+        return t.reshape(-1)[: rng.randrange(t.numel() + 1)].clone()
+    if kind == 2:
+        return torch.cat([t.reshape(-1), t.reshape(-1)[: rng.randint(1, 8)]]).to(t.dtype)
+    if kind == 3:
+        return t.reshape(-1, 1) if t.dim() == 1 else t.reshape(1, -1) if rng.random() < 0.5 or t.numel() % 2 else t.reshape(-1, 2)
+    if kind == 4 and t.is_floating_point() and t.numel():
+        v = t.clone().reshape(-1)
+        v[rng.randrange(v.numel())] = rng.choice([float("nan"), float("inf"), -float("inf"), 3e38, -1e30])
+        return v.reshape(t.shape)
+    return torch.zeros(0, dtype=t.dtype)
+
+
+def fuzz_bnb_shard(run: Runner, rng: random.Random, tmp: Path, n: int) -> None:
+    """A shard holding one bitsandbytes 4-bit weight and its quant state tensors, each case with hostile
+    tensors (dtype, shape, length, values), a dropped one, the packed weight in another storage dtype or
+    shape, or a mutated quant-state JSON blob; read as training reads it (formats.bnb.read_4bit_weights,
+    then every row). Refusals are one line naming the shard or the tensor."""
+    from slimtune.formats.bnb import read_4bit_weights
+    from slimtune.formats.safetensors import SafetensorsReader
+
+    path = tmp / "model.safetensors"
+    for _ in range(n):
+        tensors = _bnb_tensors(rng)
+        keys = sorted(tensors)
+        for _ in range(rng.randint(1, 2)):
+            key, kind = rng.choice(keys), rng.randrange(10)
+            if key not in tensors:
+                continue
+            if kind == 0:
+                del tensors[key]
+            elif kind == 1 and key.endswith("__nf4"):
+                text = mutate_json(BNB_STATE, rng).encode("utf-8", "surrogatepass")  # the state as written, mutated
+                tensors[key] = torch.tensor(list(text if rng.random() < 0.8 else mutate_bytes(text, rng)), dtype=torch.uint8)
+            elif kind == 2 and key.endswith("up_proj.weight") and tensors[key].dtype == torch.uint8 and tensors[key].numel() % 4 == 0:
+                # the packed bytes in another bnb_4bit_quant_storage
+                tensors[key] = tensors[key].view(-1).view(rng.choice([torch.bfloat16, torch.float32, torch.int8])).reshape(-1, 1)
+            elif kind == 3:
+                tensors[key.rsplit(".weight", 1)[0] + ".weight.absmax"] = torch.rand(8).to(rng.choice(_HOSTILE_DTYPES))
+            else:
+                tensors[key] = _hostile_tensor(tensors[key], rng)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, path)
+
+        def read():
+            with SafetensorsReader(path) as reader:
+                for w in read_4bit_weights({k: reader for k in reader.tensors}, str(tmp)).values():
+                    w.rows(0, w.shape[0])
+
+        run.case("bnb shard", read, path.stat().st_size, (str(path), "up_proj.weight"))
+
+
 FUZZERS = {
     "safetensors": (fuzz_safetensors, 4000),
     "index": (fuzz_index, 2000),
@@ -327,6 +496,9 @@ FUZZERS = {
     "manifest": (fuzz_manifest, 1500),
     "yaml": (fuzz_yaml, 600),
     "bnb quant state": (fuzz_quant_state, 1500),
+    "preference rows": (fuzz_preference, 800),
+    "bnb quantization_config": (fuzz_quantization_config, 600),
+    "bnb shard": (fuzz_bnb_shard, 300),
 }
 
 

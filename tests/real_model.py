@@ -156,14 +156,39 @@ def docstring_rows() -> tuple[list[dict], list[dict]]:
     """(train, held out): 240 and 60 chat rows, a fixed even selection of the sorted candidates.
 
     Example: ``train, held_out = docstring_rows()``"""
+    rows = [
+        {"messages": [{"role": "user", "content": f"What does `{m}.{f}` do in Python?"}, {"role": "assistant", "content": a}]}
+        for m, f, a in _picked()
+    ]
+    return _split(rows)
+
+
+def docstring_pairs(shift: int = NUM_QUESTIONS // 2) -> tuple[list[dict], list[dict]]:
+    """(train, held out): 240 and 60 standard preference rows (TRL's prompt/chosen/rejected strings) on
+    ``docstring_rows``' questions, split as they are: chosen the function's own docstring summary, rejected
+    the summary of the question ``shift`` places further on in the sorted selection (another module's, as
+    a rule).
+
+    Example: ``train, held_out = docstring_pairs()``"""
+    picked = _picked()
+    other = [picked[(i + shift) % len(picked)][2] for i in range(len(picked))]
+    rows = [
+        {"prompt": f"Question: What does `{m}.{f}` do in Python?\nAnswer:", "chosen": f" {a}", "rejected": f" {r}"}
+        for (m, f, a), r in zip(picked, other, strict=True)
+    ]
+    return _split(rows)
+
+
+def _picked() -> list[tuple[str, str, str]]:
+    """NUM_QUESTIONS (module, function, first paragraph): a fixed even selection of the sorted candidates."""
     candidates = _candidates()
     if len(candidates) < NUM_QUESTIONS:
         raise SystemExit(f"only {len(candidates)} standard-library functions qualify; {NUM_QUESTIONS} are needed")
-    picked = [candidates[i * len(candidates) // NUM_QUESTIONS] for i in range(NUM_QUESTIONS)]
-    rows = [
-        {"messages": [{"role": "user", "content": f"What does `{m}.{f}` do in Python?"}, {"role": "assistant", "content": a}]}
-        for m, f, a in picked
-    ]
+    return [candidates[i * len(candidates) // NUM_QUESTIONS] for i in range(NUM_QUESTIONS)]
+
+
+def _split(rows: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(train, held out): every HELD_OUT_EVERY-th row held out."""
     held_out = [r for i, r in enumerate(rows) if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1]
     train = [r for i, r in enumerate(rows) if i % HELD_OUT_EVERY != HELD_OUT_EVERY - 1]
     return train, held_out

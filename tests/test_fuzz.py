@@ -42,3 +42,48 @@ def test_fuzzed_gguf_export_inputs_refuse_cleanly_or_load_in_llama_cpp():
     assert figures["cases"] >= 200
     assert all(figures[k] == 0 for k in BAD_OUTCOMES), figures["failures"]
     assert figures["ok"] >= 20 and figures["clean"] >= 20, figures
+
+
+def test_fuzzed_adapter_gguf_exports_refuse_cleanly_or_apply_in_llama_cpp():
+    """tests/fuzz_adapter.py: 30 mutated copies of a small PEFT LoRA adapter (adapter_config.json values, target
+    modules, ranks, alpha and patterns, tensor names, shapes, dtypes and values, header bytes, --type and
+    --base-gguf) through `slimtune export --adapter-only`; each adapter written is applied by llama.cpp to
+    the base's f16 GGUF. No internal error, crash, refusal by llama.cpp, hang, memory growth or leftover."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is in the dev extras")
+    result = run_python("from tests.fuzz_adapter import main; main(['--seed', '1', '--cases', '30'])", timeout=600)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    assert lines, result.stderr[-3000:]
+    figures = json.loads(lines[-1])
+    print(f"adapter gguf fuzz figures: {json.dumps({k: v for k, v in figures.items() if k != 'failures'})}")
+    assert figures["cases"] >= 30
+    assert all(figures[k] == 0 for k in BAD_OUTCOMES), figures["failures"]
+    assert figures["ok"] >= 3 and figures["clean"] >= 10, figures
+
+
+HOSTILE_PAIR_ROWS = {
+    "wrong types": b'{"prompt": "p", "chosen": 3, "rejected": "r"}',
+    "nested junk": b'{"prompt": [[[{"role": {"x": []}}]]], "chosen": [], "rejected": []}',
+    "huge string": b'{"prompt": "' + b"x" * 100_000 + b'", "chosen": " a", "rejected": " b"}',
+    "missing key": b'{"prompt": "p", "rejected": "r"}',
+    "not UTF-8": b'{"prompt": "p\xff\xfe", "chosen": "a", "rejected": "b"}',
+    "bad messages": b'{"prompt": [{"role": "user", "content": "hi"}], "chosen": [{"role": "assistant"}], "rejected": "b"}',
+    "bad message content": b'{"prompt": [{"role": "user", "content": ["hi"]}], "chosen": [], "rejected": []}',
+}
+
+
+def test_hostile_preference_rows_exit_2_with_one_line_naming_file_and_row(tmp_path, capsys):
+    """The preference reader (fuzzed above, tests/fuzz_readers.fuzz_preference) through the CLI: each hostile
+    third row of a file stops `slimtune finetune training.objective=dpo` with exit 2 and one stderr line
+    naming the file and row, no traceback, nothing written (the data is read before the tiny base)."""
+    from slimtune.cli import main
+
+    good = b'{"prompt": "Say red:", "chosen": " red.", "rejected": " blue!"}\n'
+    for i, (what, row) in enumerate(HOSTILE_PAIR_ROWS.items()):
+        data = tmp_path / f"pairs{i}.jsonl"
+        data.write_bytes(good * 2 + row + b"\n")
+        out = tmp_path / f"run{i}"
+        argv = ["finetune", "--config", "tiny", f"output_dir={out}", f"dataset.path={data}", "dataset.max_seq_len=1024"]
+        assert main([*argv, "training.objective=dpo", "logging.progress_bar=false"]) == 2, what
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and err.startswith(f"slimtune finetune: error: {data}:3: "), (what, err[:300])
+        assert "Traceback" not in err and not out.exists(), what

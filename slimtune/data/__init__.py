@@ -161,7 +161,10 @@ def load_data(spec: DataSpec, tokenizer, rows: dict[str, list[dict]] | None = No
         held_out, n_dropped = _tokenize_all(records, tokenizer, spec, Counter(), vocab_size)
         files.append((spec.eval_path, sha))
     if not train:
-        raise SlimtuneError(f"no training example has a trained token within dataset.max_seq_len={spec.max_seq_len} ({dropped} dropped)")
+        raise SlimtuneError(
+            f"{', '.join(spec.paths)}: no training example has a trained token within dataset.max_seq_len={spec.max_seq_len} "
+            f"({dropped} dropped)"
+        )
     documents = len(train)
     if spec.packed:
         train, held_out = pack(train, spec.max_seq_len, spec.seed), pack(held_out, spec.max_seq_len, spec.seed)

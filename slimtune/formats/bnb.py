@@ -52,12 +52,20 @@ class BnbNF4Weight:
     nested: tuple[torch.Tensor, torch.Tensor, int, float] | None = None  # fp32 code[256], fp32 nested absmax, nested blocksize, offset
 
     def scales(self, b0: int, b1: int) -> torch.Tensor:
-        """The fp32 absmax of blocks [b0, b1), the nested quantization undone as bitsandbytes undoes it."""
+        """The fp32 absmax of blocks [b0, b1), the nested quantization undone as bitsandbytes undoes it
+        (code[a] * nested_absmax[group] in fp32, then + offset): over the whole nested groups that cover
+        the blocks, one group per row, so no per-block group index is built."""
         if self.nested is None:
             return self.absmax[b0:b1]
         code, nested_absmax, nested_blocksize, offset = self.nested
-        idx = torch.arange(b0, b1, device=self.absmax.device) // nested_blocksize
-        return code[self.absmax[b0:b1].long()] * nested_absmax[idx] + offset
+        g0, g1 = b0 // nested_blocksize, -(-b1 // nested_blocksize)
+        lo, hi = g0 * nested_blocksize, min(g1 * nested_blocksize, self.absmax.numel())
+        values = code.index_select(0, self.absmax[lo:hi].to(torch.int32))
+        whole = (hi - lo) // nested_blocksize  # the last group of the weight may be short
+        values[: whole * nested_blocksize].view(whole, nested_blocksize).mul_(nested_absmax[g0 : g0 + whole].unsqueeze(-1))
+        if whole < g1 - g0:
+            values[whole * nested_blocksize :].mul_(nested_absmax[g0 + whole])
+        return values.add_(offset)[b0 - lo : b1 - lo]
 
     def nbytes(self) -> int:
         """Bytes of the packed codes and the block state (what a frozen 4-bit weight holds)."""
@@ -81,11 +89,12 @@ class BnbNF4Weight:
         b0, b1 = e0 // bs, -(-e1 // bs)
         f0, f1 = b0 * bs, min(b1 * bs, self.shape[0] * cols)  # whole blocks (the last may be short)
         packed = self.read_bytes(f0 // 2, (f1 + 1) // 2)
-        values = _pair_table(self.quant_map).index_select(0, packed.to(torch.int32)).view(-1)[: f1 - f0]
-        if f1 - f0 == (b1 - b0) * bs:
-            values = (values.view(b1 - b0, bs) * self.scales(b0, b1).unsqueeze(-1)).view(-1)
-        else:
-            values = values * self.scales(b0, b1).repeat_interleave(bs)[: f1 - f0]
+        values = _pair_table(self.quant_map).index_select(0, packed.to(torch.int32)).view(torch.float32)[: f1 - f0]
+        scales = self.scales(b0, b1)
+        whole = (f1 - f0) // bs  # the weight's last block may be short
+        values[: whole * bs].view(whole, bs).mul_(scales[:whole].unsqueeze(-1))
+        if whole < b1 - b0:
+            values[whole * bs :].mul_(scales[whole])
         return values[e0 - f0 : e1 - f0].to(self.dtype).view(end - start, cols)
 
     def _rows_by_element(self, e0: int, e1: int) -> torch.Tensor:
@@ -101,10 +110,10 @@ class BnbNF4Weight:
 
 
 def _pair_table(quant_map: torch.Tensor) -> torch.Tensor:
-    """fp32 [256, 2]: the two code values (high nibble first) of each byte, so one gather per byte
-    replaces two per element (only bits move: nothing is rounded)."""
+    """int64[256]: entry b holds the two fp32 code values (high nibble first) of byte b, so one 1-D gather
+    per byte replaces two per element (only bits move: nothing is rounded; view the result as fp32)."""
     codes = torch.arange(256, device=quant_map.device)
-    return torch.stack([quant_map[codes >> 4], quant_map[codes & 15]], dim=1)
+    return torch.stack([quant_map[codes >> 4], quant_map[codes & 15]], dim=1).contiguous().view(torch.int64).view(256)
 
 
 def bnb_quantization(config: dict) -> str | None:
@@ -149,7 +158,7 @@ def bnb_4bit_settings(config: dict, where: str) -> str | None:
     if bnb_quantization(config) != "4bit":
         raise SlimtuneError(f"{label}: bitsandbytes without load_in_4bit (nor load_in_8bit) true: not a checkpoint slimtune reads")
     quant_type = q.get("bnb_4bit_quant_type", "fp4")
-    if quant_type not in QUANT_STATE_SUFFIXES:
+    if not isinstance(quant_type, str) or quant_type not in QUANT_STATE_SUFFIXES:
         shown = safe_name(repr(quant_type))[:40] if isinstance(quant_type, str) else json_kind(quant_type)
         raise SlimtuneError(f"{label}.bnb_4bit_quant_type {shown}: expected 'nf4' or 'fp4'")
     for key, names in (("bnb_4bit_compute_dtype", tuple(_FLOAT_DTYPES)), ("bnb_4bit_quant_storage", _STORAGE_DTYPES)):
@@ -225,19 +234,25 @@ def load_bnb_weight(
     nested = None
     if absmax.dtype == torch.uint8:
         nested = _nested_state(key, state, read_small, n_blocks, label, where)
-        scales = nested[0][absmax.long()] * nested[1][torch.arange(n_blocks) // nested[2]] + nested[3]
     elif absmax.dtype not in _FLOAT_DTYPES.values():
         raise SlimtuneError(f"{where}: tensor {safe_name(key)}.absmax is {absmax.dtype}, expected a float or u8 (nested) tensor")
     else:
-        absmax = scales = absmax.float()
-    if not bool(torch.isfinite(scales).all()):
-        raise SlimtuneError(f"{where}: tensor {safe_name(key)}.absmax holds NaN or infinite scales")
+        absmax = absmax.float()
     quant_map = read_small(key + ".quant_map")
     if quant_map.numel() != 16 or quant_map.dtype not in _FLOAT_DTYPES.values() or not bool(torch.isfinite(quant_map).all()):
         raise SlimtuneError(
             f"{where}: tensor {safe_name(key)}.quant_map must be 16 finite floats, found {quant_map.dtype} {list(quant_map.shape)}"
         )
-    return BnbNF4Weight(key, shape, dtype, blocksize, absmax, quant_map.float().reshape(16), read_bytes, nested)
+    weight = BnbNF4Weight(key, shape, dtype, blocksize, absmax, quant_map.float().reshape(16), read_bytes, nested)
+    # every scale as the rows will compute it, a piece of blocks at a time: the load's only temporaries here stay
+    # small (a whole weight's fp32 scales and indexes would be freed between held tensors and fragment the heap)
+    for b in range(0, n_blocks, _CHECK_BLOCKS):
+        if not bool(torch.isfinite(weight.scales(b, min(b + _CHECK_BLOCKS, n_blocks))).all()):
+            raise SlimtuneError(f"{where}: tensor {safe_name(key)}.absmax holds NaN or infinite scales")
+    return weight
+
+
+_CHECK_BLOCKS = 1 << 14  # blocks of scales checked at a time: 64 KB of fp32
 
 
 def _nested_state(key: str, state: dict, read_small, n_blocks: int, label: str, where: str) -> tuple:

@@ -49,26 +49,18 @@ from slimtune.errors import SlimtuneError
 from slimtune.lora import lora_parameters
 from slimtune.model import pick_device
 from slimtune.recipes.preference import PREFERENCE_STEPS
-from slimtune.recipes.run import FinetuneResult, Inputs, Placement, Run, Span
+from slimtune.recipes.run import FinetuneResult, Placement, Run
 from slimtune.recipes.steps import (
     adapter_only,
     every,
     finish,
-    load_model,
     log_step,
-    make_optimization,
     merged_dtype,
     needs_tiny_base,
-    open_run_dir,
-    place,
-    plan_span,
-    read_data,
-    resolve_base,
+    prepare,
     restore,
     save_step,
     timed_record,
-    warn_unservable,
-    write_tiny_base,
 )
 from slimtune.step import StepParts, optimizer_step, step_token_counts, token_loss_sum
 
@@ -136,19 +128,9 @@ def setup(cfg: Config, ranks: Ranks = SINGLE) -> Run:
     Writes nothing but the embedded tiny model, when the config asks for it and the data is good.
 
     Example: ``run = setup(load_config("tiny", ["output_dir=out"]))``"""
-    where = place(cfg, ranks)
-    manager, resume = open_run_dir(cfg)
-    inputs = read_data(cfg, resume, resolve_base(cfg, ranks, resume))
-    if needs_tiny_base(cfg):
-        inputs.tokenizer = write_tiny_base(cfg, ranks)
-    if inputs.data.dropped:
-        log.info(f"data: {inputs.data.dropped} example(s) have no trained token within max_seq_len={cfg.dataset.max_seq_len}; skipped")
-    span = plan_span(cfg, len(inputs.data.train))
-    model = load_model(cfg, where, inputs.base)
-    warn_unservable(cfg)  # after the load's own checks of lora.rank: a refused rank is one line, no warning beside it
-    optim = make_optimization(model, cfg, span.total_steps, where)
-    log.info(_summary(cfg, where, model, inputs, span))
-    return Run(cfg=cfg, where=where, manager=manager, resume=resume, inputs=inputs, model=model, optim=optim, span=span)
+    run = prepare(cfg, ranks, dropped=f"example(s) have no trained token within max_seq_len={cfg.dataset.max_seq_len}; skipped")
+    log.info(_summary(run))
+    return run
 
 
 def train_step(run: Run, batch: list[list[int]]) -> dict:
@@ -191,10 +173,11 @@ def evaluate(run: Run, merged: bool = False) -> dict:
 # Step helpers
 
 
-def _summary(cfg: Config, where: Placement, model: nn.Module, inputs: Inputs, span: Span) -> str:
+def _summary(run: Run) -> str:
     """The set-up's one line: model, trainable parameters, device, threads, dtype, ranks, data and steps."""
+    cfg, inputs, span, where = run.cfg, run.inputs, run.span, run.where
     data, ranks, threads = inputs.data, where.ranks, where.threads
-    trainable = sum(p.numel() for p in lora_parameters(model))
+    trainable = sum(p.numel() for p in lora_parameters(run.model))
     return (
         f"model: {inputs.base.label if inputs.base.hub_id else inputs.base.path.name}, {trainable:,} trainable adapter parameters, "
         f"{where.device.type} "

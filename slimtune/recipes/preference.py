@@ -34,20 +34,7 @@ from slimtune.distributed import SINGLE, Ranks, all_sum, reshard, split_rows
 from slimtune.errors import SlimtuneError
 from slimtune.preference import PreferenceLoss, metric_means, pair_loss, sequence_logps
 from slimtune.recipes.run import Run
-from slimtune.recipes.steps import (
-    load_model,
-    make_optimization,
-    merged_dtype,
-    needs_tiny_base,
-    open_run_dir,
-    place,
-    plan_span,
-    read_data,
-    resolve_base,
-    timed_record,
-    warn_unservable,
-    write_tiny_base,
-)
+from slimtune.recipes.steps import merged_dtype, prepare, timed_record
 from slimtune.step import StepParts, apply_gradients
 
 log = logging.getLogger(__name__)
@@ -61,20 +48,9 @@ def setup(cfg: Config, ranks: Ranks = SINGLE) -> Run:
 
     Example: ``run = setup(load_config("tiny", ["output_dir=out", "training.objective=dpo", "dataset.path=pairs.jsonl"]))``"""
     _check_config(cfg)
-    where = place(cfg, ranks)
-    manager, resume = open_run_dir(cfg)
-    inputs = read_data(cfg, resume, resolve_base(cfg, ranks, resume))
-    if needs_tiny_base(cfg):
-        inputs.tokenizer = write_tiny_base(cfg, ranks)
-    if inputs.data.dropped:
-        log.info(f"data: {inputs.data.dropped} bad pair(s) dropped (preference.bad_rows=drop)")
-    span = plan_span(cfg, len(inputs.data.train))
-    model = load_model(cfg, where, inputs.base)
-    warn_unservable(cfg)
-    optim = make_optimization(model, cfg, span.total_steps, where)
-    run = Run(cfg=cfg, where=where, manager=manager, resume=resume, inputs=inputs, model=model, optim=optim, span=span)
+    run = prepare(cfg, ranks, dropped="bad pair(s) dropped (preference.bad_rows=drop)")
     reference(run)
-    data = inputs.data
+    data, span = run.inputs.data, run.span
     log.info(
         f"preference: {cfg.training.objective}, {len(data.train)} pairs"
         + (f", {len(data.eval)} held out" if data.eval else "")

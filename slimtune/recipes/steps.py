@@ -3,20 +3,16 @@ computes (``place``), its run directory and resume point (``open_run_dir``), the
 (``write_tiny_base``), the tokenizer and data (``read_data``: SFT rows or preference pairs), the step
 arithmetic (``plan_span``), the QLoRA model (``load_model``), AdamW and its
 schedule (``make_optimization``), then ``restore`` (a fresh output_dir or the checkpoint's state),
-``save_step`` (a checkpoint), ``log_step`` (a step's record to every sink) and ``finish``. A recipe's
-``setup`` calls the set-up steps in order and builds its ``Run`` by keyword; its loop calls the rest.
+``save_step`` (a checkpoint), ``log_step`` (a step's record to every sink) and ``finish``. ``prepare``
+runs the set-up steps in order and returns the ``Run``; a recipe's ``setup`` calls it, then adds its own
+parts. The loop calls the rest.
 
 What a run holds between its steps is ``Run`` (``recipes/run.py``).
 
 Example (a recipe's set-up)::
 
-    where = place(cfg, ranks)
-    manager, resume = open_run_dir(cfg)
-    inputs = read_my_data(cfg, resume)
-    span = plan_span(cfg, len(inputs.data.train))
-    model = load_model(cfg, where)
-    run = Run(cfg=cfg, where=where, manager=manager, resume=resume, inputs=inputs, model=model,
-              optim=make_optimization(model, cfg, span.total_steps, where), span=span)
+    run = prepare(cfg, ranks, dropped="example(s) skipped")  # the shared steps, in order
+    my_own_setup(run)
 """
 
 from __future__ import annotations
@@ -263,6 +259,28 @@ def _placed_like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     if isinstance(param, DTensor):
         return distribute_tensor(full.to(param.device), param.device_mesh, param.placements)
     return full.to(param.device)
+
+
+def prepare(cfg: Config, ranks: Ranks, dropped: str) -> Run:
+    """The set-up every recipe shares, in order: ``place``, ``open_run_dir``, ``read_data`` (the tokenizer and
+    the recipe's data: ``DataSpec.from_config``), the embedded tiny base when asked for, one line for the
+    rows the data reader left out (``dropped``: what they were, after the count), ``plan_span``,
+    ``load_model``, ``warn_unservable`` and ``make_optimization``; a recipe's ``setup`` adds its own parts
+    to the ``Run`` this returns. Writes nothing but the embedded tiny model, once the data is known good.
+
+    Example: ``run = prepare(cfg, SINGLE, dropped="example(s) skipped")``"""
+    where = place(cfg, ranks)
+    manager, resume = open_run_dir(cfg)
+    inputs = read_data(cfg, resume, resolve_base(cfg, ranks, resume))
+    if needs_tiny_base(cfg):
+        inputs.tokenizer = write_tiny_base(cfg, ranks)
+    if inputs.data.dropped:
+        log.info(f"data: {inputs.data.dropped} {dropped}")
+    span = plan_span(cfg, len(inputs.data.train))
+    model = load_model(cfg, where, inputs.base)
+    warn_unservable(cfg)  # after the load's own checks of lora.rank: a refused rank is one line, no warning beside it
+    optim = make_optimization(model, cfg, span.total_steps, where)
+    return Run(cfg=cfg, where=where, manager=manager, resume=resume, inputs=inputs, model=model, optim=optim, span=span)
 
 
 def make_optimization(model: nn.Module, cfg: Config, total_steps: int, where: Placement) -> Optimization:

@@ -134,26 +134,29 @@ def llama_cpp_oracle():
     return pytest.importorskip("llama_cpp", reason="llama-cpp-python is in the dev extras (pip install -e .[dev])")
 
 
-# The longest test files first (seconds on a quiet 2-core machine, from `--durations` of the full suite):
-# under `make test` (pytest-xdist, --dist loadfile) each worker takes the next file as it finishes one,
-# so the long ones must not start last. The rest keep their collection order.
+# The longest test files first: under `make test` (pytest-xdist, --dist loadfile) each worker takes the next
+# file as it finishes one, so the long ones must not start last. Order from the summed `--durations` per file
+# of a full 2-worker run (loaded machine, load ~15: 578 passed in 3168 s, 6088 s of test time); test_bnb,
+# which then had no real-model run, now trains SmolLM2 from a 4-bit base. The rest keep their order.
 LONGEST_FILES = (
-    "test_dist_train.py",  # ~290 s: 2-rank runs under torchrun
-    "test_recipe_real_model.py",  # ~115 s: the real SmolLM2 run
-    "test_recipe.py",
-    "test_memory.py",
+    "test_recipe.py",  # 1408 s in that run
+    "test_dist_train.py",  # 1121 s: 2-rank runs under torchrun
+    "test_bnb.py",
+    "test_gguf.py",  # 475 s
+    "test_recipe_real_model.py",  # 419 s
     "test_distributed.py",
-    "test_gguf.py",
-    "test_kquants.py",
-    "test_recipe_preference.py",
-    "test_background.py",
+    "test_memory.py",
+    "test_merge.py",
     "test_faults.py",
     "test_cli.py",
-    "test_gpu_check.py",
+    "test_gguf_vocab.py",
+    "test_recipe_preference.py",
+    "test_background.py",
+    "test_families.py",
+    "test_hub.py",
     "test_fuzz.py",
     "test_runtime.py",
-    "test_bnb.py",
-    "test_merge.py",
+    "test_gpu_check.py",
 )
 
 

@@ -102,10 +102,13 @@ def _traced() -> PhaseMemory:
     from slimtune.recipes import finetune, steps
 
     memory = PhaseMemory()
-    for attr, name in [
+    for attr, name in [  # the shared set-up steps, looked up in recipes/steps.py by steps.prepare
         ("read_data", "setup/data"),
         ("load_model", "setup/load"),
         ("make_optimization", "setup/optimizer"),
+    ]:
+        memory.wrap(steps, attr, name)
+    for attr, name in [
         ("restore", "restore (docs staging)"),
         ("train_step", "train_step"),
         ("evaluate", "evaluate"),

@@ -34,9 +34,14 @@ real-model: $(REAL_MODEL_READY)
 $(REAL_MODEL_READY): | $(STAMP)
 	$(BIN)/python -m tests.real_model --dir "$(SLIMTUNE_REAL_MODEL)"
 
+# The suite in TEST_WORKERS pytest-xdist processes, a test file per worker at a time (--dist loadfile: a
+# module's shared runs stay in one process); tests/conftest.py hands out the longest files first. On 2 cores
+# one process left a core idle through the imports, subprocess starts and single-threaded test code.
+TEST_WORKERS ?= 2
+
 test: $(STAMP) $(REAL_MODEL_READY)
 	$(BIN)/ruff check slimtune tests bench
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 lint: $(STAMP)
 	$(BIN)/ruff check slimtune tests bench

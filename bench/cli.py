@@ -17,6 +17,7 @@ from bench.merge import bench_merge, bench_merge_cold
 from bench.nf4 import bench_nf4
 from bench.quant import bench_quant
 from bench.save import bench_dist_save, bench_save
+from bench.seed import bench_seed
 from bench.step_memory import bench_step_memory
 from bench.step_profile import bench_step_profile
 from bench.train_save import TRAIN_SAVE_MODES, bench_train_save
@@ -141,6 +142,12 @@ def main(argv: list[str] | None = None) -> None:
     sp.add_argument("--warmup", type=int, default=4)
     sp.add_argument("--steps", type=int, default=3)
     sp.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: as the recipe picks)")
+    sd = sub.add_parser("seed", help="the seed's scenario on the CPU: llama3-8b_qlora, 12 short rows, 1 step, merged save: RSS by phase")
+    sd.add_argument("--out", type=Path, default=Path("bench-out"))
+    sd.add_argument("--rows", type=int, default=12)
+    sd.add_argument("--words", type=int, default=24, help="words per row")
+    sd.add_argument("--eval-fraction", type=float, default=0.0, help="hold out this share: evaluation and eval_loss_merged run too")
+    sd.add_argument("--layers", type=int, default=None, help="fewer decoder layers (a quick check; the scenario is all 32)")
     ts = sub.add_parser("train-save", help="training with no / synchronous / background merged saves (and a writer thread)")
     ts.add_argument("--preset", choices=sorted(PRESETS), default="llama3.2-1b")
     ts.add_argument("--out", type=Path, default=Path("bench-out/train-save"))
@@ -157,6 +164,11 @@ def main(argv: list[str] | None = None) -> None:
     gg.add_argument("--tokenizer", type=Path, default=None, help="tokenizer files for the base (default: SmolLM2's)")
     gg.add_argument("--peer", choices=["llama.cpp"], help="also slimtune merge + llama.cpp's convert_hf_to_gguf.py on it")
     gg.add_argument("--no-verify", dest="verify", action="store_false", help="export without the sha256 check of the base and adapter")
+    gs = sub.add_parser("gguf-stages", help="a GGUF export's stages timed one by one, one thread (bench/gguf_stages.py)")
+    gs.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    gs.add_argument("--layers", type=int, default=None)
+    gs.add_argument("--out", type=Path, default=Path("bench-out"))
+    gs.add_argument("--block-type", default="Q8_0", help="a slimtune.quant.ggml block type (default Q8_0)")
     gq = sub.add_parser("gguf-quality", help="q4_k_m of the real SmolLM2 + adapter: KL and top-1 vs the fp32 merge, slimtune vs llama.cpp")
     gq.add_argument("--b-std", type=float, default=0.01, help="the random adapter's B ~ N(0, this) (default 0.01)")
     gq.add_argument("--steps", type=int, default=0, help="train the adapter with slimtune finetune for this many steps instead")
@@ -178,12 +190,20 @@ def main(argv: list[str] | None = None) -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         data = args.data or _real_rows(args.out)
         print(json.dumps(bench_step_profile(args.model, data, args.out, args.warmup, args.steps, threads=args.threads)))
+    if args.command == "seed":
+        print_row(bench_seed(args.out, args.rows, args.words, args.eval_fraction, args.layers))
+        return
     if args.command == "train-save":
         result = bench_train_save(args.preset, args.out, args.steps, args.save_every, args.layers, args.device)
         if not args.keep:
             for mode in TRAIN_SAVE_MODES:
                 shutil.rmtree(args.out / f"run-{mode}", ignore_errors=True)
         print(json.dumps(result))
+    if args.command == "gguf-stages":
+        from bench.gguf_stages import bench_gguf_stages
+
+        args.out.mkdir(parents=True, exist_ok=True)
+        print(json.dumps(bench_gguf_stages(args.preset, args.out, args.layers, args.block_type)))
     if args.command == "gguf":
         args.out.mkdir(parents=True, exist_ok=True)
         print(json.dumps(bench_gguf(args.preset, args.out, args.type, args.layers, args.tokenizer, args.peer, args.verify)))

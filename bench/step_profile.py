@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import ProfilerActivity, profile
 
-from slimtune.config import load_config
-from slimtune.data import collate, epoch_order, epoch_steps, model_inputs
+from bench.train_step import peft_model, plain_step, recipe_config, recipe_plan
+from slimtune.data import collate
 from slimtune.recipes.finetune import setup, train_step
 from slimtune.recipes.steps import restore
 from slimtune.runtime import choose_num_threads
@@ -53,78 +53,29 @@ def bench_step_profile(
 
     Example: ``bench_step_profile(Path(".cache/real-model/SmolLM2-135M-Instruct"), Path("train.jsonl"), Path("bench-out"))``"""
     threads = choose_num_threads(threads)
-    values = {
-        "output_dir": str(out / "step-profile-run"),
-        "overwrite": True,
-        "model.path": str(model_dir),
-        "model.create_tiny": False,
-        "dataset.path": str(data),
-        "dataset.create_builtin": False,
-        "lora.rank": 16,
-        "lora.alpha": 32,
-        "training.num_threads": threads,
-        "logging.progress_bar": False,
-    }
-    cfg = load_config("tiny", values=values)
+    cfg = recipe_config(model_dir, data, out / "step-profile-run", threads, {"logging.progress_bar": False})
     run = setup(cfg)
     restore(run)
-    examples = run.inputs.data.train
-    plan = epoch_steps(epoch_order(len(examples), cfg.seed, 0, cfg.dataset.shuffle), cfg.training.batch_size, 1)
     n = warmup + steps
-    plan = plan[:n]
+    examples = run.inputs.data.train
+    plan = recipe_plan(examples, cfg, n)
     collated = [collate([examples[i] for i in step[0]], run.inputs.pad_id) for step in plan]
-    results = {}
-
-    def recipe(i: int) -> None:
-        train_step(run, plan[i])
-
-    model, optimizer = run.model, run.optim.optimizer
-
-    def bare(i: int) -> None:
-        b = collated[i]
-        with record_function("forward"):
-            loss = model(**model_inputs(b), labels=b["labels"]).loss
-        with record_function("backward"):
-            loss.backward()
-        with record_function("adamw"):
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        loss.item()
-
-    sides = {"recipe": recipe, "bare": bare}
-    for name, fn in sides.items():
-        seconds = _timed(fn, list(range(n)), warmup)
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for i in range(warmup, n):
-                fn(i)
-        results[name] = {"median_step_s": round(statistics.median(seconds[1:]), 4), "top": _table(prof, steps, rows)}
-    results["bf16"] = _bf16_side(model_dir, cfg, collated, warmup, steps, rows)
+    bare = plain_step(run.model, run.optim.optimizer)
+    sides = {"recipe": lambda i: train_step(run, plan[i]), "bare": lambda i: bare(collated[i])}
+    results = {name: _profiled(fn, warmup, steps, rows) for name, fn in sides.items()}
+    bf16 = peft_model(model_dir, cfg)
+    optimizer = torch.optim.AdamW([p for p in bf16.parameters() if p.requires_grad], lr=cfg.optimizer.lr)
+    peer = plain_step(bf16, optimizer)
+    results["bf16"] = _profiled(lambda i: peer(collated[i]), warmup, steps, rows)
     figures = {"bench": "step-profile", "model": str(model_dir), "data": str(data), "threads": threads, "warmup": warmup, "steps": steps}
     return {**figures, **results}
 
 
-def _bf16_side(model_dir: Path, cfg, collated: list, warmup: int, steps: int, rows: int) -> dict:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16, local_files_only=True)
-    model = get_peft_model(base, LoraConfig(r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_dropout=0.0, target_modules="all-linear"))
-    model.train()
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.optimizer.lr)
-
-    def step(i: int) -> None:
-        b = collated[i]
-        with record_function("forward"):
-            loss = model(**model_inputs(b), labels=b["labels"]).loss
-        with record_function("backward"):
-            loss.backward()
-        with record_function("adamw"):
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        loss.item()
-
-    seconds = _timed(step, list(range(warmup + steps)), warmup)
+def _profiled(fn, warmup: int, steps: int, rows: int) -> dict:
+    """``fn(i)`` for the first ``warmup`` indices timed, then ``steps`` more under torch.profiler: the median
+    unprofiled step seconds (the first left out) and the table of the profiled steps."""
+    seconds = _timed(fn, list(range(warmup + steps)), warmup)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for i in range(warmup, warmup + steps):
-            step(i)
+            fn(i)
     return {"median_step_s": round(statistics.median(seconds[1:]), 4), "top": _table(prof, steps, rows)}

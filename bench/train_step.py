@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.profiler import record_function
 
 from slimtune.config import load_config
 from slimtune.data import DataSpec, collate, epoch_order, epoch_steps, load_data, model_inputs, write_jsonl
@@ -113,20 +114,8 @@ def bench_recipe_step(
     Example: ``bench_recipe_step(Path(".cache/real-model/SmolLM2-135M-Instruct"), Path("train.jsonl"), Path("bench-out"), steps=10)``"""
     out.mkdir(parents=True, exist_ok=True)
     threads = choose_num_threads(threads)
-    values = {
-        "output_dir": str(out / "train-step-recipe-run"),
-        "overwrite": True,
-        "model.path": str(model_dir),
-        "model.create_tiny": False,
-        "dataset.path": str(data),
-        "dataset.create_builtin": False,
-        "lora.rank": 16,
-        "lora.alpha": 32,
-        "training.max_steps": steps,
-        "training.num_threads": threads,
-        "training.objective": objective,
-    }
-    cfg = load_config("tiny", values=values)
+    extra = {"training.max_steps": steps, "training.objective": objective}
+    cfg = recipe_config(model_dir, data, out / "train-step-recipe-run", threads, extra)
     tokenizer = load_tokenizer(model_dir)
     examples = load_data(DataSpec.from_config(cfg), tokenizer, vocab_size=load_hf_config(model_dir).vocab_size).train
     rows = [json.loads(line) for line in data.read_text().splitlines() if line.strip()]
@@ -199,37 +188,82 @@ def _slimtune_steps(cfg) -> list[dict]:
     return records
 
 
-def _peft_steps(model_dir: Path, examples: list, cfg, tokenizer, quantized: bool = False) -> tuple[list[float], list[float]]:
-    """A plain PEFT LoRA loop on the recipe's batches, in the recipe's order, on bf16 weights or (``quantized``)
-    bitsandbytes 4-bit NF4 ones with bf16 compute (QLoRA, on the CPU too with bitsandbytes >= 0.49); tokens/s
-    and seconds per step."""
+def recipe_config(model_dir: Path, data: Path, run_dir: Path, threads: int, extra: dict | None = None):
+    """The user's case as ``slimtune finetune --config tiny model.path=DIR dataset.path=FILE lora.rank=16
+    lora.alpha=32`` sets it (``extra``: more keys), told ``threads``: train-step --recipe and step-profile."""
+    values = {
+        "output_dir": str(run_dir),
+        "overwrite": True,
+        "model.path": str(model_dir),
+        "model.create_tiny": False,
+        "dataset.path": str(data),
+        "dataset.create_builtin": False,
+        "lora.rank": 16,
+        "lora.alpha": 32,
+        "training.num_threads": threads,
+        **(extra or {}),
+    }
+    return load_config("tiny", values=values)
+
+
+def recipe_plan(examples: list, cfg, steps: int) -> list[list[list[int]]]:
+    """The recipe's first ``steps`` in its order (seed, epoch 0, shuffle), one micro-batch of example indices each:
+    what ``train_step(run, plan[i])`` takes; ``plan[i][0]`` the indices the peers collate."""
+    return epoch_steps(epoch_order(len(examples), cfg.seed, 0, cfg.dataset.shuffle), cfg.training.batch_size, 1)[:steps]
+
+
+def peft_model(model_dir: Path, cfg, quantized: bool = False) -> torch.nn.Module:
+    """PEFT LoRA (the config's rank and alpha, no dropout) on all linears of ``model_dir`` in bf16, or (``quantized``)
+    on bitsandbytes 4-bit NF4 weights with bf16 compute (QLoRA; on the CPU too with bitsandbytes >= 0.49), in train mode."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    torch.manual_seed(cfg.seed)
     bnb = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
     extra = dict(quantization_config=BitsAndBytesConfig(**bnb), device_map="cpu") if quantized else {}
     base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16, local_files_only=True, **extra)
-    lora = LoraConfig(r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_dropout=0.0, target_modules="all-linear")
-    model = get_peft_model(base, lora)
+    model = get_peft_model(base, LoraConfig(r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_dropout=0.0, target_modules="all-linear"))
     model.train()
+    return model
+
+
+def plain_step(model: torch.nn.Module, optimizer, clip: tuple[list, float] | None = None, scheduler=None):
+    """One plain loop step on a collated batch: the model's own loss, forward and backward, (``clip``: params and
+    max norm) clipping, AdamW and zero_grad, (``scheduler``) its step, the loss read back; each part a named
+    profiler region (forward, backward, adamw). The peers of train-step and the bare sides of step-profile."""
+
+    def step(batch: dict) -> None:
+        with record_function("forward"):
+            loss = model(**model_inputs(batch), labels=batch["labels"]).loss
+        with record_function("backward"):
+            loss.backward()
+        with record_function("adamw"):
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(*clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if scheduler is not None:
+                scheduler.step()
+        loss.item()
+
+    return step
+
+
+def _peft_steps(model_dir: Path, examples: list, cfg, tokenizer, quantized: bool = False) -> tuple[list[float], list[float]]:
+    """A plain PEFT LoRA loop (``peft_model``, ``plain_step`` with the recipe's clipping and schedule) on the recipe's
+    batches, in the recipe's order; tokens/s and seconds per step, collation included."""
+    torch.manual_seed(cfg.seed)
+    model = peft_model(model_dir, cfg, quantized)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.optimizer.lr, weight_decay=cfg.optimizer.weight_decay)
     total = cfg.training.max_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, 0, total, cfg.scheduler.min_lr_ratio))
+    step = plain_step(model, optimizer, (params, cfg.training.max_grad_norm), scheduler)
     pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
-    plan = epoch_steps(epoch_order(len(examples), cfg.seed, 0, cfg.dataset.shuffle), cfg.training.batch_size, 1)
     tok_s, step_s = [], []
-    for step in plan[:total]:
+    for (indices,) in recipe_plan(examples, cfg, total):
         started = time.perf_counter()
-        batch = collate([examples[i] for i in step[0]], pad_id)
-        loss = model(**model_inputs(batch), labels=batch["labels"]).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.training.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        loss.item()
+        batch = collate([examples[i] for i in indices], pad_id)
+        step(batch)
         seconds = time.perf_counter() - started
         tok_s.append(int(batch["attention_mask"].sum()) / seconds)
         step_s.append(seconds)
@@ -276,9 +310,8 @@ def _trl_dpo_steps(model_dir: Path, rows: list[dict], cfg, tokenizer, quantized:
     optimizer = torch.optim.AdamW(params, lr=cfg.optimizer.lr, weight_decay=cfg.optimizer.weight_decay)
     total = cfg.training.max_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, 0, total, cfg.scheduler.min_lr_ratio))
-    plan = epoch_steps(epoch_order(len(rows), cfg.seed, 0, cfg.dataset.shuffle), cfg.training.batch_size, 1)
     tok_s, step_s = [], []
-    for step in plan[:total]:
+    for step in recipe_plan(rows, cfg, total):
         started = time.perf_counter()
         inputs = trainer.data_collator([trainer.train_dataset[i] for i in step[0]])
         loss = trainer.compute_loss(model, inputs)

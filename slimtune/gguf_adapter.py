@@ -34,7 +34,7 @@ import torch
 
 from slimtune.errors import SlimtuneError
 from slimtune.formats.gguf_arch import gguf_arch
-from slimtune.formats.gguf_vocab import write_modelfile
+from slimtune.formats.gguf_vocab import modelfile_path, write_modelfile
 from slimtune.formats.layout import CheckpointLayout
 from slimtune.formats.manifest import checks_done, read_check
 from slimtune.formats.peft import Adapter, read_adapter, resolve
@@ -132,6 +132,8 @@ def export_gguf_adapter(
         raise SlimtuneError(f"{src}: holds no adapter/ for --adapter-only; pass --adapter DIR")
     if base is None:
         raise SlimtuneError(f"{adapter}: --adapter-only needs the base the adapter was trained on (its config and names): pass --base DIR")
+    if base_gguf is not None:
+        modelfile_path(base_gguf)  # the Modelfile's FROM is checked before the adapter is written, not after
     started = time.perf_counter()
     lora = read_adapter(adapter)
     check = read_check(lora.path, options.verify and not options.dry_run)

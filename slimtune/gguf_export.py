@@ -44,7 +44,7 @@ from slimtune.formats.manifest import ReadCheck, checks_done, read_check
 from slimtune.generate import read_format_record
 from slimtune.merge import BaseCheckpoint, MergeBase, merged_file_stream
 from slimtune.quant import ggml
-from slimtune.tensors import StreamTensor, row_chunks, scalar_source
+from slimtune.tensors import StreamTensor, all_finite, row_chunks, scalar_source
 
 Q = gguf.GGMLQuantizationType
 TYPES = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q5_0": Q.Q5_0, "q5_1": Q.Q5_1}
@@ -178,7 +178,7 @@ def encode_rows(rows: torch.Tensor, qtype: gguf.GGMLQuantizationType, quantizer:
     ``FloatingPointError`` where a value (or a legacy block's scale) overflows float16."""
     if qtype in _TORCH:
         out = rows.to(_TORCH[qtype]).contiguous()
-        if qtype == Q.F16 and not bool(torch.isfinite(out).all()):
+        if qtype == Q.F16 and not all_finite(out):
             raise FloatingPointError("float16 overflow")
         data = out.view(-1).view(torch.uint8)
         return lambda: data
@@ -210,7 +210,7 @@ def _data_chunks(plan: GGUFPlan, chunk_bytes: int, start: int, quantizer: ggml.Q
         made, pending = 0, deque()
         try:
             for rows in row_chunks(t, chunk_bytes):  # entries are fp32: chunk_bytes of fp32 rows
-                if not bool(torch.isfinite(rows).all()):
+                if not all_finite(rows):
                     raise SlimtuneError(f"tensor {slot.hf_key}: holds NaN or infinite values; llama.cpp would compute garbage from them")
                 pending.append(encode_rows(rows.float().reshape(-1, cols), slot.qtype, quantizer))
                 while len(pending) > (1 if quantizer is not None else 0):

@@ -195,7 +195,7 @@ def merge_lora_rows(
     Callers round the result once, to the output dtype."""
     with stage("merge"):
         merged = lora_b_rows.to(torch.float32) @ lora_a.to(torch.float32)
-        merged.mul_(scaling).add_(base_rows.to(torch.float32))  # in place: one fp32 temporary less per chunk
+        merged.mul_(scaling).add_(base_rows)  # in place, a bf16/fp16 W upcast element by element (exact): no fp32 copy of W
         if magnitude_rows is not None:
             norm = torch.linalg.vector_norm(merged, dim=1, keepdim=True)
             merged = merged * (magnitude_rows.to(torch.float32).unsqueeze(1) / norm)

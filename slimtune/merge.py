@@ -27,7 +27,7 @@ from slimtune.formats.peft import Adapter, AdapterModule, SavedTensor, read_adap
 from slimtune.formats.safetensors import COMPUTE_DTYPES, SafetensorsReader
 from slimtune.formats.strict_json import safe_name
 from slimtune.lora import lora_row_merge
-from slimtune.tensors import StreamTensor, ToHost, scalar_source
+from slimtune.tensors import StreamTensor, ToHost, all_finite, scalar_source
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class BaseCheckpoint:
 
 
 def _finite(rows: torch.Tensor, key: str, adapter: Adapter) -> torch.Tensor:
-    if not bool(torch.isfinite(rows).all()):
+    if not all_finite(rows):
         raise SlimtuneError(f"adapter {adapter.path}: modules_to_save tensor {safe_name(key)} holds NaN or infinite values")
     return rows
 
@@ -183,7 +183,7 @@ def _merged_source(
     def rows(s: int, e: int) -> torch.Tensor:
         w = read_rows(s, e).to(device)
         out = to_host(merged(w, s, e), dtype)
-        if not bool(torch.isfinite(out).all()) and bool(torch.isfinite(w).all()):
+        if not all_finite(out) and all_finite(w):
             raise SlimtuneError(
                 f"{where}: merging into {key} gives non-finite values in {dtype} "
                 f"(scaling {m.scaling:g} from lora_alpha {m.alpha:g}, r {m.rank})"

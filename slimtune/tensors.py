@@ -23,6 +23,16 @@ ToHost = Callable[[torch.Tensor, torch.dtype], torch.Tensor]
 """(chunk on its device, dtype) -> contiguous CPU chunk in that dtype: how a stream hands rows to a writer."""
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN or infinity in ``t``. One vectorized sum decides almost always (a NaN or an infinity makes
+    the sum non-finite; a finite sum means there is none); only a non-finite sum (a bad value, or finite
+    values whose float32 sum overflows) pays for the element-wise check, several times slower.
+    Example: ``all_finite(torch.tensor([1.0, float("inf")])) is False``"""
+    if not t.is_floating_point():
+        return True
+    return bool(torch.isfinite(t.sum(dtype=torch.float32))) or bool(torch.isfinite(t).all())
+
+
 def dtype_size(dtype: torch.dtype) -> int:
     """Bytes per element of ``dtype``."""
     return torch.empty((), dtype=dtype).element_size()

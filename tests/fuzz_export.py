@@ -245,7 +245,11 @@ class LlamaProcess:
     def close(self) -> None:
         if self.proc is not None:
             self.proc.stdin.close()
-            self.proc.wait(timeout=30)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:  # every case is counted already: a slow exit is not one
+                self.proc.kill()
+                self.proc.wait()
 
 
 # --- cases -------------------------------------------------------------------------------------------------
@@ -259,15 +263,16 @@ def _alarm(signum, frame):
     raise _Hang()
 
 
-def run_case(src: Path, out_dir: Path, typ: str, extra: list[str]) -> tuple[str, str]:
-    """One export through the CLI's entry point; (outcome, detail) before llama.cpp sees the file."""
+def run_case(src: Path, out_dir: Path, typ: str, extra: list[str], src_arg: bool = True) -> tuple[str, str]:
+    """One export through the CLI's entry point; (outcome, detail) before llama.cpp sees the file.
+    ``src_arg``: SRC is the export's positional argument (else ``extra`` names it, e.g. --adapter)."""
     from slimtune.cli import main as slimtune_main
 
     err = io.StringIO()
     signal.alarm(CASE_SECONDS)
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            code = slimtune_main(["export", str(src), "--type", typ, "--out", str(out_dir / "m.gguf"), *extra])
+            code = slimtune_main(["export", *([str(src)] if src_arg else []), "--type", typ, "--out", str(out_dir / "m.gguf"), *extra])
     except _Hang:
         return "hang", ""
     except BaseException as e:  # noqa: BLE001 - the CLI's main must not raise

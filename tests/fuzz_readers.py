@@ -410,10 +410,13 @@ def fuzz_quantization_config(run: Runner, rng: random.Random, tmp: Path, n: int)
         run.case("bnb quantization_config", settings, len(data), ("config.json",))
 
 
+BNB_STATE = {"quant_type": "nf4", "absmax": [], "blocksize": 64, "quant_map": [], "dtype": "bfloat16", "shape": [8, 64],
+             "nested_blocksize": 256, "nested_offset": 0.0123, "nested_dtype": "float32"}  # fmt: skip
+
+
 def _bnb_tensors(rng: random.Random) -> dict[str, torch.Tensor]:
     """One double-quantized NF4 weight [8, 64] as save_pretrained stores it (values random, layout exact)."""
-    state = {"quant_type": "nf4", "absmax": [], "blocksize": 64, "quant_map": [], "dtype": "bfloat16", "shape": [8, 64],
-             "nested_blocksize": 256, "nested_offset": 0.0123, "nested_dtype": "float32"}  # fmt: skip
+    state = BNB_STATE
     key = "model.layers.0.mlp.up_proj.weight"
     return {
         key: torch.randint(0, 256, (256, 1), dtype=torch.uint8),
@@ -438,7 +441,7 @@ def _hostile_tensor(t: torch.Tensor, rng: random.Random) -> torch.Tensor:
     if kind == 2:
         return torch.cat([t.reshape(-1), t.reshape(-1)[: rng.randint(1, 8)]]).to(t.dtype)
     if kind == 3:
-        return t.reshape(-1, 1) if t.dim() == 1 else t.reshape(1, -1) if rng.random() < 0.5 else t.reshape(-1, 2)
+        return t.reshape(-1, 1) if t.dim() == 1 else t.reshape(1, -1) if rng.random() < 0.5 or t.numel() % 2 else t.reshape(-1, 2)
     if kind == 4 and t.is_floating_point() and t.numel():
         v = t.clone().reshape(-1)
         v[rng.randrange(v.numel())] = rng.choice([float("nan"), float("inf"), -float("inf"), 3e38, -1e30])
@@ -465,10 +468,10 @@ def fuzz_bnb_shard(run: Runner, rng: random.Random, tmp: Path, n: int) -> None:
             if kind == 0:
                 del tensors[key]
             elif kind == 1 and key.endswith("__nf4"):
-                raw = bytes(tensors[key].tolist())
-                text = mutate_json(json.loads(raw), rng).encode("utf-8", "surrogatepass")
+                text = mutate_json(BNB_STATE, rng).encode("utf-8", "surrogatepass")  # the state as written, mutated
                 tensors[key] = torch.tensor(list(text if rng.random() < 0.8 else mutate_bytes(text, rng)), dtype=torch.uint8)
-            elif kind == 2 and key.endswith("up_proj.weight"):  # the packed bytes in another bnb_4bit_quant_storage
+            elif kind == 2 and key.endswith("up_proj.weight") and tensors[key].dtype == torch.uint8 and tensors[key].numel() % 4 == 0:
+                # the packed bytes in another bnb_4bit_quant_storage
                 tensors[key] = tensors[key].view(-1).view(rng.choice([torch.bfloat16, torch.float32, torch.int8])).reshape(-1, 1)
             elif kind == 3:
                 tensors[key.rsplit(".weight", 1)[0] + ".weight.absmax"] = torch.rand(8).to(rng.choice(_HOSTILE_DTYPES))

@@ -64,6 +64,14 @@ def edge_rows(seed: int) -> torch.Tensor:
     rows.append(r)
     rows += [torch.rand(n, generator=g), -torch.rand(n, generator=g)]  # one sign only
     rows += [torch.randint(-8, 8, (n,), generator=g).float() * 0.5, torch.randint(-40, 40, (n,), generator=g).float()]  # ties
+    for amax, step in ((127.0, 0.5), (63.5, 0.25)):  # Q8_0's scale exactly 1 and 0.5: levels at exact ties n + 0.5
+        r = torch.randint(-int(amax / step), int(amax / step), (n,), generator=g).float() * step
+        r[::32] = amax
+        rows.append(r)
+    r = torch.full((n,), 0.5 - 2.0**-25)  # the float below one half, beside +-0.5 and +-1.5, in blocks of scale 1
+    r[1::4], r[2::4], r[3::4] = -0.5, 1.5, -(0.5 - 2.0**-25)
+    r[::32] = -127.0
+    rows.append(r)
     r = randn()
     r[:32], r[64:80] = 0, 0  # zero sub-blocks in a live block
     rows.append(r)

@@ -344,7 +344,7 @@ def write_modelfile(
     gguf_path = Path(gguf_path)
     tokenizer = _load_tokenizer(Path(model_dir))
     turns = _turns(tokenizer, chat_template) if chat_template else None
-    lines = [f"FROM ./{gguf_path.name}"] if base_gguf is None else [f"FROM {_local(base_gguf)}", f"ADAPTER ./{gguf_path.name}"]
+    lines = [f"FROM ./{gguf_path.name}"] if base_gguf is None else [f"FROM {modelfile_path(base_gguf)}", f"ADAPTER ./{gguf_path.name}"]
     if turns is not None:
         lines.append(f'TEMPLATE """{_triple_quoted(turns.go_template(), "TEMPLATE")}"""')
     elif chat_template:
@@ -363,8 +363,10 @@ def write_modelfile(
     return target
 
 
-def _local(path: str) -> str:
-    """A relative path as Ollama reads one (``./`` first); absolute paths and model names as given."""
+def modelfile_path(path: str) -> str:
+    """A Modelfile ``FROM``: a relative path as Ollama reads one (``./`` first); absolute paths and model
+    names as given; a line break is one error line (callers check it before writing anything).
+    Example: ``modelfile_path("model-f16.gguf") == "./model-f16.gguf"``"""
     if "\n" in path or "\r" in path:
         raise SlimtuneError(f"Modelfile FROM {path!r}: a line break cannot be in a Modelfile line")
     return path if path.startswith(("/", "./", "../")) or "/" not in path and not path.endswith(".gguf") else f"./{path}"

@@ -72,12 +72,26 @@ def _high_bits(q: torch.Tensor) -> torch.Tensor:
     return out
 
 
+_JUST_BELOW_HALF = torch.tensor(0.5 - 2.0**-25)  # 0.49999997f, the float32 below 0.5
+
+
 def _q8_0(b: torch.Tensor) -> torch.Tensor:
-    d = _div(b.abs().amax(1), 127.0)
-    x0 = b * _inverse(d)[:, None]
-    t = x0.trunc()
-    q = _to_int(t + (x0 - t).mul_(2).trunc_())  # roundf: the fraction's doubled truncation is +-1 from one half on
-    return torch.cat([le16(_fp16(d)), q.to(torch.int8).view(torch.uint8)], dim=1)
+    """d = amax / 127 (fp16), levels roundf(x * id): six passes over the values, one temporary and the output.
+
+    ``roundf`` (half away from zero) of |x0| <= 127 is ``(int8_t)copysign(|x0| + 0.49999997f, x0)``: the
+    sum is exact or rounds within the same integer, except on a tie n + 0.5, where it rounds up to n + 1
+    (a spacing of >= 2^-23 there), and 0.49999997 + 0.49999997 stays below 1 (0.5 itself would make 1).
+    Where ``1.0f/d`` is infinite (d subnormal) the C's levels are (int8_t) of an infinity or NaN: 0
+    (cvttss2si's 0x80000000, low byte 0), as with d == 0; so id is 0 there."""
+    a = b.abs()
+    d = _div(a.amax(1), 127.0)
+    inv = torch.full_like(d, 1.0) / d
+    inv.masked_fill_(torch.isinf(inv), 0.0)
+    a.mul_(inv[:, None]).add_(_JUST_BELOW_HALF).copysign_(b)  # |x| * id == |x * id|: in place, no temporaries
+    out = torch.empty(b.shape[0], 34, dtype=torch.uint8)
+    out[:, 2:].view(torch.int8).copy_(a)  # float -> int8 truncates toward zero, as the C's cast
+    out[:, :2] = le16(_fp16(d))
+    return out
 
 
 def _signed_scale(b: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -121,7 +135,7 @@ def _q5_1(b: torch.Tensor) -> torch.Tensor:
 
 _TYPES: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], int, int]] = {
     # type: (quantizer of blocks (N, block values) -> (N, block bytes), values per block, blocks per piece)
-    "Q8_0": (_q8_0, 32, 4096),
+    "Q8_0": (_q8_0, 32, 16384),
     "Q4_0": (_q4_0, 32, 4096),
     "Q4_1": (_q4_1, 32, 4096),
     "Q5_0": (_q5_0, 32, 4096),

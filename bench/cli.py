@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 from bench.bnb_dequant import bench_bnb_dequant
-from bench.common import synthetic_train_base
+from bench.common import real_model_dir, synthetic_train_base
 from bench.gguf_export import bench_gguf
 from bench.load_bnb import bench_load_bnb
 from bench.load_moe import bench_load_moe
@@ -18,6 +18,7 @@ from bench.nf4 import bench_nf4
 from bench.quant import bench_quant
 from bench.save import bench_dist_save, bench_save
 from bench.seed import bench_seed
+from bench.step_memory import bench_step_memory
 from bench.step_profile import bench_step_profile
 from bench.train_save import TRAIN_SAVE_MODES, bench_train_save
 from bench.train_step import bench_recipe_step, bench_train_step, print_row
@@ -32,6 +33,18 @@ def _real_rows(out: Path) -> Path:
     return write_docstring_data(out / "recipe-data")[0]
 
 
+def _real_pairs(out: Path, count: int) -> Path:
+    """The first ``count`` training pairs of the real-model tests (tests/real_model.docstring_pairs: the right
+    docstring summary chosen, another function's rejected) as a JSONL file under ``out``: one epoch's worth,
+    so the recipe's reference pass (before its steps, outside their timing) scores no more than it trains."""
+    from tests.real_model import docstring_pairs
+
+    path = out / "recipe-data" / "pairs.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in docstring_pairs()[0][:count]))
+    return path
+
+
 def _train_step(args: argparse.Namespace) -> None:
     if args.recipe:
         if args.model is None:
@@ -39,6 +52,14 @@ def _train_step(args: argparse.Namespace) -> None:
         data = args.data or _real_rows(args.out)
         peers = tuple(dict.fromkeys(args.peer or ["peft"]))
         print_row(bench_recipe_step(args.model, data, args.out, args.steps or 10, args.rounds, peers, args.threads))
+        return
+    if args.objective == "dpo":  # the recipe's DPO step vs TRL's DPOTrainer, PEFT + bitsandbytes 4-bit and bf16
+        if args.peer not in (None, ["trl"]):
+            raise SystemExit("train-step --objective dpo: the peer is trl (TRL's DPOTrainer: PEFT + bitsandbytes 4-bit, and bf16)")
+        model_dir = args.model or real_model_dir()
+        data = args.data or _real_pairs(args.out, (args.steps or 10) * 4)  # the tiny config's batch: 4 pairs
+        peers = ("trl-bnb", "trl")
+        print_row(bench_recipe_step(model_dir, data, args.out, args.steps or 10, args.rounds, peers, args.threads, objective="dpo"))
         return
     real = args.model is not None
     shape = dict(preset=args.preset, layers=args.layers, steps=args.steps or (8 if real else 6), batch=args.batch or (4 if real else 2))
@@ -94,8 +115,12 @@ def main(argv: list[str] | None = None) -> None:
     step.add_argument("--recipe", action="store_true", help="the user's case: the recipe on --data's rows, as the CLI runs it")
     step.add_argument("--data", type=Path, default=None, help="with --recipe: a JSONL dataset (default: the real-model tests' chat rows)")
     step.add_argument(
-        "--peer", choices=["peft", "peft-bnb"], action="append", help="peft: PEFT on bf16; peft-bnb: PEFT + bitsandbytes NF4 (--recipe)"
+        "--peer",
+        choices=["peft", "peft-bnb", "trl"],
+        action="append",
+        help="peft: PEFT on bf16; peft-bnb: PEFT + bitsandbytes NF4 (--recipe); trl: TRL's DPOTrainer on both (--objective dpo)",
     )
+    step.add_argument("--objective", choices=["sft", "dpo"], default="sft", help="dpo: the recipe's DPO step on pairs (real model)")
     step.add_argument("--out", type=Path, default=Path("bench-out"))
     step.add_argument("--steps", type=int, default=None, help="steps per run (default 6 synthetic, 8 with --model)")
     step.add_argument("--batch", type=int, default=None, help="sequences per step (default 2 synthetic, 4 with --model)")
@@ -104,6 +129,12 @@ def main(argv: list[str] | None = None) -> None:
     step.add_argument("--rounds", type=int, default=2, help="slimtune/peer alternations")
     step.add_argument("--compile", action="store_true", help="slimtune with training.compile=true")
     step.add_argument("--threads", type=int, default=None, help="torch CPU threads for both sides (default: as the recipe picks)")
+    sm = sub.add_parser("step-memory", help="a DPO step's peak RSS vs an SFT step's on the same 2N sequences in one batch")
+    sm.add_argument("--preset", choices=sorted(PRESETS), default="llama3-8b")
+    sm.add_argument("--layers", type=int, default=2)
+    sm.add_argument("--pairs", type=int, default=2, help="N: pairs in the DPO batch (the SFT batch holds their 2N sequences)")
+    sm.add_argument("--seq", type=int, default=256, help="tokens per sequence")
+    sm.add_argument("--out", type=Path, default=Path("bench-out"))
     sp = sub.add_parser("step-profile", help="torch.profiler of one recipe step vs the bare QLoRA step vs the bf16 PEFT peer")
     sp.add_argument("--model", type=Path, required=True)
     sp.add_argument("--data", type=Path, default=None, help="a JSONL dataset (default: the real-model tests' chat rows)")
@@ -153,6 +184,8 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(bench_gguf_quality(args.out, args.steps, args.adapter, args.rows, args.b_std)))
     if args.command == "train-step":
         _train_step(args)
+    if args.command == "step-memory":
+        print(json.dumps(bench_step_memory(args.out, args.preset, args.layers, args.pairs, args.seq)))
     if args.command == "step-profile":
         args.out.mkdir(parents=True, exist_ok=True)
         data = args.data or _real_rows(args.out)

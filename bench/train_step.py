@@ -99,16 +99,26 @@ def bench_train_step(model_dir: Path, out: Path, shape: dict, rounds: int = 2, c
 
 
 def bench_recipe_step(
-    model_dir: Path, data: Path, out: Path, steps: int = 10, rounds: int = 2, peers: tuple[str, ...] = ("peft",), threads: int | None = None
+    model_dir: Path,
+    data: Path,
+    out: Path,
+    steps: int = 10,
+    rounds: int = 2,
+    peers: tuple[str, ...] = ("peft",),
+    threads: int | None = None,
+    objective: str = "sft",
 ) -> dict:
-    """The user's case (module docstring): the recipe on ``data`` vs each of ``peers`` on its batches, alternated.
+    """The user's case (module docstring): the recipe on ``data`` vs each of ``peers`` on its batches, alternated;
+    ``objective`` dpo: ``data`` holds preference pairs and the peers are TRL's DPOTrainer (``_trl_dpo_steps``).
 
     Example: ``bench_recipe_step(Path(".cache/real-model/SmolLM2-135M-Instruct"), Path("train.jsonl"), Path("bench-out"), steps=10)``"""
     out.mkdir(parents=True, exist_ok=True)
     threads = choose_num_threads(threads)
-    cfg = recipe_config(model_dir, data, out / "train-step-recipe-run", threads, {"training.max_steps": steps})
+    extra = {"training.max_steps": steps, "training.objective": objective}
+    cfg = recipe_config(model_dir, data, out / "train-step-recipe-run", threads, extra)
     tokenizer = load_tokenizer(model_dir)
     examples = load_data(DataSpec.from_config(cfg), tokenizer, vocab_size=load_hf_config(model_dir).vocab_size).train
+    rows = [json.loads(line) for line in data.read_text().splitlines() if line.strip()]
     tok_s: dict[str, list[float]] = {"slimtune": [], **{p: [] for p in peers}}
     step_s: dict[str, list[float]] = {k: [] for k in tok_s}
     load_before = os.getloadavg()[0]
@@ -117,14 +127,17 @@ def bench_recipe_step(
         tok_s["slimtune"] += [r["tokens_per_s"] for r in records[2:]]
         step_s["slimtune"] += [r["step_s"] for r in records[2:]]
         for peer in peers:
-            t, s = _peft_steps(model_dir, examples, cfg, tokenizer, quantized=peer == "peft-bnb")
+            if peer.startswith("trl"):
+                t, s = _trl_dpo_steps(model_dir, rows, cfg, tokenizer, quantized=peer == "trl-bnb")
+            else:
+                t, s = _peft_steps(model_dir, examples, cfg, tokenizer, quantized=peer == "peft-bnb")
             tok_s[peer] += t[2:]
             step_s[peer] += s[2:]
     shutil.rmtree(out / "train-step-recipe-run", ignore_errors=True)
     med = {k: statistics.median(v) for k, v in tok_s.items()}
-    lengths = sorted(len(e.input_ids) for e in examples)
+    lengths = sorted(_tokens(e) for e in examples)
     return {
-        "bench": "train-step --recipe",
+        "bench": "train-step --recipe" + (f" --objective {objective}" if objective != "sft" else ""),
         "model": str(model_dir),
         "data": str(data),
         "rows": len(examples),
@@ -253,6 +266,63 @@ def _peft_steps(model_dir: Path, examples: list, cfg, tokenizer, quantized: bool
         step(batch)
         seconds = time.perf_counter() - started
         tok_s.append(int(batch["attention_mask"].sum()) / seconds)
+        step_s.append(seconds)
+    return tok_s, step_s
+
+
+def _tokens(example) -> int:
+    """The tokens of an SFT example, or of a pair's two sequences (chosen + rejected)."""
+    if hasattr(example, "chosen"):
+        return len(example.chosen.input_ids) + len(example.rejected.input_ids)
+    return len(example.input_ids)
+
+
+def _trl_dpo_steps(model_dir: Path, rows: list[dict], cfg, tokenizer, quantized: bool = False) -> tuple[list[float], list[float]]:
+    """TRL 1.16's DPOTrainer on the recipe's batches, in the recipe's order: its tokenization of ``rows`` (the
+    same ids as the recipe's, tests/test_preference.py), its collator, its ``compute_loss`` (the reference
+    from the same model with the adapter disabled, one extra no-grad forward per step: TRL's default,
+    precompute_ref_log_probs=False), a PEFT LoRA model as the trainer makes it from ``peft_config`` on bf16
+    weights or (``quantized``) bitsandbytes 4-bit NF4 ones with bf16 compute (TRL prepares a 4-bit model
+    for k-bit training itself); then the same clipping, AdamW and schedule as ``_peft_steps``, and the loss
+    read back. tokens/s = the step's chosen + rejected non-padding tokens / its wall time, collation included."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from trl import DPOConfig, DPOTrainer
+
+    torch.manual_seed(cfg.seed)
+    bnb = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+    extra = dict(quantization_config=BitsAndBytesConfig(**bnb), device_map="cpu") if quantized else {}
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16, local_files_only=True, **extra)
+    lora = LoraConfig(r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_dropout=0.0, target_modules="all-linear")
+    p = cfg.preference
+    args = DPOConfig(
+        output_dir=str(Path(cfg.output_dir) / "trl"), beta=p.beta, loss_type=["sigmoid"], max_length=cfg.dataset.max_seq_len,
+        truncation_mode=p.truncation_mode, report_to=[], use_cpu=True, bf16=False, gradient_checkpointing=False,
+        per_device_train_batch_size=cfg.training.batch_size, remove_unused_columns=False,
+    )  # fmt: skip
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    trainer = DPOTrainer(model=base, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer, peft_config=lora)
+    model = trainer.model
+    model.train()
+    params = [q for q in model.parameters() if q.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.optimizer.lr, weight_decay=cfg.optimizer.weight_decay)
+    total = cfg.training.max_steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, 0, total, cfg.scheduler.min_lr_ratio))
+    tok_s, step_s = [], []
+    for step in recipe_plan(rows, cfg, total):
+        started = time.perf_counter()
+        inputs = trainer.data_collator([trainer.train_dataset[i] for i in step[0]])
+        loss = trainer.compute_loss(model, inputs)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.training.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        loss.item()
+        seconds = time.perf_counter() - started
+        tok_s.append(int(inputs["attention_mask"].sum()) / seconds)
         step_s.append(seconds)
     return tok_s, step_s
 

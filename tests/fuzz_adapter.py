@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.fuzz_export import ROOT, LlamaProcess, _alarm, _fresh, _vm, run_case
+from tests.fuzz_export import FAILURES, ROOT, LlamaProcess, Tally, _alarm, _fresh, bounded, loaded_in, run_case
 from tests.gguf_inputs import tiny_merged
 from tests.mutate import mutate_bytes, mutate_json
 
@@ -44,7 +44,6 @@ SHAPES = {
     "down_proj": (64, 128),
 }  # fmt: skip  (out, in) of tests/gguf_inputs.tiny_merged's weights
 TYPES = ["f16", "f32", "bf16", "q8_0", "q8_0", "q4_k_m", "f8"]
-MEMORY_BOUND_MB = 512
 _HOSTILE = [0, -1, 1, 2, 3, 7, 64, 65, 2**31, 2**63, 1e39, -8.0, 0.5, float("nan"), "4", None, True, [], {}, "q_proj", ".*", ""]
 _NAMES = ["q_proj", "nope", "", ".*", "model.layers.0.self_attn.q_proj", "lm_head", "embed_tokens", "layers.9.mlp.up_proj", "norm",
           "q_proj\x00", "ü", "rotary_emb", "self_attn"]  # fmt: skip
@@ -198,9 +197,7 @@ def main(argv: list[str] | None = None) -> dict:
     signal.signal(signal.SIGALRM, _alarm)
     rng = random.Random(args.seed)
     tmp = Path(tempfile.mkdtemp(prefix="slimtune-fuzz-adapter-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
-    counts = {k: 0 for k in ("ok", "clean", "internal", "crash", "refused", "hang", "memory", "leftover")}
-    by_input: dict[str, dict[str, int]] = {}
-    failures: list[str] = []
+    tally = Tally()
     llama = AdapterLlamaProcess()
     llama._start()  # its imports overlap the base's set-up: the first case's time limit is the case's own
     try:
@@ -214,33 +211,22 @@ def main(argv: list[str] | None = None) -> dict:
             shutil.copytree(good, src)
             what, typ, extra = mutate_case(src, rng)
             out_dir = _fresh(tmp / f"case-{i}" / "out")
-            Path("/proc/self/clear_refs").write_text("5")
-            before = _vm("VmRSS")
             cli = ["--adapter-only", "--base", str(base), "--adapter", str(src), *extra]
-            outcome, detail = run_case(src, out_dir, typ, cli, src_arg=False)
-            if (_vm("VmHWM") - before) / 2**20 > MEMORY_BOUND_MB:
-                outcome = "memory"
+            outcome, detail = bounded(lambda: run_case(src, out_dir, typ, cli, src_arg=False))  # noqa: B023 (called at once)
             if outcome == "ok" and not _modelfile_ok(out_dir):
                 outcome, detail = "internal", (out_dir / "Modelfile").read_text()[:200]
-            if outcome == "ok":
-                loaded = llama.load(f"{base_gguf}\t{out_dir / 'm.gguf'}")
-                if not loaded["loaded"]:
-                    outcome, detail = ("crash" if loaded.get("crash") else "refused"), loaded["error"]
-            counts[outcome] += 1
-            by_input.setdefault(what, {}).setdefault(outcome, 0)
-            by_input[what][outcome] += 1
-            if outcome not in ("ok", "clean") and len(failures) < 20:
-                failures.append(f"case {i} ({what}, {typ}, {extra}): {outcome}: {detail}")
+            outcome, detail = loaded_in(llama, f"{base_gguf}\t{out_dir / 'm.gguf'}", outcome, detail)
+            tally.add(what, outcome, detail, f"case {i} ({what}, {typ}, {extra})")
             shutil.rmtree(tmp / f"case-{i}", ignore_errors=True)
         seconds = time.perf_counter() - start
     finally:
         llama.close()
         shutil.rmtree(tmp, ignore_errors=True)
-    result = {"seed": args.seed, "cases": args.cases, "seconds": round(seconds, 1), **counts, "by_input": by_input, "failures": failures}
+    result = tally.result(args.seed, args.cases, seconds)
     print(json.dumps(result))
     return result
 
 
 if __name__ == "__main__":
     figures = main()
-    sys.exit(0 if all(figures[k] == 0 for k in ("internal", "crash", "refused", "hang", "memory", "leftover")) else 1)
+    sys.exit(0 if all(figures[k] == 0 for k in FAILURES) else 1)

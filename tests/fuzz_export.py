@@ -288,6 +288,45 @@ def run_case(src: Path, out_dir: Path, typ: str, extra: list[str], src_arg: bool
     return ("clean", text[:300]) if not left else ("leftover", str(left))
 
 
+FAILURES = ("internal", "crash", "refused", "hang", "memory", "leftover")  # outcomes a fuzz run must not have
+
+
+class Tally:
+    """A fuzz run's outcomes: counts, counts per kind of input, the first 20 failures (``result``: its record)."""
+
+    def __init__(self) -> None:
+        self.counts = dict.fromkeys(("ok", "clean", *FAILURES), 0)
+        self.by_input: dict[str, dict[str, int]] = {}
+        self.failures: list[str] = []
+
+    def add(self, what: str, outcome: str, detail: str, case: str) -> None:
+        self.counts[outcome] += 1
+        kind = self.by_input.setdefault(what, {})
+        kind[outcome] = kind.get(outcome, 0) + 1
+        if outcome in FAILURES and len(self.failures) < 20:
+            self.failures.append(f"{case}: {outcome}: {detail}")
+
+    def result(self, seed: int, cases: int, seconds: float) -> dict:
+        figures = {"seed": seed, "cases": cases, "seconds": round(seconds, 1), **self.counts}
+        return {**figures, "by_input": self.by_input, "failures": self.failures}
+
+
+def bounded(run) -> tuple[str, str]:
+    """``run()`` -> (outcome, detail), with "memory" where this process's VmHWM rose by more than MEMORY_BOUND_MB."""
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _vm("VmRSS")
+    outcome, detail = run()
+    return ("memory", detail) if (_vm("VmHWM") - before) / 2**20 > MEMORY_BOUND_MB else (outcome, detail)
+
+
+def loaded_in(llama: LlamaProcess, files: str | Path, outcome: str, detail: str) -> tuple[str, str]:
+    """A written file (``outcome`` "ok") must load in llama.cpp: else "crash" or "refused" with its error."""
+    if outcome != "ok":
+        return outcome, detail
+    loaded = llama.load(files)
+    return (outcome, detail) if loaded["loaded"] else ("crash" if loaded.get("crash") else "refused", loaded["error"])
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seed", type=int, default=0)
@@ -306,9 +345,7 @@ def main(argv: list[str] | None = None) -> dict:
     rng = random.Random(args.seed)
     shm = Path("/dev/shm")
     tmp = Path(tempfile.mkdtemp(prefix="slimtune-fuzz-gguf-", dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None))
-    counts = {k: 0 for k in ("ok", "clean", "internal", "crash", "refused", "hang", "memory", "leftover")}
-    by_input: dict[str, dict[str, int]] = {}
-    failures: list[str] = []
+    tally = Tally()
     llama = LlamaProcess()
     try:
         good = tiny_merged(tmp / "good")
@@ -320,26 +357,14 @@ def main(argv: list[str] | None = None) -> dict:
             what, extra = mutate_case(src, rng)
             typ = rng.choice(TYPES)
             out_dir = _fresh(tmp / f"case-{i}" / "out")
-            Path("/proc/self/clear_refs").write_text("5")
-            before = _vm("VmRSS")
-            outcome, detail = run_case(src, out_dir, typ, extra)
-            if (_vm("VmHWM") - before) / 2**20 > MEMORY_BOUND_MB:
-                outcome = "memory"
-            if outcome == "ok":
-                loaded = llama.load(out_dir / "m.gguf")
-                if not loaded["loaded"]:
-                    outcome, detail = ("crash" if loaded.get("crash") else "refused"), loaded["error"]
-            counts[outcome] += 1
-            by_input.setdefault(what, {}).setdefault(outcome, 0)
-            by_input[what][outcome] += 1
-            if outcome not in ("ok", "clean") and len(failures) < 20:
-                failures.append(f"case {i} ({what}, {typ}): {outcome}: {detail}")
+            outcome, detail = bounded(lambda: run_case(src, out_dir, typ, extra))  # noqa: B023 (called at once)
+            tally.add(what, *loaded_in(llama, out_dir / "m.gguf", outcome, detail), f"case {i} ({what}, {typ})")
             shutil.rmtree(tmp / f"case-{i}", ignore_errors=True)
         seconds = time.perf_counter() - start
     finally:
         llama.close()
         shutil.rmtree(tmp, ignore_errors=True)
-    result = {"seed": args.seed, "cases": args.cases, "seconds": round(seconds, 1), **counts, "by_input": by_input, "failures": failures}
+    result = tally.result(args.seed, args.cases, seconds)
     print(json.dumps(result))
     return result
 
@@ -351,4 +376,4 @@ def _fresh(d: Path) -> Path:
 
 if __name__ == "__main__":
     figures = main()
-    sys.exit(0 if all(figures[k] == 0 for k in ("internal", "crash", "refused", "hang", "memory", "leftover")) else 1)
+    sys.exit(0 if all(figures[k] == 0 for k in FAILURES) else 1)

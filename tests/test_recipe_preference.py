@@ -131,3 +131,50 @@ def test_two_ranks_follow_the_one_rank_curve(straight_run, settings, tmp_path):
     for a, b in zip(one, two, strict=True):
         assert abs(a["loss"] - b["loss"]) <= LOSS_RTOL * abs(a["loss"]), (a["step"], a["loss"], b["loss"])
         assert abs(a["logps/chosen"] - b["logps/chosen"]) <= LOSS_RTOL * abs(a["logps/chosen"])
+
+
+# ---------------------------------------------------------------------------------------------------
+# A real model: SmolLM2-135M-Instruct (tests/real_model.py), the docstring questions as pairs
+
+REAL_PAIRS = 48  # training pairs: REAL_STEPS steps of REAL_BATCH, one epoch (the reference pass scores only these and the held out)
+REAL_BATCH = 8
+REAL_STEPS = REAL_PAIRS // REAL_BATCH
+REAL_SEQ = 48  # tokens per sequence: the 18-token question and the start of each answer
+REAL_LR = 2e-3
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_real_model_dpo_learns_held_out_preferences_and_the_merge_keeps_them(smollm2_dir, tmp_path):
+    """DPO from the base on pairs of stdlib questions (tests/real_model.docstring_pairs: the function's own
+    docstring summary chosen, another function's rejected): on the 60 held-out pairs the reward accuracy
+    rises (at the reference every reward is 0, so TRL's strict accuracy reads 0; the first evaluation, after
+    two steps, measured 0.817 on a loaded machine) to 0.9 or above at the last step; the merged model's
+    (round(W' + B A)) is within 0.02 of the adapter form's (one pair of 60 may flip on the merge's rounding)."""
+    from slimtune.config import load_config
+    from slimtune.recipes.finetune import run_finetune
+    from tests.real_model import docstring_pairs, finetune_overrides
+
+    train, held_out = docstring_pairs()
+    paths = {}
+    for name, rows in (("train", train[:REAL_PAIRS]), ("eval", held_out)):
+        paths[name] = tmp_path / f"{name}.jsonl"
+        paths[name].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    overrides = finetune_overrides(smollm2_dir, paths["train"], paths["eval"], tmp_path / "run", REAL_STEPS)
+    overrides += [
+        "training.objective=dpo",
+        f"training.batch_size={REAL_BATCH}",
+        f"dataset.max_seq_len={REAL_SEQ}",
+        f"optimizer.lr={REAL_LR}",
+        "training.eval_every_n_steps=2",
+    ]
+    started = time.perf_counter()
+    run_finetune(load_config("tiny", overrides))
+    print(f"\nreal-model DPO run of {REAL_STEPS} steps: {time.perf_counter() - started:.0f} s wall, load average {os.getloadavg()[0]:.1f}")
+    records = metrics(tmp_path / "run")
+    accuracy = [m["eval_rewards/accuracies"] for m in records if "eval_rewards/accuracies" in m]  # steps 2, 4, 6
+    print(f"held-out reward accuracy by step: {accuracy}; merged: {records[-1]['eval_rewards/accuracies_merged']}")
+    assert records[-1]["eval_pairs"] == len(held_out) == 60
+    assert len(accuracy) == REAL_STEPS // 2 and accuracy[-1] > accuracy[0], accuracy  # it rises
+    assert accuracy[-1] >= 0.9, accuracy
+    assert abs(records[-1]["eval_rewards/accuracies_merged"] - accuracy[-1]) <= 0.02, records[-1]

@@ -136,7 +136,7 @@ def test_two_ranks_follow_the_one_rank_curve(straight_run, settings, tmp_path):
 # ---------------------------------------------------------------------------------------------------
 # A real model: SmolLM2-135M-Instruct (tests/real_model.py), the docstring questions as pairs
 
-REAL_PAIRS = 48  # training pairs: REAL_STEPS steps of REAL_BATCH, one epoch (the reference pass scores only these and the held out)
+REAL_PAIRS = 64  # training pairs: REAL_STEPS steps of REAL_BATCH, one epoch (the reference pass scores only these and the held out)
 REAL_BATCH = 8
 REAL_STEPS = REAL_PAIRS // REAL_BATCH
 REAL_SEQ = 48  # tokens per sequence: the 18-token question and the start of each answer

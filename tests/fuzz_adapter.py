@@ -16,11 +16,9 @@ internal, crash, refused, hang, memory, leftover (tests/test_fuzz.py asserts non
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -29,7 +27,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.fuzz_export import FAILURES, ROOT, LlamaProcess, Tally, _alarm, _fresh, bounded, loaded_in, run_case
+from tests.fuzz_export import FAILURES, ROOT, LlamaProcess, Tally, _fresh, bounded, fuzz_arguments, loaded_in, run_case
 from tests.gguf_inputs import tiny_merged
 from tests.mutate import mutate_bytes, mutate_json
 
@@ -183,19 +181,9 @@ def _modelfile_ok(out_dir: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--cases", type=int, default=30)
-    args = parser.parse_args(argv)
-    import logging
-
     from slimtune.cli import main as slimtune_main
-    from slimtune.cli import quiet_library_logs
 
-    quiet_library_logs()
-    logging.disable(logging.WARNING)
-    signal.signal(signal.SIGALRM, _alarm)
-    rng = random.Random(args.seed)
+    args, rng = fuzz_arguments(argv, cases=30)
     tmp = Path(tempfile.mkdtemp(prefix="slimtune-fuzz-adapter-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     tally = Tally()
     llama = AdapterLlamaProcess()

@@ -327,10 +327,12 @@ def loaded_in(llama: LlamaProcess, files: str | Path, outcome: str, detail: str)
     return (outcome, detail) if loaded["loaded"] else ("crash" if loaded.get("crash") else "refused", loaded["error"])
 
 
-def main(argv: list[str] | None = None) -> dict:
+def fuzz_arguments(argv: list[str] | None, cases: int) -> tuple[argparse.Namespace, random.Random]:
+    """A fuzz driver's ``--seed`` and ``--cases`` (default ``cases``) and its seeded generator; library logs
+    quieted, the case time limit (SIGALRM) armed."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--cases", type=int, default=240)
+    parser.add_argument("--cases", type=int, default=cases)
     args = parser.parse_args(argv)
     import logging
 
@@ -342,7 +344,11 @@ def main(argv: list[str] | None = None) -> dict:
     transformers.logging.set_verbosity_error()
     logging.disable(logging.WARNING)
     signal.signal(signal.SIGALRM, _alarm)
-    rng = random.Random(args.seed)
+    return args, random.Random(args.seed)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args, rng = fuzz_arguments(argv, cases=240)
     shm = Path("/dev/shm")
     tmp = Path(tempfile.mkdtemp(prefix="slimtune-fuzz-gguf-", dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None))
     tally = Tally()

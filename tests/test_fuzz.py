@@ -28,18 +28,24 @@ def test_fuzzed_readers_refuse_cleanly_fast_and_in_bounded_memory():
 BAD_OUTCOMES = ("internal", "crash", "refused", "hang", "memory", "leftover")
 
 
+def _fuzz_run(driver: str, seed: int, cases: int) -> dict:
+    """``tests/DRIVER.py``'s main in a fresh process: its figures (printed), every case run."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is in the dev extras")
+    result = run_python(f"from tests.{driver} import main; main(['--seed', '{seed}', '--cases', '{cases}'])", timeout=600)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    assert lines, result.stderr[-3000:]
+    figures = json.loads(lines[-1])
+    print(f"{driver} figures: {json.dumps({k: v for k, v in figures.items() if k != 'failures'})}")
+    assert figures["cases"] >= cases
+    return figures
+
+
 def test_fuzzed_gguf_export_inputs_refuse_cleanly_or_load_in_llama_cpp():
     """tests/fuzz_export.py: 200 mutated copies of a tiny merged checkpoint (tokenizer.json, tokenizer_config.json,
     chat template, config.json, shard bytes) through `slimtune export`; each file written loads in llama.cpp
     (one long-lived process: full load, a few tokens evaluated). No internal error, crash, refusal by
     llama.cpp, hang, memory growth or leftover."""
-    pytest.importorskip("llama_cpp", reason="llama-cpp-python is in the dev extras")
-    result = run_python("from tests.fuzz_export import main; main(['--seed', '3', '--cases', '200'])", timeout=600)
-    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
-    assert lines, result.stderr[-3000:]
-    figures = json.loads(lines[-1])
-    print(f"gguf export fuzz figures: {json.dumps({k: v for k, v in figures.items() if k != 'failures'})}")
-    assert figures["cases"] >= 200
+    figures = _fuzz_run("fuzz_export", seed=3, cases=200)
     assert all(figures[k] == 0 for k in BAD_OUTCOMES), figures["failures"]
     assert figures["ok"] >= 20 and figures["clean"] >= 20, figures
 
@@ -49,13 +55,7 @@ def test_fuzzed_adapter_gguf_exports_refuse_cleanly_or_apply_in_llama_cpp():
     modules, ranks, alpha and patterns, tensor names, shapes, dtypes and values, header bytes, --type and
     --base-gguf) through `slimtune export --adapter-only`; each adapter written is applied by llama.cpp to
     the base's f16 GGUF. No internal error, crash, refusal by llama.cpp, hang, memory growth or leftover."""
-    pytest.importorskip("llama_cpp", reason="llama-cpp-python is in the dev extras")
-    result = run_python("from tests.fuzz_adapter import main; main(['--seed', '1', '--cases', '30'])", timeout=600)
-    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
-    assert lines, result.stderr[-3000:]
-    figures = json.loads(lines[-1])
-    print(f"adapter gguf fuzz figures: {json.dumps({k: v for k, v in figures.items() if k != 'failures'})}")
-    assert figures["cases"] >= 30
+    figures = _fuzz_run("fuzz_adapter", seed=1, cases=30)
     assert all(figures[k] == 0 for k in BAD_OUTCOMES), figures["failures"]
     assert figures["ok"] >= 3 and figures["clean"] >= 10, figures
 

@@ -229,6 +229,7 @@ def test_quantize_by_pieces_is_torchao_to_nf4_bit_for_bit(shape, dtype):
     oracle = to_nf4(weight, 64, scaler_block_size(shape))
     for piece in (64, 192, 4096, 10**9):
         nf4 = quantize_nf4(weight, piece)
-        assert (nf4.shape, nf4.dtype, nf4.stride(), nf4.scaler_block_size) == (oracle.shape, oracle.dtype, oracle.stride(), oracle.scaler_block_size)
+        layout = (nf4.shape, nf4.dtype, nf4.stride(), nf4.scaler_block_size)
+        assert layout == (oracle.shape, oracle.dtype, oracle.stride(), oracle.scaler_block_size)
         for attr in ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4"):
             assert torch.equal(getattr(nf4, attr), getattr(oracle, attr)), (piece, attr)

@@ -99,7 +99,7 @@ def quantize_nf4(weight: torch.Tensor, piece: int = QUANTIZE_PIECE) -> NF4Tensor
         scaled = (blocks / absmax[s // BLOCK_SIZE : s // BLOCK_SIZE + blocks.shape[0]].unsqueeze(-1)).view(-1, 1)
         codes = (scaled - nf4).abs_().argmin(dim=-1).to(torch.uint8)  # quantize_tensor_nearest: the first nearest code
         pairs = codes.view(torch.int16) if _LITTLE_ENDIAN else codes.view(-1, 2).flip(1).contiguous().view(torch.int16)
-        data[s // 2 : s // 2 + pairs.numel()] = ((pairs << 4) | (pairs >> 8)).to(torch.uint8)  # [a, b] -> a << 4 | b (the cast keeps the low byte)
+        data[s // 2 : s // 2 + pairs.numel()] = ((pairs << 4) | (pairs >> 8)).to(torch.uint8)  # [a, b] -> a << 4 | b (cast: low byte)
     meta = SubclassTensorArgs(weight.size(), weight.stride(), weight.storage_offset(), weight.dtype, weight.device, weight.requires_grad)
     return NF4Tensor(meta, BLOCK_SIZE, numel // BLOCK_SIZE, sbs, quantized_scalers, factor, mean, data, nf4)
 

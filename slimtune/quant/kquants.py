@@ -67,6 +67,22 @@ def le16(bits: torch.Tensor) -> torch.Tensor:
     return torch.stack([bits & 0xFF, (bits >> 8) & 0xFF], dim=-1).to(torch.uint8)
 
 
+class NonFiniteError(ValueError):
+    """A block holds NaN or an infinity (ggml would write garbage for it)."""
+
+
+def finite_blocks(check: bool, *reductions: torch.Tensor) -> None:
+    """With ``check``, ``NonFiniteError`` unless every value is finite: ``reductions`` are per-block
+    maxima / minima of the values (NaN-propagating: a NaN or an infinity in a block makes its max or its
+    min non-finite), so the check is a pass over one value per block, not over the values. Without it,
+    NaN and infinities are quantized as ggml quantizes them (its bytes: tests/test_kquants.py)."""
+    if not check:
+        return
+    for r in reductions:
+        if not bool(torch.isfinite(r).all()):
+            raise NonFiniteError("NaN or infinite values")
+
+
 def _over(c: float, t: torch.Tensor) -> torch.Tensor:
     """The float32 quotient ``c / t`` (one rounding: a Python scalar's ``c / t`` is ``t.reciprocal() * c``)."""
     return torch.full_like(t, c) / t
@@ -128,7 +144,7 @@ def _levels(v: torch.Tensor, lo: int, hi: int, bound: torch.Tensor) -> torch.Ten
     return nearest_int(v).clamp_(lo, hi).float()
 
 
-def _make_qkx2(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int):
+def _make_qkx2(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int, check: bool = False):
     """ggml's ``make_qkx2_quants`` on sub-blocks ``x`` (n, M): values along dim 0, one sub-block per
     column. Returns (scale (M,), the_min (M,), L (n, M) int32 in 0..nmax).
 
@@ -136,6 +152,7 @@ def _make_qkx2(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta:
     it), every block at once. The levels are not kept per candidate: each block remembers the winner's
     (iscale, min) and its levels are made again once at the end (the same float operations)."""
     lo, mx = x.amin(0), x.amax(0)
+    finite_blocks(check, lo, mx)
     sum_w = _running_sum(w[1:], w[0])
     sum_x = _running_sum(w[1:] * x[1:], w[0] * x[0])
     mn = torch.where(lo > 0, torch.zeros_like(lo), lo)
@@ -190,14 +207,14 @@ def _max_positive(v: torch.Tensor) -> torch.Tensor:
     return m
 
 
-def _quantize_qkx(x: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int):
+def _quantize_qkx(x: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int, check: bool):
     """The shared part of Q4_K and Q5_K on superblocks ``x`` (N, 256): fp16 d and dmin bits (N,), the 12
     packed scale bytes (N, 12) and the levels L (N, 256) in 0..nmax."""
     n = x.shape[0]
     sub = x.reshape(n * 8, 32).t().contiguous()  # (32, M): values along dim 0
     av_x = _sqrtf(_running_sum(sub * sub) / 32.0)
     w = av_x + sub.abs()
-    scales, mins, L = _make_qkx2(sub, w, nmax, rmin, rdelta, nstep)
+    scales, mins, L = _make_qkx2(sub, w, nmax, rmin, rdelta, nstep, check)
     scales, mins, L = scales.view(n, 8), mins.view(n, 8), L.t().reshape(n, 8, 32)
     max_scale, max_min = _max_positive(scales), _max_positive(mins)
     inv_scale = torch.where(max_scale > 0, _over(63.0, max_scale), torch.zeros_like(max_scale))
@@ -216,15 +233,15 @@ def _quantize_qkx(x: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep:
     return d_bits, dmin_bits, packed, L.reshape(n, 256)
 
 
-def _q4_k(x: torch.Tensor) -> torch.Tensor:
-    d, dmin, scales, L = _quantize_qkx(x, 15, -1.0, 0.1, 20)
+def _q4_k(x: torch.Tensor, check: bool = False) -> torch.Tensor:
+    d, dmin, scales, L = _quantize_qkx(x, 15, -1.0, 0.1, 20, check)
     pairs = L.view(-1, 4, 2, 32)
     qs = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(-1, 128)
     return torch.cat([le16(d), le16(dmin), scales.to(torch.uint8), qs.to(torch.uint8)], dim=1)
 
 
-def _q5_k(x: torch.Tensor) -> torch.Tensor:
-    d, dmin, scales, L = _quantize_qkx(x, 31, -0.5, 0.1, 15)
+def _q5_k(x: torch.Tensor, check: bool = False) -> torch.Tensor:
+    d, dmin, scales, L = _quantize_qkx(x, 31, -0.5, 0.1, 15, check)
     pairs = L.view(-1, 4, 2, 32)
     low = pairs & 0xF
     qs = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(-1, 128)
@@ -240,11 +257,12 @@ _QX_STEPS = [0, *range(-9, 0), *range(1, 10)]
 """make_qx_quants' candidate scales: the first (-nmax / max), then is = -9..-1, 1..9 in the C's order."""
 
 
-def _make_qx(x: torch.Tensor, nmax: int):
+def _make_qx(x: torch.Tensor, nmax: int, check: bool = False):
     """ggml's ``make_qx_quants(n, nmax, x, L, rmse_type=1, NULL)`` on sub-blocks ``x`` (n, M): values
     along dim 0. Returns (scale (M,), L (n, M) int32 in 0..2*nmax-1). Every candidate scale's sums at
     once (n, candidates, M); the choice among them in the C's order (each compared with the best so far)."""
     mx = signed_absmax(x, 0)
+    finite_blocks(check, mx)
     amax = mx.abs()
     zero = amax < _GROUP_MAX_EPS
     mx = torch.where(zero, torch.ones_like(mx), mx)  # all-zero sub-blocks: any scale (overwritten below)
@@ -272,10 +290,10 @@ def _make_qx(x: torch.Tensor, nmax: int):
     return scale, L
 
 
-def _q6_k(x: torch.Tensor) -> torch.Tensor:
+def _q6_k(x: torch.Tensor, check: bool = False) -> torch.Tensor:
     n = x.shape[0]
     sub = x.reshape(n * 16, 16).t().contiguous()
-    scales, L = _make_qx(sub, 32)
+    scales, L = _make_qx(sub, 32, check)
     scales, L = scales.view(n, 16), L.t().reshape(n, 16, 16)
     max_abs, max_scale = torch.zeros_like(scales[:, 0]), torch.zeros_like(scales[:, 0])
     for j in range(16):
@@ -299,4 +317,5 @@ def _q6_k(x: torch.Tensor) -> torch.Tensor:
 
 
 QUANTIZERS = {"Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
-"""Superblocks (N, 256) -> their bytes (N, BLOCK_BYTES[type]); ``slimtune.quant.ggml.quantize`` runs them."""
+"""Superblocks (N, 256), check -> their bytes (N, BLOCK_BYTES[type]) (``check``: NaN or an infinity is a
+``NonFiniteError``); ``slimtune.quant.ggml.quantize`` runs them."""

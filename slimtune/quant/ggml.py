@@ -147,8 +147,8 @@ _TYPES: dict[str, tuple[Callable[[torch.Tensor, bool], torch.Tensor], int, int]]
     "Q4_1": (_q4_1, 32, 4096),
     "Q5_0": (_q5_0, 32, 4096),
     "Q5_1": (_q5_1, 32, 4096),
-    "Q4_K": (QUANTIZERS["Q4_K"], kquants.QK_K, 512),
-    "Q5_K": (QUANTIZERS["Q5_K"], kquants.QK_K, 512),
+    "Q4_K": (QUANTIZERS["Q4_K"], kquants.QK_K, 1024),
+    "Q5_K": (QUANTIZERS["Q5_K"], kquants.QK_K, 1024),
     "Q6_K": (QUANTIZERS["Q6_K"], kquants.QK_K, 128),
 }
 """Blocks per piece: cache-sized temporaries (Q6_K's 19 candidate scales over 256 values per superblock)

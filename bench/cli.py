@@ -135,12 +135,13 @@ def main(argv: list[str] | None = None) -> None:
     sm.add_argument("--pairs", type=int, default=2, help="N: pairs in the DPO batch (the SFT batch holds their 2N sequences)")
     sm.add_argument("--seq", type=int, default=256, help="tokens per sequence")
     sm.add_argument("--out", type=Path, default=Path("bench-out"))
-    sp = sub.add_parser("step-profile", help="torch.profiler of one recipe step vs the bare QLoRA step vs the bf16 PEFT peer")
+    sp = sub.add_parser("step-profile", help="torch.profiler: the recipe step, it with dequantized weights held, bare, the bf16 peer")
     sp.add_argument("--model", type=Path, required=True)
     sp.add_argument("--data", type=Path, default=None, help="a JSONL dataset (default: the real-model tests' chat rows)")
     sp.add_argument("--out", type=Path, default=Path("bench-out"))
     sp.add_argument("--warmup", type=int, default=4)
-    sp.add_argument("--steps", type=int, default=3)
+    sp.add_argument("--steps", type=int, default=3, help="steps per side per round, and profiled")
+    sp.add_argument("--rounds", type=int, default=3, help="unprofiled rounds, the sides alternated")
     sp.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: as the recipe picks)")
     sd = sub.add_parser("seed", help="the seed's scenario on the CPU: llama3-8b_qlora, 12 short rows, 1 step, merged save: RSS by phase")
     sd.add_argument("--out", type=Path, default=Path("bench-out"))
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "step-profile":
         args.out.mkdir(parents=True, exist_ok=True)
         data = args.data or _real_rows(args.out)
-        print(json.dumps(bench_step_profile(args.model, data, args.out, args.warmup, args.steps, threads=args.threads)))
+        print(json.dumps(bench_step_profile(args.model, data, args.out, args.warmup, args.steps, threads=args.threads, rounds=args.rounds)))
     if args.command == "seed":
         print_row(bench_seed(args.out, args.rows, args.words, args.eval_fraction, args.layers))
         return

@@ -6,14 +6,19 @@ on the same collated batches of the user's rows (the recipe's own, in its order)
   the one host sync and the step's record);
 - ``bare``: the same model, forward + backward + ``AdamW.step`` + ``zero_grad`` on the pre-collated batch,
   with the model's own loss, nothing else;
+- ``held``: the recipe's step with every base weight's dequantized rows made once and held (an experiment,
+  not something slimtune does: a dequantized copy of the model): the bound of what faster dequantization
+  can buy, the recipe with its NF4 lookups free;
 - ``bf16``: PEFT on the bf16 weights, the same bare loop (the bench's bf16 peer).
 
-Each side runs ``--warmup`` steps unprofiled, then ``--steps`` profiled; the table lists the operators and
-named regions (``record_function``) with the most self CPU time per step, and each side's median step
-seconds (unprofiled, before the profiled ones). Figures from a loaded machine say so."""
+Each side runs ``--warmup`` steps unprofiled; then ``--rounds`` rounds of ``--steps`` unprofiled steps per
+side, the sides alternated (each side's ``median_step_s`` is the median of those); then ``--steps`` profiled
+steps per side. The table lists the operators and named regions (``record_function``) with the most self
+CPU time per step. Figures from a loaded machine say so."""
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from pathlib import Path
@@ -21,6 +26,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+import slimtune.lora
 from bench.train_step import peft_model, plain_step, recipe_config, recipe_plan
 from slimtune.data import collate
 from slimtune.recipes.finetune import setup, train_step
@@ -37,45 +43,75 @@ def _table(prof, steps: int, rows: int) -> list[dict]:
     ]
 
 
-def _timed(fn, batches: list, warmup: int) -> list[float]:
-    seconds = []
-    for b in batches[:warmup]:
-        started = time.perf_counter()
-        fn(b)
-        seconds.append(time.perf_counter() - started)
-    return seconds
+@contextlib.contextmanager
+def _held_dequantization(held: dict):
+    """Within the block, every base weight's rows are dequantized once and kept in ``held`` across blocks
+    (``slimtune.lora.base_rows`` answered from it): the ``held`` side's experiment."""
+    made = slimtune.lora.base_rows
+
+    def base_rows(weight, start, end):
+        key = (id(weight), start, end)
+        if key not in held:
+            held[key] = made(weight, start, end)
+        return held[key]
+
+    slimtune.lora.base_rows = base_rows
+    try:
+        yield
+    finally:
+        slimtune.lora.base_rows = made
 
 
 def bench_step_profile(
-    model_dir: Path, data: Path, out: Path, warmup: int = 4, steps: int = 3, rows: int = 18, threads: int | None = None
+    model_dir: Path, data: Path, out: Path, warmup: int = 4, steps: int = 3, rows: int = 18, threads: int | None = None, rounds: int = 3
 ) -> dict:
-    """The three sides' step seconds and profile tables (module docstring).
+    """The four sides' step seconds and profile tables (module docstring).
 
     Example: ``bench_step_profile(Path(".cache/real-model/SmolLM2-135M-Instruct"), Path("train.jsonl"), Path("bench-out"))``"""
     threads = choose_num_threads(threads)
     cfg = recipe_config(model_dir, data, out / "step-profile-run", threads, {"logging.progress_bar": False})
     run = setup(cfg)
     restore(run)
-    n = warmup + steps
+    n = warmup + steps * (rounds + 1)
     examples = run.inputs.data.train
     plan = recipe_plan(examples, cfg, n)
+    n = len(plan)
     collated = [collate([examples[i] for i in step[0]], run.inputs.pad_id) for step in plan]
     bare = plain_step(run.model, run.optim.optimizer)
-    sides = {"recipe": lambda i: train_step(run, plan[i]), "bare": lambda i: bare(collated[i])}
-    results = {name: _profiled(fn, warmup, steps, rows) for name, fn in sides.items()}
     bf16 = peft_model(model_dir, cfg)
-    optimizer = torch.optim.AdamW([p for p in bf16.parameters() if p.requires_grad], lr=cfg.optimizer.lr)
-    peer = plain_step(bf16, optimizer)
-    results["bf16"] = _profiled(lambda i: peer(collated[i]), warmup, steps, rows)
-    figures = {"bench": "step-profile", "model": str(model_dir), "data": str(data), "threads": threads, "warmup": warmup, "steps": steps}
-    return {**figures, **results}
+    peer = plain_step(bf16, torch.optim.AdamW([p for p in bf16.parameters() if p.requires_grad], lr=cfg.optimizer.lr))
 
+    cache: dict = {}  # the held side's dequantized weights, made at its first step
 
-def _profiled(fn, warmup: int, steps: int, rows: int) -> dict:
-    """``fn(i)`` for the first ``warmup`` indices timed, then ``steps`` more under torch.profiler: the median
-    unprofiled step seconds (the first left out) and the table of the profiled steps."""
-    seconds = _timed(fn, list(range(warmup + steps)), warmup)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for i in range(warmup, warmup + steps):
+    def held(i: int) -> None:
+        with _held_dequantization(cache):
+            train_step(run, plan[i % n])
+
+    sides = {
+        "recipe": lambda i: train_step(run, plan[i % n]),
+        "held": held,
+        "bare": lambda i: bare(collated[i % n]),
+        "bf16": lambda i: peer(collated[i % n]),
+    }
+    for fn in sides.values():
+        for i in range(warmup):
             fn(i)
-    return {"median_step_s": round(statistics.median(seconds[1:]), 4), "top": _table(prof, steps, rows)}
+    seconds: dict[str, list[float]] = {name: [] for name in sides}
+    for r in range(rounds):
+        for name, fn in sides.items():
+            for i in range(warmup + r * steps, warmup + (r + 1) * steps):
+                started = time.perf_counter()
+                fn(i)
+                seconds[name].append(time.perf_counter() - started)
+    figures = {"bench": "step-profile", "model": str(model_dir), "data": str(data), "threads": threads, "warmup": warmup, "steps": steps}
+    figures["rounds"] = rounds
+    results = {}
+    for name, fn in sides.items():
+        first = warmup + rounds * steps
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for i in range(first, first + steps):
+                fn(i)
+        results[name] = {"median_step_s": round(statistics.median(seconds[name]), 4), "top": _table(prof, steps, rows)}
+    figures["ratio_recipe_vs_bf16"] = round(results["bf16"]["median_step_s"] / results["recipe"]["median_step_s"], 3)
+    figures["ratio_held_vs_bf16"] = round(results["bf16"]["median_step_s"] / results["held"]["median_step_s"], 3)
+    return {**figures, **results}

@@ -100,6 +100,24 @@ def test_other_scaler_blocks_match_torchao(shape, scaler_block, dtype):
         assert torch.equal(round_trip.rows(start, end).contiguous().view(torch.uint8), expected), (start, end)
 
 
+@pytest.mark.parametrize("piece", [None, 64, 448])  # the shipped piece (2 pieces here); many pieces, some short
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dequantize_in_pieces_bit_identical_to_torchao(monkeypatch, piece, dtype):
+    """16-bit weights are dequantized a piece at a time into the output (``DEQUANT_PIECE``): every row range,
+    whatever the piece boundaries, is torchao's bits (the last piece short; a range starting mid-block)."""
+    import slimtune.quant.nf4 as nf4_module
+
+    if piece is not None:
+        monkeypatch.setattr(nf4_module, "DEQUANT_PIECE", piece)
+    torch.manual_seed(5)
+    weight = torch.randn(1024, 520, dtype=torch.float32).mul(0.05).to(dtype)  # 532,480 values: 2 pieces of 2**18 + a short one
+    nf4 = quantize_nf4(weight)
+    reference = nf4.get_original_weight()
+    for start, end in [(0, 1024), (1, 1023), (511, 513), (1023, 1024)]:
+        got = dequantize_nf4_rows(nf4, start, end)
+        assert torch.equal(got.contiguous().view(torch.uint8), reference[start:end].contiguous().view(torch.uint8)), (piece, start, end)
+
+
 def test_resident_bytes_of_a_plain_and_an_nf4_weight():
     w = torch.randn(128, 64, dtype=torch.bfloat16)
     assert resident_bytes(w) == 128 * 64 * 2

@@ -131,23 +131,66 @@ def _byte_pair_table(w: NF4Tensor) -> torch.Tensor:
 _PAIR_TABLES: dict[int, torch.Tensor] = {}  # id(weight) -> its table: kept beside torchao's tensor, not on it
 
 
+def _quad_table(w: NF4Tensor) -> torch.Tensor:
+    """int64[65536] for a 16-bit weight: entry v packs the four code values of the little-endian 16-bit
+    word v (byte v & 255 first, each byte as ``_byte_pair_table`` unpacks it), so one gather per two bytes
+    replaces two. One table per code book, dtype and device, shared by every weight of it (512 KB);
+    only bits move."""
+    pairs = _byte_pair_table(w)
+    key = (w.dtype, pairs.device, tuple(w.nf4.view(torch.int16).tolist()))
+    table = _QUAD_TABLES.get(key)
+    if table is None:
+        values = pairs.view(w.dtype).view(256, 2)
+        v = torch.arange(65536, device=pairs.device)
+        table = torch.cat([values[v & 255], values[v >> 8]], dim=1).contiguous().view(torch.int64).view(65536)
+        _QUAD_TABLES[key] = table
+    return table
+
+
+_QUAD_TABLES: dict[tuple, torch.Tensor] = {}  # (dtype, device, code book) -> quad table: one or two in a run
+_LITTLE_ENDIAN = sys.byteorder == "little"
+DEQUANT_PIECE = 1 << 18
+"""Values a 16-bit weight is dequantized in at a time (``dequantize_nf4_rows``): the piece's index (256 KB),
+gathered values and their scaling stay in the core's cache instead of three passes over the whole weight in
+memory (measured, 4096 x 4096 bf16, 2 threads: 1.5-2.5x faster; SmolLM2's small weights are one piece)."""
+
+
+def _scalers(w: NF4Tensor, b0: int, b1: int) -> torch.Tensor:
+    """The dequantized block scales of blocks [b0, b1) in the weight's dtype, as torchao makes them
+    (q / factor + mean; its [n, sbs] / factor[:, None] on the scaler blocks that cover them)."""
+    sbs = w.scaler_block_size
+    s0, s1 = b0 // sbs, -(-b1 // sbs)
+    scalers = (w.quantized_scalers[s0 * sbs : s1 * sbs].view(s1 - s0, sbs) / w.quantization_factor[s0:s1].unsqueeze(-1)).view(-1)
+    return scalers[b0 - s0 * sbs : b1 - s0 * sbs].to(w.dtype) + w.scaler_mean
+
+
 def dequantize_nf4_rows(w: NF4Tensor, start: int, end: int) -> torch.Tensor:
     """Rows [start, end) of the weight in its dtype, with the same operations, in the same dtype and order
-    as torchao (scale = q / factor + mean, w = nf4[code] * scale), so the bits are identical."""
-    cols = w.shape[1]
-    bs, sbs = w.block_size, w.scaler_block_size
+    as torchao (scale = q / factor + mean, w = nf4[code] * scale), so the bits are identical. 16-bit
+    weights look their codes up two bytes (four values) at a time (``_quad_table``) into the output, a
+    ``DEQUANT_PIECE`` of values at a time, scaled in place; other dtypes a byte at a time, whole.
+
+    Example: ``dequantize_nf4_rows(quantize_nf4(w), 0, 4)  # == the NF4 weight's first 4 rows, torchao's bits``"""
+    cols, bs = w.shape[1], w.block_size
     e0, e1 = start * cols, end * cols
     b0, b1 = e0 // bs, -(-e1 // bs)
-    data = w.quantized_data[b0 * bs // 2 : b1 * bs // 2].to(torch.int32)
-    s0, s1 = b0 // sbs, -(-b1 // sbs)  # the scaler blocks covering the blocks: torchao's [n, sbs] / factor[:, None], no repeated copy
-    scalers = (w.quantized_scalers[s0 * sbs : s1 * sbs].view(s1 - s0, sbs) / w.quantization_factor[s0:s1].unsqueeze(-1)).view(-1)
-    scalers = scalers[b0 - s0 * sbs : b1 - s0 * sbs].to(w.dtype) + w.scaler_mean
-    table = _byte_pair_table(w)
-    if table.dim() == 1:  # 16-bit weights: two values per int32 entry
-        values = table.index_select(0, data).view(w.dtype)
+    packed = w.quantized_data[b0 * bs // 2 : b1 * bs // 2]  # bs // 2 bytes per block
+    scalers = _scalers(w, b0, b1)
+    if w.nf4.element_size() == 2 and _LITTLE_ENDIAN and bs % 4 == 0:
+        out = torch.empty((b1 - b0) * bs, dtype=w.dtype, device=packed.device)
+        words, quads, table = packed.view(torch.uint16), out.view(torch.int64), _quad_table(w)
+        step = max(bs, DEQUANT_PIECE - DEQUANT_PIECE % bs) // 4  # words per piece: whole blocks
+        index = torch.empty(min(step, words.numel()), dtype=torch.int32, device=packed.device)
+        for q0 in range(0, words.numel(), step):
+            q1 = min(q0 + step, words.numel())
+            piece = index[: q1 - q0].copy_(words[q0:q1])  # the little-endian 16-bit words as indices
+            torch.index_select(table, 0, piece, out=quads[q0:q1])
+            out[4 * q0 : 4 * q1].view(-1, bs).mul_(scalers[4 * q0 // bs : 4 * q1 // bs].unsqueeze(-1))
+        values = out
     else:
-        values = table.index_select(0, data).view(-1)
-    values = values.view(b1 - b0, bs) * scalers.unsqueeze(-1)
+        table = _byte_pair_table(w)
+        gathered = table.index_select(0, packed.to(torch.int32))
+        values = (gathered.view(w.dtype) if table.dim() == 1 else gathered.view(-1)).view(b1 - b0, bs) * scalers.unsqueeze(-1)
     return values.view(-1)[e0 - b0 * bs : e1 - b0 * bs].view(end - start, cols)
 
 

@@ -32,7 +32,7 @@ import gguf
 import numpy as np
 import torch
 
-from slimtune.checkpoint.writer import DEFAULT_CHUNK_BYTES, DEFAULT_INFLIGHT_BYTES, pipelined_write
+from slimtune.checkpoint.writer import DEFAULT_CHUNK_BYTES, DEFAULT_INFLIGHT_BYTES, WriteBack, pipelined_write
 from slimtune.errors import SlimtuneError
 from slimtune.fileio import atomic_file, check_free_space, os_errors
 from slimtune.formats.gguf_arch import GGUFArch, gguf_arch
@@ -44,7 +44,7 @@ from slimtune.formats.manifest import ReadCheck, checks_done, read_check
 from slimtune.generate import read_format_record
 from slimtune.merge import BaseCheckpoint, MergeBase, merged_file_stream
 from slimtune.quant import ggml
-from slimtune.tensors import StreamTensor, all_finite, row_chunks, scalar_source
+from slimtune.tensors import StreamTensor, all_finite, dtype_size, row_chunks, scalar_source
 
 Q = gguf.GGMLQuantizationType
 TYPES = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q5_0": Q.Q5_0, "q5_1": Q.Q5_1}
@@ -172,10 +172,12 @@ def plan_slots(tensors: list[tuple[str, StreamTensor]], qtypes: list[gguf.GGMLQu
 
 
 def encode_rows(rows: torch.Tensor, qtype: gguf.GGMLQuantizationType, quantizer: ggml.Quantizer | None = None):
-    """fp32 rows as the file stores them (one rounding): a cast for F32/F16/BF16, ``slimtune.quant.ggml``
-    (ggml's reference quantizers in torch) for the block types. Returns a function that gives the flat
-    uint8 tensor (a block type goes to ``quantizer``'s threads meanwhile, when one is given); it raises
-    ``FloatingPointError`` where a value (or a legacy block's scale) overflows float16."""
+    """Float rows (float32, or 16-bit as stored: exact in float32) as the file stores them (one rounding):
+    a cast for F32/F16/BF16, ``slimtune.quant.ggml`` (ggml's reference quantizers in torch) for the block
+    types. Returns a function that gives the flat uint8 tensor (a block type goes to ``quantizer``'s
+    threads meanwhile, when one is given); it raises ``FloatingPointError`` where a value (or a legacy
+    block's scale) overflows float16, and a block type ``ggml.NonFiniteError`` where a value is NaN or infinite
+    (the F32/F16/BF16 casts do not check: ``_data_chunks`` does)."""
     if qtype in _TORCH:
         out = rows.to(_TORCH[qtype]).contiguous()
         if qtype == Q.F16 and not all_finite(out):
@@ -183,36 +185,42 @@ def encode_rows(rows: torch.Tensor, qtype: gguf.GGMLQuantizationType, quantizer:
         data = out.view(-1).view(torch.uint8)
         return lambda: data
     if quantizer is not None:
-        return quantizer.submit(rows, qtype.name)
-    data = ggml.quantize(rows, qtype.name)
+        return quantizer.submit(rows, qtype.name, finite=True)
+    data = ggml.quantize(rows, qtype.name, finite=True)
     return lambda: data
 
 
 class _Sink:
-    """Writes chunks (flat uint8 tensors) to the open file, counting bytes."""
+    """Writes chunks (flat uint8 tensors) to the open file, counting bytes; the file goes to the disk as it
+    is written (``WriteBack``: nothing reads it back)."""
 
     def __init__(self, f):
         self.f, self.bytes = f, 0
+        self.writeback = WriteBack(f.fileno())
 
     def write(self, chunk: torch.Tensor) -> None:
         data = chunk.numpy()
         self.f.write(memoryview(data))
         self.bytes += data.nbytes
+        self.writeback.written(self.f.tell())
 
 
 def _data_chunks(plan: GGUFPlan, chunk_bytes: int, start: int, quantizer: ggml.Quantizer | None = None) -> Iterator[torch.Tensor]:
     """The data section: alignment padding, then each tensor by row chunks, each followed by its padding.
-    A chunk is quantized on ``quantizer``'s threads while the next one is made (two in flight at most)."""
+    A chunk is quantized on ``quantizer``'s threads while the next one is made (two in flight at most).
+    A block type's quantizer finds NaN and infinities from its own block reductions, on its threads;
+    F32/F16/BF16 rows are checked here."""
     yield torch.zeros(_pad(start, plan.alignment) - start, dtype=torch.uint8)
     for slot in plan.slots:
         t = slot.source
         cols = t.shape[-1] if len(t.shape) > 1 else 1
         made, pending = 0, deque()
+        nonfinite = f"tensor {slot.hf_key}: holds NaN or infinite values; llama.cpp would compute garbage from them"
         try:
-            for rows in row_chunks(t, chunk_bytes):  # entries are fp32: chunk_bytes of fp32 rows
-                if not all_finite(rows):
-                    raise SlimtuneError(f"tensor {slot.hf_key}: holds NaN or infinite values; llama.cpp would compute garbage from them")
-                pending.append(encode_rows(rows.float().reshape(-1, cols), slot.qtype, quantizer))
+            for rows in row_chunks(t, chunk_bytes * dtype_size(t.dtype) // 4):  # as many rows as chunk_bytes of fp32
+                if slot.qtype in _TORCH and not all_finite(rows):
+                    raise SlimtuneError(nonfinite)
+                pending.append(encode_rows(rows.reshape(-1, cols), slot.qtype, quantizer))
                 while len(pending) > (1 if quantizer is not None else 0):
                     out = pending.popleft()()
                     made += out.numel()
@@ -221,6 +229,8 @@ def _data_chunks(plan: GGUFPlan, chunk_bytes: int, start: int, quantizer: ggml.Q
                 out = pending.popleft()()
                 made += out.numel()
                 yield out
+        except ggml.NonFiniteError:
+            raise SlimtuneError(nonfinite) from None
         except FloatingPointError:
             raise SlimtuneError(
                 f"tensor {slot.hf_key}: values too large for {slot.qtype.name} (they overflow float16); choose bf16 or f32"
@@ -344,7 +354,7 @@ def open_source(src: Path | None, base: Path | None, adapter: Path | None, merge
     checks = (read_check(lora.path, verify), read_check(base, verify))
     reader = BaseCheckpoint(base)
     try:
-        stream = merged_file_stream(reader, lora, torch.float32, resolved)
+        stream = merged_file_stream(reader, lora, torch.float32, resolved, keep_dtype=True)  # widened a piece at a time
         dirs = [d for d in (Path(adapter), Path(src) if src else None) if d is not None]
         tok_dir = next((d for d in dirs if (d / "tokenizer_config.json").is_file()), reader.dir)
         yield _Source(export_config_dict(reader.config, stream), stream, tok_dir, reader.dir, format_record(*dirs), checks)
@@ -353,9 +363,13 @@ def open_source(src: Path | None, base: Path | None, adapter: Path | None, merge
 
 
 def _plain(reader: BaseCheckpoint, key: str) -> StreamTensor:
+    """A merged checkpoint's tensor: rows as stored when a float type the encoders take (widened to float32
+    a piece at a time by the quantizer, or cast once by ``encode_rows``), float32 otherwise."""
     shape = tuple(reader.shape(key))
     if not shape:
         return scalar_source(key, torch.float32, lambda: reader.rows(key, 0, None))
+    if reader.dtype(key) in _TORCH.values():
+        return StreamTensor(key, shape, reader.dtype(key), lambda s, e: reader.rows(key, s, e))
     return StreamTensor(key, shape, torch.float32, lambda s, e: reader.rows(key, s, e).float())
 
 

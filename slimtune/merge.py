@@ -200,10 +200,14 @@ def merged_file_stream(
     merge_base: MergeBase = MergeBase(),
     device: str | torch.device = "cpu",
     to_host: ToHost = plain_to_host,
+    keep_dtype: bool = False,
 ) -> list[StreamTensor]:
     """The merged model as a tensor stream, in the base's tensor order. Every adapter module must land
     on a base weight of the right shape; errors name the module, the tensor and the shapes. With a CUDA
-    ``device`` the merge math of each chunk runs there (reads and writes stay on the host)."""
+    ``device`` the merge math of each chunk runs there (reads and writes stay on the host). With
+    ``keep_dtype``, the tensors no adapter computes (read as they are stored) keep their stored dtype
+    rather than ``dtype``: no rounding and no wider copy of them (the GGUF export widens a piece at a
+    time, in its quantizer's cache-sized pieces)."""
     kinds, output_name = base.module_kinds
     resolve(adapter, kinds, output_name, set(base.location) | set(base.bnb))
     targets = {f"{name}.weight": m for name, m in adapter.modules.items()}
@@ -230,6 +234,7 @@ def merged_file_stream(
             raise SlimtuneError(f"{base.dir}: tensor {safe_name(source_key)} has dtype {name}, which slimtune cannot pass through a merge")
         # only the float formats a merge computes in are cast; int, fp8 and complex tensors pass through unchanged
         out_dtype = (dtype or src_dtype) if src_dtype in COMPUTE_DTYPES else src_dtype
+        read_dtype = src_dtype if keep_dtype else out_dtype  # a tensor only read
         if key in saved and key not in targets:
             t = saved.pop(key)
             if tuple(t.shape) != tuple(base.shape(source_key)):
@@ -252,13 +257,13 @@ def merged_file_stream(
             stream.append(_merged_source(key, base, m, adapter, out_dtype, merge_base, torch.device(device), to_host, replaced))
         elif key in frozen_nf4 and key not in base.bnb:
             read = merge_base.reader(base, key)
-            stream.append(StreamTensor(key, tuple(base.shape(key)), out_dtype, lambda s, e, r=read, d=out_dtype: to_host(r(s, e), d)))
+            stream.append(StreamTensor(key, tuple(base.shape(key)), read_dtype, lambda s, e, r=read, d=read_dtype: to_host(r(s, e), d)))
         elif not base.shape(source_key):
-            stream.append(scalar_source(key, out_dtype, lambda k=source_key: base.rows(k, 0, None)))
+            stream.append(scalar_source(key, read_dtype, lambda k=source_key: base.rows(k, 0, None)))
         else:
             stream.append(
                 StreamTensor(
-                    key, tuple(base.shape(source_key)), out_dtype, lambda s, e, k=source_key, d=out_dtype: to_host(base.rows(k, s, e), d)
+                    key, tuple(base.shape(source_key)), read_dtype, lambda s, e, k=source_key, d=read_dtype: to_host(base.rows(k, s, e), d)
                 )
             )
     return stream

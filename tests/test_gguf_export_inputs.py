@@ -120,3 +120,24 @@ def test_integer_target_with_quantized_merge_base_is_one_line(merged, tmp_path, 
     _refused(
         capsys, out, "export", "--base", str(base), "--adapter", str(tmp_path / "adapter"), "--out", str(out / "m.gguf"), *q, words=words
     )
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf")])
+def test_non_finite_weight_is_one_line_for_every_kind_of_type(merged, tmp_path, capsys, bad):
+    """A NaN or an infinity in a stored bf16 weight: one line naming the tensor for a cast type (f16: checked
+    before the cast), a legacy block type (q8_0) and a K-quant mix (q6_k: Q6_K / its Q8_0 fallback; found
+    by the quantizers from their block maxima, on their threads), nothing at --out."""
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    shutil.copytree(merged, src)
+    shard = next(src.glob("*.safetensors"))
+    tensors = load_file(shard)
+    key = "model.layers.1.mlp.down_proj.weight"
+    tensors[key][3, 17] = bad
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with_manifest(src)
+    out = tmp_path / "out"
+    out.mkdir()
+    for typ in ("f16", "q8_0", "q6_k"):
+        _refused(capsys, out, "export", str(src), "--type", typ, "--out", str(out / "m.gguf"), words=(key, "NaN or infinite"))

@@ -152,6 +152,31 @@ def test_threads_and_pieces_do_not_change_the_bytes(monkeypatch):
         _assert_blocks_equal(rows, type_name, threads=2)
 
 
+def test_16_bit_rows_are_their_float32_values():
+    """bf16 and fp16 rows (a stored tensor, widened a piece at a time) give the bytes of their float32 values."""
+    rows = random_rows(4)[::16]
+    for type_name in KQUANTS + LEGACY:
+        for dtype in (torch.bfloat16, torch.float16):
+            narrow = rows.clamp(-60000, 60000).to(dtype)
+            assert torch.equal(ggml.quantize(narrow, type_name, threads=2), ggml.quantize(narrow.float(), type_name, threads=1))
+
+
+def test_non_finite_is_an_error_when_asked():
+    """``finite=True``: a NaN or an infinity anywhere in a row (any block, any position) is a NonFiniteError
+    (the export's one line), found from the blocks' own maxima and minima; by default a K-quant writes
+    ggml's bytes for them (test_edge_rows_byte_identical_to_ggml) and a legacy type's scale overflows."""
+    for type_name in KQUANTS + LEGACY:
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            for where in (0, 300, 511):
+                rows = torch.randn(3, 512) * 0.02
+                rows[1, where] = bad
+                with pytest.raises(ggml.NonFiniteError):
+                    ggml.quantize(rows, type_name, finite=True)
+                ggml.quantize(rows[:1], type_name, finite=True)  # the finite row alone passes
+    for type_name in KQUANTS:
+        assert ggml.quantize(torch.full((1, 256), float("inf")), type_name).numel() == ggml.BLOCK_BYTES[type_name]
+
+
 def test_legacy_overflow():
     """A block scale beyond float16 is a FloatingPointError (the export's one line), not an inf in the file."""
     for type_name in LEGACY:

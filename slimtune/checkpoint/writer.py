@@ -123,26 +123,37 @@ def pipelined_write(writer, chunks: Iterator[torch.Tensor], inflight_bytes: int,
 _WRITEBACK_BYTES = 32 * 1024 * 1024
 
 
+class WriteBack:
+    """A file being written front to back that nothing reads back: every ``_WRITEBACK_BYTES`` its bytes
+    written up to that much earlier are handed to the kernel's writeback and let go from the page cache
+    (posix_fadvise DONTNEED), so the disk writes while the command works and the final fsync has little
+    left to wait for (otherwise nothing is written before the kernel's dirty threshold, then writers are
+    throttled). Example: ``wb = WriteBack(fd); ...; wb.written(end_offset)`` after each write."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.released = 0  # bytes [0, released) of the file were handed to writeback
+
+    def written(self, end: int) -> None:
+        """Bytes up to ``end`` are written."""
+        upto = end - _WRITEBACK_BYTES
+        if upto - self.released >= _WRITEBACK_BYTES:
+            os.posix_fadvise(self.fd, self.released, upto - self.released, os.POSIX_FADV_DONTNEED)
+            self.released = upto
+
+
 class _RowSink:
     """Takes one rank's chunks of one file in plan order and writes each at its offset with pwrite
     (hashing them too when this rank writes the whole file, so that file needs no read back). Each
     finished tensor is reported to ``done(global_slot)`` (the progress other ranks' hashers follow).
-    A file hashed here is never read back: every ``_WRITEBACK_BYTES`` its bytes written up to that much
-    earlier are handed to the kernel's writeback and let go from the page cache (posix_fadvise
-    DONTNEED), so the disk writes while the save works and the final fsync has little left to wait for
-    (otherwise nothing is written before the kernel's dirty threshold, then writers are throttled)."""
+    A file hashed here is never read back: its written bytes go to the kernel's writeback as the save
+    works (``WriteBack``)."""
 
     def __init__(self, fd: int, path: Path, slots: list[tuple[int, TensorSlot, int, int]], sha=None, done=None):
         self.fd, self.path, self.sha, self.done_fn = fd, path, sha, done
         self.pieces = [(g, s, s.offset + a * s.row_bytes, (b - a) * s.row_bytes) for g, s, a, b in slots if b > a]
         self.index, self.done = 0, 0
-        self.released = 0  # bytes [0, released) of the file were handed to writeback
-
-    def _write_back(self, end: int) -> None:
-        upto = end - _WRITEBACK_BYTES
-        if self.sha is not None and upto - self.released >= _WRITEBACK_BYTES:
-            os.posix_fadvise(self.fd, self.released, upto - self.released, os.POSIX_FADV_DONTNEED)
-            self.released = upto
+        self.writeback = WriteBack(fd) if sha is not None else None
 
     def write(self, chunk: torch.Tensor) -> None:
         if self.index >= len(self.pieces):
@@ -155,7 +166,8 @@ class _RowSink:
             raise SlimtuneError(f"{self.path}: tensor {slot.name}: more bytes than its rows {list(slot.shape)}")
         with stage("write", device_work=False):
             _pwrite_all(self.fd, data, offset + self.done)
-            self._write_back(offset + self.done + len(data))
+            if self.writeback is not None:
+                self.writeback.written(offset + self.done + len(data))
         if self.sha is not None:
             with stage("hash", device_work=False):
                 self.sha.update(data)

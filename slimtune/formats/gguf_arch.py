@@ -339,7 +339,8 @@ class GGUFArch:
         return name
 
     def tensor(self, t: StreamTensor) -> StreamTensor | None:
-        """``t`` (float32 rows) under its GGUF name, with the family's row transformation applied."""
+        """``t`` (float rows: float32, or a stored 16-bit tensor as it is) under its GGUF name, with the
+        family's row transformation applied (row permutations keep the dtype; arithmetic is in float32)."""
         name = self.gguf_name(t.name)
         if name is None:
             return None
@@ -403,15 +404,17 @@ def _stack(key: str, parts: list[StreamTensor | None], where: str) -> Stacked:
     if len(shapes) != 1 or len(next(iter(shapes))) != 2:
         raise SlimtuneError(f"{where}: {key}: the experts' weights differ in shape or are not 2-D ({sorted(shapes)})")
     rows_per, cols = next(iter(shapes))
+    dtypes = {p.dtype for p in parts}
+    dtype = parts[0].dtype if len(dtypes) == 1 else torch.float32  # merged experts beside stored ones: all float32
 
     def rows(s: int, e: int) -> torch.Tensor:
         chunks = []
         for x in range(s // rows_per, (e - 1) // rows_per + 1):
             lo, hi = max(s, x * rows_per) - x * rows_per, min(e, (x + 1) * rows_per) - x * rows_per
-            chunks.append(parts[x].rows(lo, hi))
+            chunks.append(parts[x].rows(lo, hi).to(dtype))
         return torch.cat(chunks) if len(chunks) > 1 else chunks[0]
 
-    return Stacked(key, (len(parts) * rows_per, cols), parts[0].dtype, rows, (len(parts), rows_per, cols))
+    return Stacked(key, (len(parts) * rows_per, cols), dtype, rows, (len(parts), rows_per, cols))
 
 
 def gguf_arch(cfg: dict, where: str = "config.json") -> GGUFArch:
@@ -483,4 +486,5 @@ def _transposed(t: StreamTensor, pass_bytes: int = 4 * 1024 * 1024) -> StreamTen
 
 
 def _mapped(t: StreamTensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> StreamTensor:
-    return StreamTensor(t.name, t.shape, t.dtype, lambda s, e: fn(t.rows(s, e)))
+    """``fn`` of the rows, computed in float32 (a 16-bit entry is widened first: one rounding, the file's)."""
+    return StreamTensor(t.name, t.shape, torch.float32, lambda s, e: fn(t.rows(s, e).float()))

@@ -30,7 +30,9 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from slimtune.quant import kquants
-from slimtune.quant.kquants import QUANTIZERS, first_extreme, fp16_bits, le16, signed_absmax
+from slimtune.quant.kquants import QUANTIZERS, NonFiniteError, finite_blocks, first_extreme, fp16_bits, le16, signed_absmax
+
+__all__ = ["BLOCK_BYTES", "BLOCK_VALUES", "NonFiniteError", "Quantizer", "quantize"]
 
 
 def _div(t: torch.Tensor, c: float) -> torch.Tensor:
@@ -75,7 +77,7 @@ def _high_bits(q: torch.Tensor) -> torch.Tensor:
 _JUST_BELOW_HALF = torch.tensor(0.5 - 2.0**-25)  # 0.49999997f, the float32 below 0.5
 
 
-def _q8_0(b: torch.Tensor) -> torch.Tensor:
+def _q8_0(b: torch.Tensor, check: bool = False) -> torch.Tensor:
     """d = amax / 127 (fp16), levels roundf(x * id): six passes over the values, one temporary and the output.
 
     ``roundf`` (half away from zero) of |x0| <= 127 is ``(int8_t)copysign(|x0| + 0.49999997f, x0)``: the
@@ -84,7 +86,9 @@ def _q8_0(b: torch.Tensor) -> torch.Tensor:
     Where ``1.0f/d`` is infinite (d subnormal) the C's levels are (int8_t) of an infinity or NaN: 0
     (cvttss2si's 0x80000000, low byte 0), as with d == 0; so id is 0 there."""
     a = b.abs()
-    d = _div(a.amax(1), 127.0)
+    amax = a.amax(1)
+    finite_blocks(check, amax)
+    d = _div(amax, 127.0)
     inv = torch.full_like(d, 1.0) / d
     inv.masked_fill_(torch.isinf(inv), 0.0)
     a.mul_(inv[:, None]).add_(_JUST_BELOW_HALF).copysign_(b)  # |x| * id == |x * id|: in place, no temporaries
@@ -94,18 +98,21 @@ def _q8_0(b: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _signed_scale(b: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _signed_scale(b: torch.Tensor, levels: int, check: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q4_0/Q5_0: d = max / -levels/2 (max: the first value of largest |x|, +0.0 where every |x| is 0:
     the C's ``max`` starts at 0 and moves only on a larger |x|), and the levels
     ``MIN(levels - 1, (int8_t)(x * id + levels/2 + 0.5))``."""
-    d = _div(signed_absmax(b, 1), -levels / 2)
+    mx = signed_absmax(b, 1)  # NaN where a block holds one, inf where an infinity is the first extreme
+    finite_blocks(check, mx)
+    d = _div(mx, -levels / 2)
     q = _to_int((b * _inverse(d)[:, None]).add_(levels / 2 + 0.5)).clamp_max_(levels - 1)
     return d, q, torch.empty(0)
 
 
-def _min_scale(b: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _min_scale(b: torch.Tensor, levels: int, check: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q4_1/Q5_1: d = (max - min) / (levels - 1), the levels ``(x - min) * id + 0.5`` truncated, at most levels - 1."""
     mn, mx = b.amin(1), b.amax(1)  # where one is a zero, the first such element's (its sign: d and m)
+    finite_blocks(check, mn, mx)
     mn = first_extreme(b, mn, mn == 0, lambda s: s.argmin(1), 1)
     mx = first_extreme(b, mx, mx == 0, lambda s: s.argmax(1), 1)
     d = _div(mx - mn, levels - 1)
@@ -113,35 +120,35 @@ def _min_scale(b: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor
     return d, q, mn
 
 
-def _q4_0(b: torch.Tensor) -> torch.Tensor:
-    d, q, _ = _signed_scale(b, 16)
+def _q4_0(b: torch.Tensor, check: bool = False) -> torch.Tensor:
+    d, q, _ = _signed_scale(b, 16, check)
     return torch.cat([le16(_fp16(d)), _nibbles(q).to(torch.uint8)], dim=1)
 
 
-def _q5_0(b: torch.Tensor) -> torch.Tensor:
-    d, q, _ = _signed_scale(b, 32)
+def _q5_0(b: torch.Tensor, check: bool = False) -> torch.Tensor:
+    d, q, _ = _signed_scale(b, 32, check)
     return torch.cat([le16(_fp16(d)), _high_bits(q).to(torch.uint8), _nibbles(q).to(torch.uint8)], dim=1)
 
 
-def _q4_1(b: torch.Tensor) -> torch.Tensor:
-    d, q, m = _min_scale(b, 16)
+def _q4_1(b: torch.Tensor, check: bool = False) -> torch.Tensor:
+    d, q, m = _min_scale(b, 16, check)
     return torch.cat([le16(_fp16(d)), le16(_fp16(m)), _nibbles(q).to(torch.uint8)], dim=1)
 
 
-def _q5_1(b: torch.Tensor) -> torch.Tensor:
-    d, q, m = _min_scale(b, 32)
+def _q5_1(b: torch.Tensor, check: bool = False) -> torch.Tensor:
+    d, q, m = _min_scale(b, 32, check)
     return torch.cat([le16(_fp16(d)), le16(_fp16(m)), _high_bits(q).to(torch.uint8), _nibbles(q).to(torch.uint8)], dim=1)
 
 
-_TYPES: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], int, int]] = {
-    # type: (quantizer of blocks (N, block values) -> (N, block bytes), values per block, blocks per piece)
+_TYPES: dict[str, tuple[Callable[[torch.Tensor, bool], torch.Tensor], int, int]] = {
+    # type: (quantizer of blocks (N, block values), check -> (N, block bytes), values per block, blocks per piece)
     "Q8_0": (_q8_0, 32, 16384),
     "Q4_0": (_q4_0, 32, 4096),
     "Q4_1": (_q4_1, 32, 4096),
     "Q5_0": (_q5_0, 32, 4096),
     "Q5_1": (_q5_1, 32, 4096),
-    "Q4_K": (QUANTIZERS["Q4_K"], kquants.QK_K, 512),
-    "Q5_K": (QUANTIZERS["Q5_K"], kquants.QK_K, 512),
+    "Q4_K": (QUANTIZERS["Q4_K"], kquants.QK_K, 1024),
+    "Q5_K": (QUANTIZERS["Q5_K"], kquants.QK_K, 1024),
     "Q6_K": (QUANTIZERS["Q6_K"], kquants.QK_K, 128),
 }
 """Blocks per piece: cache-sized temporaries (Q6_K's 19 candidate scales over 256 values per superblock)
@@ -150,13 +157,20 @@ BLOCK_VALUES = {name: values for name, (_, values, _) in _TYPES.items()}
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, **kquants.BLOCK_BYTES}
 
 
+_WIDENED = (torch.float32, torch.bfloat16, torch.float16)
+"""Input dtypes taken as they are: float32, and the 16-bit floats (exact in float32)."""
+
+
 def _pieces(rows: torch.Tensor, type_name: str) -> tuple[Callable[[torch.Tensor], torch.Tensor], list[torch.Tensor]]:
     if type_name not in _TYPES:
         raise ValueError(f"GGML block type {type_name!r}: expected one of {', '.join(_TYPES)}")
     fn, values, piece = _TYPES[type_name]
     if rows.shape[-1] % values:
         raise ValueError(f"rows of {rows.shape[-1]} values do not divide into {type_name}'s blocks of {values}")
-    blocks = rows.detach().to(torch.float32).reshape(-1, values)
+    blocks = rows.detach()
+    if blocks.dtype not in _WIDENED:
+        blocks = blocks.float()
+    blocks = blocks.reshape(-1, values)  # 16-bit rows stay so: each piece is widened where it is quantized
     return fn, [blocks[i : i + piece] for i in range(0, blocks.shape[0], piece)]
 
 
@@ -193,33 +207,37 @@ class Quantizer:
         self._pool.shutdown(wait=True, cancel_futures=True)
         torch.set_num_threads(self._before)
 
-    def submit(self, rows: torch.Tensor, type_name: str) -> Callable[[], torch.Tensor]:
+    def submit(self, rows: torch.Tensor, type_name: str, finite: bool = False) -> Callable[[], torch.Tensor]:
         """Start quantizing ``rows`` (see ``quantize``); the returned function waits and gives the bytes
-        (or raises what a piece raised: ``FloatingPointError``)."""
+        (or raises what a piece raised: ``FloatingPointError``, ``NonFiniteError``)."""
         assert self._pool is not None, "use Quantizer in a with block"
         fn, pieces = _pieces(rows, type_name)
-        futures = [self._pool.submit(_no_grad, fn, p) for p in pieces]
+        futures = [self._pool.submit(_no_grad, fn, p, finite) for p in pieces]
         return lambda: _joined([f.result() for f in futures])
 
 
-def _no_grad(fn: Callable[[torch.Tensor], torch.Tensor], piece: torch.Tensor) -> torch.Tensor:
+def _no_grad(fn: Callable[[torch.Tensor, bool], torch.Tensor], piece: torch.Tensor, finite: bool) -> torch.Tensor:
+    """One piece quantized, widened to float32 here (a 16-bit piece: cache-sized, on the pool's thread)."""
     with torch.no_grad():
-        return fn(piece)
+        return fn(piece.float(), finite)
 
 
-def quantize(rows: torch.Tensor, type_name: str, threads: int | None = None) -> torch.Tensor:
-    """fp32 rows (..., k * block values) quantized to ``type_name`` (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K,
-    Q5_K or Q6_K): the bytes ggml's reference quantizer writes for them, as a flat uint8 tensor (rows one
-    after the other, blocks in order). ``FloatingPointError`` where a legacy block's scale overflows float16.
+def quantize(rows: torch.Tensor, type_name: str, threads: int | None = None, finite: bool = False) -> torch.Tensor:
+    """fp32 rows (..., k * block values; bf16 and fp16 rows are taken as their exact fp32 values) quantized
+    to ``type_name`` (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K): the bytes ggml's reference
+    quantizer writes for them, as a flat uint8 tensor (rows one after the other, blocks in order).
+    ``FloatingPointError`` where a legacy block's scale overflows float16. NaN and infinities are
+    quantized as ggml quantizes them, or with ``finite`` are a ``NonFiniteError`` (a ``ValueError``),
+    found from the blocks' own maxima and minima (no pass of its own over the values).
     The blocks go in cache-sized pieces to ``threads`` threads (``Quantizer``; 1: this thread).
     Example: ``quantize(torch.randn(2, 256), "Q6_K").numel() == 2 * 210``"""
     fn, pieces = _pieces(rows, type_name)
     if (threads or torch.get_num_threads()) > 1 and len(pieces) > 1:
         with Quantizer(threads) as q:
-            return q.submit(rows, type_name)()
+            return q.submit(rows, type_name, finite)()
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _joined([_no_grad(fn, p) for p in pieces])
+        return _joined([_no_grad(fn, p, finite) for p in pieces])
     finally:
         torch.set_num_threads(before)

@@ -13,7 +13,7 @@ here is a vectorized re-derivation. What byte identity needs, each handled below
 - ``nearest_int`` is ggml's bit trick (add 1.5 * 2**23, keep the low mantissa bits): round half to even
   inside its range and ggml's exact garbage outside it (an infinite or NaN argument); where a bound on the
   argument proves it inside (``_levels``: every block but those whose span overflows), the clamped level is
-  made in three float passes instead;
+  torch's round half to even and a clamp instead (two float passes);
 - comparisons are the C's strict ``<`` / ``>`` applied sequentially (first best wins, NaN never wins);
 - ``sqrtf`` is correctly rounded, torch's float32 ``sqrt`` is not (``_sqrtf``);
 - the block scales are rounded to fp16 by ggml's own ``ggml_compute_fp32_to_fp16`` (``fp16_bits``);
@@ -22,8 +22,11 @@ here is a vectorized re-derivation. What byte identity needs, each handled below
 Speed (the scale searches are most of the work: 21 candidate scales for each Q4_K sub-block, 19 for Q6_K):
 every pass is a torch op over all the blocks of a piece at once (cache-sized, ``slimtune.quant.ggml``),
 the sequential sums add in place, the three sums of a candidate in one pass over a (n, 3, blocks) buffer,
-no levels are kept per candidate (the winner's are made again), and Q6_K's candidates, which do not
-depend on each other, are computed together.
+no levels are kept per candidate (the winner's are made again), Q6_K's candidates, which do not depend
+on each other, are computed together (and what each would make the best, before the sequential choice),
+a Q4_K/Q5_K block's search state moves in one ``where``, and the large buffers are each thread's own,
+reused piece after piece (``_scratch``: a fresh one per piece cost more in page faults than Q6_K's
+arithmetic).
 
 Example::
 
@@ -31,6 +34,8 @@ Example::
 """
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import torch
@@ -65,6 +70,37 @@ def fp16_value(bits: torch.Tensor) -> torch.Tensor:
 def le16(bits: torch.Tensor) -> torch.Tensor:
     """int32 fp16 bits (..., ) -> little-endian bytes (..., 2) as uint8."""
     return torch.stack([bits & 0xFF, (bits >> 8) & 0xFF], dim=-1).to(torch.uint8)
+
+
+class NonFiniteError(ValueError):
+    """A block holds NaN or an infinity (ggml would write garbage for it)."""
+
+
+def finite_blocks(check: bool, *reductions: torch.Tensor) -> None:
+    """With ``check``, ``NonFiniteError`` unless every value is finite: ``reductions`` are per-block
+    maxima / minima of the values (NaN-propagating: a NaN or an infinity in a block makes its max or its
+    min non-finite), so the check is a pass over one value per block, not over the values. Without it,
+    NaN and infinities are quantized as ggml quantizes them (its bytes: tests/test_kquants.py)."""
+    if not check:
+        return
+    for r in reductions:
+        if not bool(torch.isfinite(r).all()):
+            raise NonFiniteError("NaN or infinite values")
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A float32 buffer of ``shape`` kept by this thread for ``name`` and reused by its next piece of the
+    same shape (uninitialised). A fresh multi-MB tensor per piece costs page faults: glibc maps every
+    same-sized large allocation anew (its mmap threshold rises to the freed size, never above it), and
+    the kernel zeroes the pages: 59 MB faulted per MB of Q6_K input, measured."""
+    held = getattr(_SCRATCH, name, None)
+    if held is None or tuple(held.shape) != tuple(shape):
+        held = torch.empty(shape)
+        setattr(_SCRATCH, name, held)
+    return held
 
 
 def _over(c: float, t: torch.Tensor) -> torch.Tensor:
@@ -111,53 +147,64 @@ def _running_sum(terms: torch.Tensor, start: torch.Tensor | None = None) -> torc
 
 # --- Q4_K, Q5_K: 8 sub-blocks of 32 with a 6-bit scale and min ------------------------------------------
 
-_MAGIC = 12582912.0  # 1.5 * 2**23: nearest_int's constant
 _FAST_RANGE = 2.0**21
-"""Below this bound on |v| (half nearest_int's range, a margin for the bound's own rounding), ``v + 1.5 * 2**23``
-is exactly ``1.5 * 2**23 + nearest_int(v)`` in float32, so the levels can be made in float arithmetic."""
+"""Where every |v| is below this (half nearest_int's range), ``nearest_int(v)`` is torch's round half to
+even (its bit trick is exact there), so the levels are made in float arithmetic."""
 
 
-def _levels(v: torch.Tensor, lo: int, hi: int, bound: torch.Tensor) -> torch.Tensor:
-    """``max(lo, min(hi, nearest_int(v)))`` as float32. ``bound``: an upper bound of |v| (per block, any
-    shape that reduces to one value); where it is under ``_FAST_RANGE`` and finite (always, but for spans
-    that overflow to inf and the like), three float passes (add, clamp, subtract: exact there); else ggml's
-    integer bit trick."""
-    if bool(torch.all(bound < _FAST_RANGE)):  # NaN and inf fail the test
-        t = v.add_(_MAGIC).clamp_(_MAGIC + lo, _MAGIC + hi)
-        return t.sub_(_MAGIC)
+def _levels(v: torch.Tensor, lo: int, hi: int, fast: bool | None = None) -> torch.Tensor:
+    """``max(lo, min(hi, nearest_int(v)))`` as float32, in place on ``v``: where every |v| is under
+    ``_FAST_RANGE`` (always, but for spans that overflow to inf and the like: ``fast`` when the caller
+    knows, else one min/max pass says so), two float passes (round half to even, clamp: exact there);
+    else ggml's integer bit trick."""
+    if fast is None:
+        low, high = torch.aminmax(v)  # NaN propagates: a NaN or an infinity fails the test
+        fast = -_FAST_RANGE < float(low) and float(high) < _FAST_RANGE
+    if fast:
+        return v.round_().clamp_(lo, hi)
     return nearest_int(v).clamp_(lo, hi).float()
 
 
-def _make_qkx2(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int):
+def _make_qkx2(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int, check: bool = False):
     """ggml's ``make_qkx2_quants`` on sub-blocks ``x`` (n, M): values along dim 0, one sub-block per
     column. Returns (scale (M,), the_min (M,), L (n, M) int32 in 0..nmax).
 
     The candidate scales go in the C's order, each from the best ``min`` so far (a better candidate moves
     it), every block at once. The levels are not kept per candidate: each block remembers the winner's
-    (iscale, min) and its levels are made again once at the end (the same float operations)."""
+    (iscale, min) and its levels are made again once at the end (the same float operations). A block's
+    state (best error, scale, the winner's iscale and min, min, max - min) is one (6, M) tensor, moved by
+    one ``where``; the levels and the errors are made in place in one buffer. A flat block (max == min:
+    its scale and levels are overwritten with 0) computes with a span of 1, so its levels are finite
+    (all 0: never a better candidate, D = 0) and the fast level path holds."""
     lo, mx = x.amin(0), x.amax(0)
+    finite_blocks(check, lo, mx)
     sum_w = _running_sum(w[1:], w[0])
     sum_x = _running_sum(w[1:] * x[1:], w[0] * x[0])
     mn = torch.where(lo > 0, torch.zeros_like(lo), lo)
     flat = mx == mn
-    iscale = _over(nmax, mx - mn)
+    span = torch.where(flat, torch.ones_like(mx), mx - mn)
+    iscale = _over(nmax, span)
     scale = _over(1.0, iscale)
-    win_iscale, win_min = iscale, mn
+    v = _scratch("qkx2_levels", tuple(x.shape))
 
     def levels(isc: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-        # |isc * (x - m)| is at most this (rounding is monotonic: the extremes of x - m are at x's)
-        bound = torch.maximum((lo - m).abs(), (mx - m).abs()) * isc.abs()
-        bound = torch.where(flat, torch.zeros_like(bound), bound)  # flat blocks' levels are overwritten
-        return _levels((x - m).mul_(isc), 0, nmax, bound)
+        # |isc * (x - m)| is at most this (rounding is monotonic: the extremes of x - m are at x's; isc > 0)
+        bound = torch.maximum((lo - m).abs_(), (mx - m).abs_()).mul_(isc)
+        fast = bool((bound < _FAST_RANGE).all())  # NaN and inf fail the test
+        return _levels(torch.sub(x, m, out=v).mul_(isc), 0, nmax, fast)  # the C's iscale * (x - min)
 
-    lf = levels(iscale, mn)
-    diff = (lf.mul_(scale) + mn).sub_(x)
-    best_error = _running_sum(diff.mul_(diff).mul_(w))
+    def error(lf: torch.Tensor, s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        diff = lf.mul_(s).add_(m).sub_(x)  # scale * L + min - x, in place on the levels
+        return _running_sum(diff.mul_(diff).mul_(w))
+
+    best_error = error(levels(iscale, mn), scale, mn)
+    state = torch.stack([best_error, scale, iscale, mn, mn, span])  # best error, scale, win iscale, win min, min, span
     n, m_blocks = x.shape
-    sums = torch.empty(n, 3, m_blocks)
-    for i in range(nstep + 1):
-        step = float(_F32(rmin) + _F32(rdelta) * _F32(i) + _F32(nmax))
-        isc = _over(step, mx - mn)  # the C's (rmin + rdelta*is + nmax)/(max - min)
+    sums = _scratch("qkx2_sums", (n, 3, m_blocks))
+    steps = [torch.tensor(_F32(rmin) + _F32(rdelta) * _F32(i) + _F32(nmax)) for i in range(nstep + 1)]
+    for step in steps:
+        mn = state[4]
+        isc = step / state[5]  # the C's (rmin + rdelta*is + nmax)/(max - min): a 0-d tensor, a true division
         lf = levels(isc, mn)
         wl = torch.mul(w, lf, out=sums[:, 0])
         torch.mul(wl, lf, out=sums[:, 1])
@@ -167,15 +214,12 @@ def _make_qkx2(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta:
         this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
         this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
         clipped = this_min > 0
-        this_min = torch.where(clipped, torch.zeros_like(this_min), this_min)
+        this_min.masked_fill_(clipped, 0.0)
         this_scale = torch.where(clipped, sum_xl / sum_l2, this_scale)
-        diff = (lf.mul_(this_scale) + this_min).sub_(x)
-        cur_error = _running_sum(diff.mul_(diff).mul_(w))
-        better = (D > 0) & (cur_error < best_error)
-        best_error = torch.where(better, cur_error, best_error)
-        scale = torch.where(better, this_scale, scale)
-        win_iscale, win_min = torch.where(better, isc, win_iscale), torch.where(better, mn, win_min)
-        mn = torch.where(better, this_min, mn)
+        cur_error = error(lf, this_scale, this_min)
+        better = (D > 0) & (cur_error < state[0])
+        state = torch.where(better, torch.stack([cur_error, this_scale, isc, mn, this_min, mx - this_min]), state)
+    _, scale, win_iscale, win_min, mn, _ = state
     L = levels(win_iscale, win_min).to(torch.int32)
     scale = torch.where(flat, torch.zeros_like(scale), scale)
     L = torch.where(flat, torch.zeros_like(L), L)
@@ -190,14 +234,14 @@ def _max_positive(v: torch.Tensor) -> torch.Tensor:
     return m
 
 
-def _quantize_qkx(x: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int):
+def _quantize_qkx(x: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int, check: bool):
     """The shared part of Q4_K and Q5_K on superblocks ``x`` (N, 256): fp16 d and dmin bits (N,), the 12
     packed scale bytes (N, 12) and the levels L (N, 256) in 0..nmax."""
     n = x.shape[0]
     sub = x.reshape(n * 8, 32).t().contiguous()  # (32, M): values along dim 0
     av_x = _sqrtf(_running_sum(sub * sub) / 32.0)
     w = av_x + sub.abs()
-    scales, mins, L = _make_qkx2(sub, w, nmax, rmin, rdelta, nstep)
+    scales, mins, L = _make_qkx2(sub, w, nmax, rmin, rdelta, nstep, check)
     scales, mins, L = scales.view(n, 8), mins.view(n, 8), L.t().reshape(n, 8, 32)
     max_scale, max_min = _max_positive(scales), _max_positive(mins)
     inv_scale = torch.where(max_scale > 0, _over(63.0, max_scale), torch.zeros_like(max_scale))
@@ -216,15 +260,15 @@ def _quantize_qkx(x: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep:
     return d_bits, dmin_bits, packed, L.reshape(n, 256)
 
 
-def _q4_k(x: torch.Tensor) -> torch.Tensor:
-    d, dmin, scales, L = _quantize_qkx(x, 15, -1.0, 0.1, 20)
+def _q4_k(x: torch.Tensor, check: bool = False) -> torch.Tensor:
+    d, dmin, scales, L = _quantize_qkx(x, 15, -1.0, 0.1, 20, check)
     pairs = L.view(-1, 4, 2, 32)
     qs = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(-1, 128)
     return torch.cat([le16(d), le16(dmin), scales.to(torch.uint8), qs.to(torch.uint8)], dim=1)
 
 
-def _q5_k(x: torch.Tensor) -> torch.Tensor:
-    d, dmin, scales, L = _quantize_qkx(x, 31, -0.5, 0.1, 15)
+def _q5_k(x: torch.Tensor, check: bool = False) -> torch.Tensor:
+    d, dmin, scales, L = _quantize_qkx(x, 31, -0.5, 0.1, 15, check)
     pairs = L.view(-1, 4, 2, 32)
     low = pairs & 0xF
     qs = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(-1, 128)
@@ -240,49 +284,60 @@ _QX_STEPS = [0, *range(-9, 0), *range(1, 10)]
 """make_qx_quants' candidate scales: the first (-nmax / max), then is = -9..-1, 1..9 in the C's order."""
 
 
-def _make_qx(x: torch.Tensor, nmax: int):
+def _make_qx(x: torch.Tensor, nmax: int, check: bool = False):
     """ggml's ``make_qx_quants(n, nmax, x, L, rmse_type=1, NULL)`` on sub-blocks ``x`` (n, M): values
     along dim 0. Returns (scale (M,), L (n, M) int32 in 0..2*nmax-1). Every candidate scale's sums at
     once (n, candidates, M); the choice among them in the C's order (each compared with the best so far)."""
     mx = signed_absmax(x, 0)
+    finite_blocks(check, mx)
     amax = mx.abs()
     zero = amax < _GROUP_MAX_EPS
     mx = torch.where(zero, torch.ones_like(mx), mx)  # all-zero sub-blocks: any scale (overwritten below)
     consts = torch.from_numpy(np.array([-(_F32(nmax) + _F32(0.1) * _F32(i)) for i in _QX_STEPS], dtype=np.float32))
     iscales = consts[:, None] / mx  # (S, M): the C's -(nmax + 0.1f*is) / max
-    bound = iscales.abs().amax(0) * torch.where(zero, torch.ones_like(amax), amax)
-    lf = _levels(x[:, None, :] * iscales, -nmax, nmax - 1, bound)  # (n, S, M)
+    # |iscale * x| <= |iscale| * amax ~ nmax + 1 wherever iscale is finite (an infinite one: a subnormal max)
+    fast = bool(torch.isfinite(iscales).all())
+    shape = (x.shape[0], iscales.shape[0], x.shape[1])
+    lf = _levels(torch.mul(x[:, None, :], iscales, out=_scratch("qx_levels", shape)), -nmax, nmax - 1, fast)  # (n, S, M)
     w = x * x
-    wl = lf * w[:, None, :]
-    suml2 = _running_sum(wl * lf)
+    wl = torch.mul(lf, w[:, None, :], out=_scratch("qx_products", shape))
+    suml2 = _running_sum(wl.mul_(lf))  # (w * l) * l
     sumlx = _running_sum(lf.mul_((w * x)[:, None, :]))  # (w * x) * l, as the C's w*x[i]*l
-    lf = None
-    scale = torch.where(suml2[0] != 0, sumlx[0] / suml2[0], torch.zeros_like(suml2[0]))
-    best = scale * sumlx[0]
+    lf = wl = None
+    # what each candidate would make the best: scale = sumlx / suml2, best = scale * sumlx (all at once)
+    ratio = sumlx / suml2
+    cand_best = ratio * sumlx
+    square, positive = sumlx * sumlx, suml2 > 0
+    scale0 = torch.where(suml2[0] != 0, ratio[0], torch.zeros_like(ratio[0]))
+    best = scale0 * sumlx[0]
     pick = torch.zeros_like(mx, dtype=torch.int64)
     for s in range(1, len(_QX_STEPS)):
-        better = (suml2[s] > 0) & (sumlx[s] * sumlx[s] > best * suml2[s])
-        scale = torch.where(better, sumlx[s] / suml2[s], scale)
-        best = torch.where(better, scale * sumlx[s], best)
-        pick = torch.where(better, s, pick)
+        better = positive[s] & (square[s] > best * suml2[s])  # the C's sumlx*sumlx > best*suml2
+        best = torch.where(better, cand_best[s], best)
+        pick.masked_fill_(better, s)
+    scale = torch.where(pick == 0, scale0, ratio.gather(0, pick[None])[0])
     chosen = iscales.gather(0, pick[None])  # the winner's iscale: its levels again (cheaper than keeping all)
-    L = _levels(x * chosen, -nmax, nmax - 1, bound).to(torch.int32)
+    L = _levels(x * chosen, -nmax, nmax - 1, fast).to(torch.int32)
     scale = torch.where(zero, torch.zeros_like(scale), scale)
     L = torch.where(zero, torch.full_like(L, -nmax), L) + nmax
     return scale, L
 
 
-def _q6_k(x: torch.Tensor) -> torch.Tensor:
+def _q6_k(x: torch.Tensor, check: bool = False) -> torch.Tensor:
     n = x.shape[0]
     sub = x.reshape(n * 16, 16).t().contiguous()
-    scales, L = _make_qx(sub, 32)
+    scales, L = _make_qx(sub, 32, check)
     scales, L = scales.view(n, 16), L.t().reshape(n, 16, 16)
-    max_abs, max_scale = torch.zeros_like(scales[:, 0]), torch.zeros_like(scales[:, 0])
-    for j in range(16):
-        a = scales[:, j].abs()
-        bigger = a > max_abs
-        max_abs = torch.where(bigger, a, max_abs)
-        max_scale = torch.where(bigger, scales[:, j], max_scale)
+    if bool(torch.isfinite(scales).all()):  # the first scale of largest |scale| (+0 where all are 0), as the C's strict > picks it
+        max_scale = signed_absmax(scales, 1)
+        max_abs = max_scale.abs()
+    else:  # the C's loop, which a NaN never enters
+        max_abs, max_scale = torch.zeros_like(scales[:, 0]), torch.zeros_like(scales[:, 0])
+        for j in range(16):
+            a = scales[:, j].abs()
+            bigger = a > max_abs
+            max_abs = torch.where(bigger, a, max_abs)
+            max_scale = torch.where(bigger, scales[:, j], max_scale)
     zero = max_abs < _GROUP_MAX_EPS
     iscale = _over(-128.0, max_scale)
     d_bits = fp16_bits(_over(1.0, iscale))
@@ -299,4 +354,5 @@ def _q6_k(x: torch.Tensor) -> torch.Tensor:
 
 
 QUANTIZERS = {"Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
-"""Superblocks (N, 256) -> their bytes (N, BLOCK_BYTES[type]); ``slimtune.quant.ggml.quantize`` runs them."""
+"""Superblocks (N, 256), check -> their bytes (N, BLOCK_BYTES[type]) (``check``: NaN or an infinity is a
+``NonFiniteError``); ``slimtune.quant.ggml.quantize`` runs them."""

@@ -235,3 +235,19 @@ def test_fused_lora_linear_equals_peft(nf4_base):
         # fp32 both, the scaling applied to another factor: equal to fp32 rounding of the largest gradient
         assert theirs.abs().max() > 0
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=2e-6 * float(theirs.abs().max()))
+
+
+@pytest.mark.parametrize("shape", [(128, 128), (576, 576), (1024, 48), (300, 64)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_quantize_by_pieces_is_torchao_to_nf4_bit_for_bit(shape, dtype):
+    """quantize_nf4 works a piece at a time (bounded temporaries); any piece size gives torchao's to_nf4
+    inner tensors exactly, pieces that split rows (width 576, 48) and a last short piece included."""
+    torch.manual_seed(5)
+    weight = torch.randn(shape, dtype=torch.float32).mul(0.05).to(dtype)
+    oracle = to_nf4(weight, 64, scaler_block_size(shape))
+    for piece in (64, 192, 4096, 10**9):
+        nf4 = quantize_nf4(weight, piece)
+        layout = (nf4.shape, nf4.dtype, nf4.stride(), nf4.scaler_block_size)
+        assert layout == (oracle.shape, oracle.dtype, oracle.stride(), oracle.scaler_block_size)
+        for attr in ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4"):
+            assert torch.equal(getattr(nf4, attr), getattr(oracle, attr)), (piece, attr)

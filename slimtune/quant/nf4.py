@@ -35,6 +35,7 @@ __all__ = [
 ]
 
 BLOCK_SIZE = 64
+_LITTLE_ENDIAN = sys.byteorder == "little"
 SCALER_BLOCK_SIZE = 256  # torchao's default, and the largest slimtune uses
 
 
@@ -69,12 +70,48 @@ def not_quantizable_reason(shape: torch.Size | tuple[int, ...]) -> str:
     return "" if numel % BLOCK_SIZE == 0 else f"{numel} elements, not whole {BLOCK_SIZE}-element blocks"
 
 
-def quantize_nf4(weight: torch.Tensor) -> NF4Tensor:
-    """torchao's to_nf4 with 64-element blocks and the scaler block ``scaler_block_size`` picks for the shape."""
+QUANTIZE_PIECE = 2**19  # elements per piece of quantize_nf4: its temporaries are a few MB, whatever the weight
+
+
+def quantize_nf4(weight: torch.Tensor, piece: int = QUANTIZE_PIECE) -> NF4Tensor:
+    """torchao's to_nf4 with 64-element blocks and the scaler block ``scaler_block_size`` picks for the
+    shape, bit for bit, worked ``piece`` elements at a time into the packed output: torchao's makes
+    several whole-weight temporaries (|W|, W / absmax, one code byte per element, the two halves of the
+    packing: ~2.5x the bf16 weight for a 14336 x 4096 projection), and freed between kept tensors of
+    similar size they fragment the heap (glibc kept ~60 MB per Llama-3-8B layer, ~1.7 GB over the
+    model, resident after the load). Here the temporaries are a few MB, reused piece after piece.
+
+    Example: ``w4 = quantize_nf4(torch.randn(128, 64, dtype=torch.bfloat16))``"""
     sbs = scaler_block_size(tuple(weight.shape))
     if sbs is None:
         raise ValueError(f"a {list(weight.shape)} weight cannot be NF4 ({not_quantizable_reason(tuple(weight.shape))})")
-    return to_nf4(weight.contiguous(), BLOCK_SIZE, sbs)
+    weight = weight.contiguous()
+    flat = weight.view(-1)
+    numel, step = flat.numel(), max(BLOCK_SIZE, piece // BLOCK_SIZE * BLOCK_SIZE)
+    absmax = torch.empty(numel // BLOCK_SIZE, dtype=weight.dtype, device=weight.device)
+    for s in range(0, numel, step):  # torchao's get_block_absmax, by piece
+        absmax[s // BLOCK_SIZE : (s + step) // BLOCK_SIZE] = flat[s : s + step].view(-1, BLOCK_SIZE).abs().amax(dim=1)
+    quantized_scalers, factor, mean = _double_quantize(absmax, sbs)
+    nf4 = _nf4_codes(weight.dtype).to(weight.device)
+    data = torch.empty(numel // 2, dtype=torch.uint8, device=weight.device)
+    for s in range(0, numel, step):  # torchao's convert_to_norm_float_weight, by piece
+        blocks = flat[s : s + step].view(-1, BLOCK_SIZE)
+        scaled = (blocks / absmax[s // BLOCK_SIZE : s // BLOCK_SIZE + blocks.shape[0]].unsqueeze(-1)).view(-1, 1)
+        codes = (scaled - nf4).abs_().argmin(dim=-1).to(torch.uint8)  # quantize_tensor_nearest: the first nearest code
+        pairs = codes.view(torch.int16) if _LITTLE_ENDIAN else codes.view(-1, 2).flip(1).contiguous().view(torch.int16)
+        data[s // 2 : s // 2 + pairs.numel()] = ((pairs << 4) | (pairs >> 8)).to(torch.uint8)  # [a, b] -> a << 4 | b (cast: low byte)
+    meta = SubclassTensorArgs(weight.size(), weight.stride(), weight.storage_offset(), weight.dtype, weight.device, weight.requires_grad)
+    return NF4Tensor(meta, BLOCK_SIZE, numel // BLOCK_SIZE, sbs, quantized_scalers, factor, mean, data, nf4)
+
+
+def _double_quantize(block_absmax: torch.Tensor, sbs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """torchao's double_quantize_scalers on the per-block absmax vector (what it computes from the
+    weight): the int8 block scalers, the per-scaler-block factors and the mean, the same operations."""
+    mean = block_absmax.mean()
+    scaler_blocks = (block_absmax - mean).view(-1, sbs)
+    factor = 256 / (2 * scaler_blocks.abs().max(dim=1).values)
+    quantized = (scaler_blocks * factor.unsqueeze(-1)).round().clamp(-128, 127).flatten().to(torch.int8)
+    return quantized, factor.contiguous(), mean
 
 
 def _byte_pair_table(w: NF4Tensor) -> torch.Tensor:
@@ -230,12 +267,7 @@ class NF4RoundTrip:
         step = -(-max(1, chunk_rows) // align) * align
         absmax = [read_rows(s, min(s + step, rows)).reshape(-1, BLOCK_SIZE).abs().max(dim=1).values for s in range(0, rows, step)]
         block_absmax = torch.cat(absmax)
-        # torchao's double_quantize_scalers, on the block absmax vector, with the tensor's scaler block
-        mean = block_absmax.mean()
-        centred = block_absmax - mean
-        scaler_blocks = centred.view(-1, sbs)
-        factor = 256 / (2 * scaler_blocks.abs().max(dim=1).values)
-        quantized = (scaler_blocks * factor.unsqueeze(-1)).round().clamp(-128, 127).flatten().to(torch.int8)
+        quantized, factor, mean = _double_quantize(block_absmax, sbs)
         # torchao's dequantize_scalers
         self.scalers = (quantized.view(-1, sbs) / factor.unsqueeze(-1)).flatten().to(dtype) + mean
         self.block_absmax = block_absmax

@@ -4,7 +4,8 @@ tensor the file holds, adding one step to the one before, on one torch thread (t
 torch with intra-op threads off: ``slimtune.quant.ggml.Quantizer``), so the differences are each step's cost:
 
 - ``read_s``: the base's rows read (bf16, page cache) and upcast to fp32, no merge;
-- ``rows_s``: the merged fp32 rows in GGUF order (LoRA merge, llama.cpp's Q/K permutation);
+- ``rows_s``: the merged rows in GGUF order (LoRA merge in fp32, llama.cpp's Q/K permutation; a tensor no
+  adapter touches stays in its stored 16-bit dtype, as the export hands it to the quantizer);
 - ``rows_finite_s``: plus the export's finite check of each chunk;
 - ``rows_quantize_s``: plus the quantizer of ``--type`` (a plain block type, e.g. Q8_0) on this thread;
 - ``sha256_s``: the hash check's pass over the base file alone.

@@ -137,7 +137,7 @@ class WriteBack:
     def written(self, end: int) -> None:
         """Bytes up to ``end`` are written."""
         upto = end - _WRITEBACK_BYTES
-        if upto - self.released >= _WRITEBACK_BYTES:
+        if upto - self.released >= _WRITEBACK_BYTES and hasattr(os, "posix_fadvise"):  # Linux; elsewhere the fsync does it all
             os.posix_fadvise(self.fd, self.released, upto - self.released, os.POSIX_FADV_DONTNEED)
             self.released = upto
 

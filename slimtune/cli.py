@@ -22,20 +22,6 @@ from slimtune.formats.strict_json import safe_text
 from slimtune.logs import configure_logging
 from slimtune.memory import DEFAULT_SHARD_SIZE, parse_size
 
-OPENMP_WAIT_POLICY = "PASSIVE"
-"""The OpenMP wait policy the command sets for itself and every process it starts (background writers,
-ranks) unless ``OMP_WAIT_POLICY`` is already set: torch's idle intra-op threads sleep instead of spinning.
-Spinning threads take the cores from everything else on the machine, and from each other where a trainer,
-its background writer and other work share few cores (a Colab machine has 2): measured on this 2-core
-machine at load average ~4.5, ``bench train-step --recipe`` went from 26.3 to 97.2 tokens/s (PEFT beside it
-in the same process: 17.3 -> 100.8). The wait policy changes no partition of the work, so no result."""
-
-
-def set_openmp_wait_policy() -> None:
-    """``OMP_WAIT_POLICY`` = ``OPENMP_WAIT_POLICY`` unless set. It only takes effect before torch loads
-    OpenMP, so the command calls it before importing torch (``main``; ``python -m bench`` too)."""
-    os.environ.setdefault("OMP_WAIT_POLICY", OPENMP_WAIT_POLICY)
-
 
 def quiet_library_logs() -> None:
     """The application's logging choice for the libraries slimtune uses (the library itself sets none):
@@ -396,7 +382,6 @@ def main(argv: list[str] | None = None) -> int:
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")
     command = "slimtune"
-    set_openmp_wait_policy()  # before any command imports torch
     try:
         args = build_parser().parse_args(argv)
         command = f"slimtune {args.command}"

@@ -82,25 +82,3 @@ def test_version_names_slimtune_and_its_libraries(capsys):
     assert main(["--version"]) == 0
     line = capsys.readouterr().out.strip()
     assert line.startswith(f"slimtune {__version__} (torch {torch.__version__}, transformers {transformers.__version__}, "), line
-
-
-@pytest.mark.parametrize("preset", [None, "ACTIVE"])
-def test_command_sets_the_openmp_wait_policy_before_torch_loads(preset):
-    """`slimtune` sets OMP_WAIT_POLICY=PASSIVE for itself and the processes it starts, before torch (and
-    with it OpenMP) is loaded, unless the user set it."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    if preset:
-        env["OMP_WAIT_POLICY"] = preset
-    code = (
-        "import os, sys, slimtune.cli as c\n"
-        "assert 'torch' not in sys.modules\n"
-        "c.main(['inspect', '/nonexistent-dir'])\n"
-        "print(os.environ['OMP_WAIT_POLICY'])"
-    )
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip().splitlines()[-1] == (preset or "PASSIVE")

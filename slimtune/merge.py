@@ -40,9 +40,13 @@ MERGE_BASES = ("original", "quantized")  # MergeBase(quantized=False / True)
 class BaseCheckpoint:
     """A base checkpoint on disk (a directory, or a hub id ``resolve_model`` fetches): tensor names,
     shapes and dtypes from the headers, rows on demand. With ``check`` (a folded ``ReadCheck`` of the
-    base), every byte read is hashed as it is read."""
+    base), every byte read is hashed as it is read. With ``drop_behind`` (one pass that reads each byte
+    once and nothing else reading the files beside it), what was read is let go from the page cache
+    (``SafetensorsReader``)."""
 
-    def __init__(self, model_dir: str | Path | ModelSource, pool: BufferPool | None = None, check: ReadCheck | None = None):
+    def __init__(
+        self, model_dir: str | Path | ModelSource, pool: BufferPool | None = None, check: ReadCheck | None = None, drop_behind: bool = False
+    ):
         self.source = resolve_model(model_dir)
         self.dir = self.source.path
         self.pool = pool
@@ -50,7 +54,7 @@ class BaseCheckpoint:
         refuse_8bit(self.config, str(self.dir / "config.json"))
         self._kinds: tuple[dict[str, str], str | None] | None = None
         taps = [(h.path, check and check.tap(h.path)) for h in checkpoint_files(self.dir)]
-        self.readers = [SafetensorsReader(path, tap and tap.seen) for path, tap in taps]
+        self.readers = [SafetensorsReader(path, tap and tap.seen, drop_behind) for path, tap in taps]
         self.location = {key: r for r in self.readers for key in r.tensors}
         for key, reader in self.location.items():  # every tensor passes through torch: refuse before writing
             reader.torch_shape(key)
@@ -306,9 +310,11 @@ def merge_from_files(
         raise SlimtuneError(f"{out_dir} already exists; pass --overwrite to replace it")
     pool = pool_for(chunk_bytes, options.inflight_bytes, pin_memory=device == "cuda")
     # one process reads every byte of the base in file order: its reads are hashed as they are made; with
-    # ranks each reads its rows only, and the coordinator's check reads the files beside the work
-    checks = [read_check(base_dir, verify, fold=ranks.world_size == 1)] if ranks.is_coordinator else []
-    base = BaseCheckpoint(base_dir, pool, checks[0] if checks else None)
+    # ranks each reads its rows only, and the coordinator's check reads the files beside the work; with
+    # one process, nothing reads the base again: its pages are let go as they are read
+    alone = ranks.world_size == 1
+    checks = [read_check(base_dir, verify, fold=alone)] if ranks.is_coordinator else []
+    base = BaseCheckpoint(base_dir, pool, checks[0] if checks else None, drop_behind=alone)
     try:
         if base.bnb and ranks.is_coordinator:
             log.info(

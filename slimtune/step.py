@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from slimtune.data import IGNORE_INDEX, model_inputs
+from slimtune.memory import HeapTrim
 
 LOSS_CHUNK_BYTES = 64 * 2**20  # fp32 per chunk on a GPU: few, large kernels
 CPU_LOSS_CHUNK_BYTES = 2 * 2**20  # on a CPU: every pass over a chunk stays in cache (vocab 128k, 1024 positions: 6.4 s -> 3.3 s)
@@ -60,6 +61,7 @@ def optimizer_step(parts: StepParts, micro_batches: list[dict[str, torch.Tensor]
 
     Example: ``loss = optimizer_step(parts, [batch], trained)``; ``loss.item()`` to log it"""
     loss_sum = torch.zeros((), dtype=torch.float32, device=parts.device)
+    trim = HeapTrim()
     for mb in micro_batches:
         mb = {k: v.to(parts.device, non_blocking=True) for k, v in mb.items()}
         logits = parts.model(**model_inputs(mb)).logits
@@ -67,6 +69,7 @@ def optimizer_step(parts: StepParts, micro_batches: list[dict[str, torch.Tensor]
         del logits
         parts.scaler.scale(loss).backward()
         loss_sum += loss.detach()
+        trim()  # what the micro-batch freed goes back to the system (a CPU step's activations: HeapTrim)
     apply_gradients(parts)
     return loss_sum
 

@@ -124,3 +124,62 @@ def test_loading_a_gigabyte_4bit_base_holds_its_files_plus_bounded_temporaries(t
     assert files_mb > 900
     assert m["peak"] <= files_mb + 512, m  # measured 1394 MB for 980 MB of files (385 MB of it before the load)
     assert abs(m["resident_mb"] - files_mb) <= 0.05 * files_mb, m
+
+
+HEAP_TRIM_SCRIPT = """
+import ctypes, json
+import torch
+from slimtune.memory import HeapTrim, rss_mb
+
+libc = ctypes.CDLL(None)
+libc.mallopt(-3, 64 * 1024 * 1024)   # M_MMAP_THRESHOLD: the 1 MB blocks below come from the heap
+libc.mallopt(-1, 1024 * 1024 * 1024)  # M_TRIM_THRESHOLD: free() alone gives nothing back
+idle = HeapTrim(slack_mb=64)
+blocks = [torch.ones(256 * 1024) for _ in range(400)]  # 400 x 1 MB, every page touched
+grown = rss_mb()
+del blocks[::2]  # 200 MB freed between live blocks: no top of the heap to shrink
+freed = rss_mb()
+lax = HeapTrim(slack_mb=100_000)
+lax_trimmed = lax()
+after_lax = rss_mb()
+trimmed = idle()
+after = rss_mb()
+again = idle()
+print(json.dumps(dict(grown=grown, freed=freed, lax_trimmed=lax_trimmed, after_lax=after_lax, trimmed=trimmed, after=after, again=again)))
+"""
+
+
+def test_heap_trim_gives_back_freed_heap_memory_once_the_process_grew_past_its_slack():
+    r = run_python(HEAP_TRIM_SCRIPT)
+    assert r.returncode == 0, r.stderr
+    f = json.loads(r.stdout.strip().splitlines()[-1])
+    assert f["freed"] > f["grown"] - 20, f  # glibc kept the freed 200 MB: what HeapTrim is for
+    assert not f["lax_trimmed"] and f["after_lax"] > f["freed"] - 20, f  # under its slack: nothing done
+    assert f["trimmed"] and f["after"] < f["freed"] - 150, f  # past it: the freed blocks go back
+    assert not f["again"], f  # no growth since: no second trim
+
+
+def test_every_micro_batch_backward_is_followed_by_a_trim(qlora_model, monkeypatch):
+    import torch
+
+    from slimtune import step
+    from slimtune.lora import lora_parameters
+
+    params = lora_parameters(qlora_model.train())
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
+    seen = []
+
+    class CountingTrim:
+        def __call__(self):  # called after the backward: the adapters hold this micro-batch's gradients
+            seen.append(all(p.grad is not None for p in params))
+            return False
+
+    monkeypatch.setattr(step, "HeapTrim", CountingTrim)
+    parts = step.StepParts(
+        qlora_model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0), torch.amp.GradScaler("cpu", enabled=False),
+        params, 1.0, torch.device("cpu"),
+    )
+    ids = torch.randint(0, 100, (2, 8))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    step.optimizer_step(parts, [batch, batch, batch], trained_tokens=3 * 2 * 7)
+    assert seen == [True, True, True]

@@ -183,3 +183,24 @@ def test_every_micro_batch_backward_is_followed_by_a_trim(qlora_model, monkeypat
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
     step.optimizer_step(parts, [batch, batch, batch], trained_tokens=3 * 2 * 7)
     assert seen == [True, True, True]
+
+
+def test_the_pipelined_writer_offers_a_trim_after_every_chunk(monkeypatch):
+    import torch
+
+    from slimtune.checkpoint import writer
+
+    calls, written = [], []
+
+    class CountingTrim:
+        def __call__(self):
+            calls.append(len(written))
+            return False
+
+    class Sink:
+        def write(self, chunk):
+            written.append(chunk.numel())
+
+    monkeypatch.setattr(writer, "HeapTrim", CountingTrim)
+    writer.pipelined_write(Sink(), iter([torch.zeros(4), torch.zeros(5), torch.zeros(6)]), inflight_bytes=1 << 20)
+    assert len(calls) == 3 and written == [4, 5, 6]

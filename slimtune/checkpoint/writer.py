@@ -25,7 +25,7 @@ from slimtune.distributed import SINGLE, Ranks
 from slimtune.errors import SlimtuneError
 from slimtune.formats.manifest import FileRecord, sha256_bytes, sha256_file
 from slimtune.formats.safetensors import tensor_bytes
-from slimtune.memory import DEFAULT_SHARD_SIZE, parse_size
+from slimtune.memory import DEFAULT_SHARD_SIZE, HeapTrim, parse_size
 from slimtune.profiler import in_context, stage
 from slimtune.tensors import DTYPES, StreamTensor, row_chunks
 
@@ -101,6 +101,7 @@ def pipelined_write(writer, chunks: Iterator[torch.Tensor], inflight_bytes: int,
 
     thread = threading.Thread(target=in_context(consume), name="slimtune-writer", daemon=True)
     thread.start()
+    trim = HeapTrim()  # chunks freed by the writer thread stay in glibc's heaps unless given back
     try:
         for chunk in chunks:
             nbytes = chunk.numel() * chunk.element_size()
@@ -113,6 +114,7 @@ def pipelined_write(writer, chunks: Iterator[torch.Tensor], inflight_bytes: int,
                 state["inflight"] += nbytes
             pending.put(chunk)
             del chunk
+            trim()
     finally:
         pending.put(None)
         thread.join()

@@ -33,7 +33,7 @@ import gguf
 import numpy as np
 import torch
 
-from slimtune.checkpoint.writer import DEFAULT_CHUNK_BYTES, DEFAULT_INFLIGHT_BYTES, WriteBack, pipelined_write
+from slimtune.checkpoint.writer import DEFAULT_CHUNK_BYTES, DEFAULT_INFLIGHT_BYTES, DirectAppend, pipelined_write
 from slimtune.errors import SlimtuneError
 from slimtune.fileio import atomic_file, check_free_space, os_errors
 from slimtune.formats.gguf_arch import GGUFArch, gguf_arch
@@ -191,21 +191,6 @@ def encode_rows(rows: torch.Tensor, qtype: gguf.GGMLQuantizationType, quantizer:
     return lambda: data
 
 
-class _Sink:
-    """Writes chunks (flat uint8 tensors) to the open file, counting bytes; the file goes to the disk as it
-    is written (``WriteBack``: nothing reads it back)."""
-
-    def __init__(self, f):
-        self.f, self.bytes = f, 0
-        self.writeback = WriteBack(f.fileno())
-
-    def write(self, chunk: torch.Tensor) -> None:
-        data = chunk.numpy()
-        self.f.write(memoryview(data))
-        self.bytes += data.nbytes
-        self.writeback.written(self.f.tell())
-
-
 def _data_chunks(plan: GGUFPlan, chunk_bytes: int, start: int, quantizer: ggml.Quantizer | None = None) -> Iterator[torch.Tensor]:
     """The data section: alignment padding, then each tensor by row chunks, each followed by its padding.
     A chunk is quantized on ``quantizer``'s threads while the next one is made (two in flight at most).
@@ -256,11 +241,15 @@ def write_gguf(path: Path, arch: GGUFArch, kv: list[tuple], plan: GGUFPlan, opti
                 writer.write_ti_data_to_file()
             f = writer.fout[0]
             start = f.tell()
-            sink = _Sink(f)
-            with ggml.Quantizer() as quantizer:
-                pipelined_write(sink, _data_chunks(plan, options.chunk_bytes, start, quantizer), DEFAULT_INFLIGHT_BYTES)
             f.flush()
-            size = f.tell()
+            sink = DirectAppend(tmp, f.fileno(), start)  # the data bypass the page cache: nothing reads them back
+            try:
+                with ggml.Quantizer() as quantizer:
+                    pipelined_write(sink, _data_chunks(plan, options.chunk_bytes, start, quantizer), DEFAULT_INFLIGHT_BYTES)
+            except BaseException:
+                sink.abandon()
+                raise
+            size = sink.close()
         finally:
             writer.close()
         if size != _pad(start, plan.alignment) + plan.data_bytes or os.path.getsize(tmp) != size:

@@ -175,19 +175,20 @@ def plan_slots(tensors: list[tuple[str, StreamTensor]], qtypes: list[gguf.GGMLQu
 def encode_rows(rows: torch.Tensor, qtype: gguf.GGMLQuantizationType, quantizer: ggml.Quantizer | None = None):
     """Float rows (float32, or 16-bit as stored: exact in float32) as the file stores them (one rounding):
     a cast for F32/F16/BF16, ``slimtune.quant.ggml`` (ggml's reference quantizers in torch) for the block
-    types. Returns a function that gives the flat uint8 tensor (a block type goes to ``quantizer``'s
-    threads meanwhile, when one is given); it raises ``FloatingPointError`` where a value (or a legacy
-    block's scale) overflows float16, and a block type ``ggml.NonFiniteError`` where a value is NaN or infinite
-    (the F32/F16/BF16 casts do not check: ``_data_chunks`` does)."""
+    types. Returns a function that gives the bytes as flat uint8 tensors, in order (a block type goes to
+    ``quantizer``'s threads meanwhile, when one is given, and comes back as its pieces, not joined); it
+    raises ``FloatingPointError`` where a value (or a legacy block's scale) overflows float16, and a block
+    type ``ggml.NonFiniteError`` where a value is NaN or infinite (the F32/F16/BF16 casts do not check:
+    ``_data_chunks`` does)."""
     if qtype in _TORCH:
         out = rows.to(_TORCH[qtype]).contiguous()
         if qtype == Q.F16 and not all_finite(out):
             raise FloatingPointError("float16 overflow")
-        data = out.view(-1).view(torch.uint8)
+        data = [out.view(-1).view(torch.uint8)]
         return lambda: data
     if quantizer is not None:
-        return quantizer.submit(rows, qtype.name, finite=True)
-    data = ggml.quantize(rows, qtype.name, finite=True)
+        return quantizer.submit_parts(rows, qtype.name, finite=True)
+    data = [ggml.quantize(rows, qtype.name, finite=True)]
     return lambda: data
 
 
@@ -208,13 +209,13 @@ def _data_chunks(plan: GGUFPlan, chunk_bytes: int, start: int, quantizer: ggml.Q
                     raise SlimtuneError(nonfinite)
                 pending.append(encode_rows(rows.reshape(-1, cols), slot.qtype, quantizer))
                 while len(pending) > (1 if quantizer is not None else 0):
-                    out = pending.popleft()()
+                    for out in pending.popleft()():
+                        made += out.numel()
+                        yield out
+            while pending:
+                for out in pending.popleft()():
                     made += out.numel()
                     yield out
-            while pending:
-                out = pending.popleft()()
-                made += out.numel()
-                yield out
         except ggml.NonFiniteError:
             raise SlimtuneError(nonfinite) from None
         except FloatingPointError:

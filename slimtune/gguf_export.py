@@ -21,6 +21,7 @@ from __future__ import annotations
 import gc
 import math
 import os
+import struct
 import tempfile
 import time
 from collections import deque
@@ -33,7 +34,7 @@ import gguf
 import numpy as np
 import torch
 
-from slimtune.checkpoint.writer import DEFAULT_CHUNK_BYTES, DEFAULT_INFLIGHT_BYTES, WriteBack, pipelined_write
+from slimtune.checkpoint.writer import DEFAULT_CHUNK_BYTES, DEFAULT_INFLIGHT_BYTES, DirectAppend, pipelined_write
 from slimtune.errors import SlimtuneError
 from slimtune.fileio import atomic_file, check_free_space, os_errors
 from slimtune.formats.gguf_arch import GGUFArch, gguf_arch
@@ -175,35 +176,21 @@ def plan_slots(tensors: list[tuple[str, StreamTensor]], qtypes: list[gguf.GGMLQu
 def encode_rows(rows: torch.Tensor, qtype: gguf.GGMLQuantizationType, quantizer: ggml.Quantizer | None = None):
     """Float rows (float32, or 16-bit as stored: exact in float32) as the file stores them (one rounding):
     a cast for F32/F16/BF16, ``slimtune.quant.ggml`` (ggml's reference quantizers in torch) for the block
-    types. Returns a function that gives the flat uint8 tensor (a block type goes to ``quantizer``'s
-    threads meanwhile, when one is given); it raises ``FloatingPointError`` where a value (or a legacy
-    block's scale) overflows float16, and a block type ``ggml.NonFiniteError`` where a value is NaN or infinite
-    (the F32/F16/BF16 casts do not check: ``_data_chunks`` does)."""
+    types. Returns a function that gives the bytes as flat uint8 tensors, in order (a block type goes to
+    ``quantizer``'s threads meanwhile, when one is given, and comes back as its pieces, not joined); it
+    raises ``FloatingPointError`` where a value (or a legacy block's scale) overflows float16, and a block
+    type ``ggml.NonFiniteError`` where a value is NaN or infinite (the F32/F16/BF16 casts do not check:
+    ``_data_chunks`` does)."""
     if qtype in _TORCH:
         out = rows.to(_TORCH[qtype]).contiguous()
         if qtype == Q.F16 and not all_finite(out):
             raise FloatingPointError("float16 overflow")
-        data = out.view(-1).view(torch.uint8)
+        data = [out.view(-1).view(torch.uint8)]
         return lambda: data
     if quantizer is not None:
-        return quantizer.submit(rows, qtype.name, finite=True)
-    data = ggml.quantize(rows, qtype.name, finite=True)
+        return quantizer.submit_parts(rows, qtype.name, finite=True)
+    data = [ggml.quantize(rows, qtype.name, finite=True)]
     return lambda: data
-
-
-class _Sink:
-    """Writes chunks (flat uint8 tensors) to the open file, counting bytes; the file goes to the disk as it
-    is written (``WriteBack``: nothing reads it back)."""
-
-    def __init__(self, f):
-        self.f, self.bytes = f, 0
-        self.writeback = WriteBack(f.fileno())
-
-    def write(self, chunk: torch.Tensor) -> None:
-        data = chunk.numpy()
-        self.f.write(memoryview(data))
-        self.bytes += data.nbytes
-        self.writeback.written(self.f.tell())
 
 
 def _data_chunks(plan: GGUFPlan, chunk_bytes: int, start: int, quantizer: ggml.Quantizer | None = None) -> Iterator[torch.Tensor]:
@@ -223,13 +210,13 @@ def _data_chunks(plan: GGUFPlan, chunk_bytes: int, start: int, quantizer: ggml.Q
                     raise SlimtuneError(nonfinite)
                 pending.append(encode_rows(rows.reshape(-1, cols), slot.qtype, quantizer))
                 while len(pending) > (1 if quantizer is not None else 0):
-                    out = pending.popleft()()
+                    for out in pending.popleft()():
+                        made += out.numel()
+                        yield out
+            while pending:
+                for out in pending.popleft()():
                     made += out.numel()
                     yield out
-            while pending:
-                out = pending.popleft()()
-                made += out.numel()
-                yield out
         except ggml.NonFiniteError:
             raise SlimtuneError(nonfinite) from None
         except FloatingPointError:
@@ -256,11 +243,15 @@ def write_gguf(path: Path, arch: GGUFArch, kv: list[tuple], plan: GGUFPlan, opti
                 writer.write_ti_data_to_file()
             f = writer.fout[0]
             start = f.tell()
-            sink = _Sink(f)
-            with ggml.Quantizer() as quantizer:
-                pipelined_write(sink, _data_chunks(plan, options.chunk_bytes, start, quantizer), DEFAULT_INFLIGHT_BYTES)
             f.flush()
-            size = f.tell()
+            sink = DirectAppend(tmp, f.fileno(), start)  # the data bypass the page cache: nothing reads them back
+            try:
+                with ggml.Quantizer() as quantizer:
+                    pipelined_write(sink, _data_chunks(plan, options.chunk_bytes, start, quantizer), DEFAULT_INFLIGHT_BYTES)
+            except BaseException:
+                sink.abandon()
+                raise
+            size = sink.close()
         finally:
             writer.close()
         if size != _pad(start, plan.alignment) + plan.data_bytes or os.path.getsize(tmp) != size:
@@ -285,9 +276,35 @@ def _collector_paused() -> Iterator[None]:
             gc.enable()
 
 
+class _Writer(gguf.GGUFWriter):
+    """``gguf.GGUFWriter`` whose arrays of strings and of numbers are packed in one go, not item by item
+    (the vocabulary's ~3x10^5 tokens, types and merges: ~0.5 s of the export's serial set-up): the same
+    bytes; anything else (another byte order, bool or nested arrays, mixed items) is the package's."""
+
+    def _pack_val(self, val, vtype, add_vtype: bool, sub_type=None) -> bytes:
+        V = gguf.GGUFValueType
+        if vtype != V.ARRAY or self.endianess != gguf.GGUFEndian.LITTLE or not isinstance(val, (list, tuple)) or not val:
+            return super()._pack_val(val, vtype, add_vtype, sub_type)
+        ltype = sub_type
+        if ltype is None:  # the package's inference, for items all of one plain type (``type(True)`` is not int)
+            first = type(val[0])
+            if first not in (str, int, float) or not all(type(v) is first for v in val):
+                return super()._pack_val(val, vtype, add_vtype, sub_type)
+            ltype = V.get_type(val[0])
+        fmt = self._simple_value_packing.get(ltype)
+        if ltype == V.STRING and all(type(v) is str for v in val):
+            encoded = [v.encode("utf-8") for v in val]
+            body = b"".join(struct.pack("<Q", len(e)) + e for e in encoded)
+        elif fmt is not None and ltype != V.BOOL:
+            body = struct.pack(f"<{len(val)}{fmt}", *val)
+        else:
+            return super()._pack_val(val, vtype, add_vtype, sub_type)
+        return (struct.pack("<I", vtype) if add_vtype else b"") + struct.pack("<IQ", ltype, len(val)) + body
+
+
 def _writer(arch: GGUFArch, kv: list[tuple], plan: GGUFPlan) -> gguf.GGUFWriter:
     """A ``gguf.GGUFWriter`` holding the metadata and every tensor's info, no file yet."""
-    writer = gguf.GGUFWriter(None, arch.name)
+    writer = _Writer(None, arch.name)
     for key, value, vtype in kv:
         _add_kv(writer, key, value, vtype)
     for slot in plan.slots:

@@ -331,6 +331,26 @@ def test_other_types_read_back_and_load(family_dirs, tmp_path, typ):
     assert agree >= (0.95 if typ == "f32" else 0.5), f"{typ}: top-1 agreement {agree:.2%}"
 
 
+def test_file_is_the_same_with_or_without_o_direct(family_dirs, tmp_path, monkeypatch):
+    """The data section goes to the disk by O_DIRECT where the filesystem takes it (whole aligned blocks,
+    ``DirectAppend``), through the page cache where it does not: the same file either way."""
+    from slimtune.checkpoint import writer
+
+    src = family_dirs("llama")
+    direct = []
+    real = writer._pwrite_direct
+    monkeypatch.setattr(writer, "_pwrite_direct", lambda fd, view, offset: (direct.append(len(view)), real(fd, view, offset)))
+    with_direct = export(src, "q8_0", tmp_path / "direct.gguf").read_bytes()
+    monkeypatch.setattr(writer, "_open_direct", lambda path: None)
+    calls = len(direct)
+    assert export(src, "q8_0", tmp_path / "buffered.gguf").read_bytes() == with_direct
+    assert len(direct) == calls
+    if not calls:
+        pytest.skip(f"{tmp_path}'s filesystem refuses O_DIRECT: both files went through the page cache")
+    data_start = gguf.GGUFReader(tmp_path / "direct.gguf").data_offset
+    assert sum(direct) > len(with_direct) - data_start - 4096  # all the data but its tail after the last whole block
+
+
 def test_adapter_merged_on_the_fly_equals_export_of_the_merged_model(family_dirs, tmp_path):
     """--base + --adapter streams the same merge as `slimtune merge`: the two GGUF files are identical."""
     from peft import LoraConfig, get_peft_model

@@ -141,3 +141,47 @@ def test_non_finite_weight_is_one_line_for_every_kind_of_type(merged, tmp_path, 
     out.mkdir()
     for typ in ("f16", "q8_0", "q6_k"):
         _refused(capsys, out, "export", str(src), "--type", typ, "--out", str(out / "m.gguf"), words=(key, "NaN or infinite"))
+
+
+def test_metadata_arrays_packed_in_one_go_are_the_gguf_packages_bytes(tmp_path):
+    """The export's writer packs arrays of strings and numbers whole (``gguf_export._Writer``): the file's
+    header, metadata and tensor infos are byte for byte the ``gguf`` package's own, for each kind of
+    value it takes over and each it leaves to the package; a mixed array is refused as the package refuses it."""
+    import gguf
+    import numpy as np
+
+    from slimtune import gguf_export
+
+    V = gguf.GGUFValueType
+    kv = [
+        ("a.tokens", ["<s>", "héllo", "\u0120world", "日本", "", "a\x00b"], V.ARRAY, None),
+        ("a.tokens_inferred", ["x", "yz"], V.ARRAY, None),
+        ("a.types", [1, 2, 3, 6, -4], V.ARRAY, V.INT32),
+        ("a.inferred_ints", [5, 70000, -1], V.ARRAY, None),
+        ("a.u32", [0, 2**32 - 1], V.ARRAY, V.UINT32),
+        ("a.floats", [0.5, -1e-3, 3], V.ARRAY, V.FLOAT32),
+        ("a.inferred_floats", [0.25, 1e30], V.ARRAY, None),
+        ("a.bools", [True, False, True], V.ARRAY, V.BOOL),
+        ("a.bools_inferred", [True, False], V.ARRAY, None),
+        ("a.scalar", 7, V.UINT32, None),
+        ("a.name", "tiny", V.STRING, None),
+    ]
+    files = []
+    for cls in (gguf.GGUFWriter, gguf_export._Writer):
+        w = cls(tmp_path / f"{cls.__name__}.gguf", "llama")
+        for key, value, vtype, sub in kv:
+            w.add_key_value(key, value, vtype, sub_type=sub)
+        w.add_tensor_info("t", (2, 32), np.dtype(np.float32), 2 * 34, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        w.close()
+        files.append((tmp_path / f"{cls.__name__}.gguf").read_bytes())
+    assert files[0] == files[1] and len(files[0]) > 200
+    for cls in (gguf.GGUFWriter, gguf_export._Writer):
+        w = cls(tmp_path / "mixed.gguf", "llama")
+        w.add_key_value("a.mixed", ["x", 1], V.ARRAY)
+        w.write_header_to_file()
+        with pytest.raises(ValueError):
+            w.write_kv_data_to_file()
+        w.close()

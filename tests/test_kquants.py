@@ -98,8 +98,8 @@ def random_rows(seed: int) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def _assert_blocks_equal(rows: torch.Tensor, type_name: str, threads: int | None = None) -> None:
-    ours = ggml.quantize(rows, type_name, threads).numpy().reshape(-1, ggml.BLOCK_BYTES[type_name])
+def _assert_blocks_equal(rows: torch.Tensor, type_name: str, threads: int | None = None, finite: bool = False) -> None:
+    ours = ggml.quantize(rows, type_name, threads, finite).numpy().reshape(-1, ggml.BLOCK_BYTES[type_name])
     with np.errstate(all="ignore"):
         ref = ggml_quantize(rows.numpy(), type_name)
     bad = np.nonzero((ours != ref).any(axis=1))[0]
@@ -121,6 +121,15 @@ def test_edge_rows_byte_identical_to_ggml(type_name):
     for seed in range(2):
         rows = edge_rows(seed)
         _assert_blocks_equal(rows if type_name in KQUANTS else _fp16_safe(rows), type_name)
+
+
+@pytest.mark.parametrize("type_name", KQUANTS + LEGACY)
+def test_finite_rows_checked_as_the_export_checks_them_byte_identical_to_ggml(type_name):
+    """``finite=True`` (the export's call: NaN and infinities refused, so Q8_0 takes torch's fp16 cast of
+    its scales straight): on the finite rows, ggml's bytes as well."""
+    rows = torch.cat([random_rows(5)[:, :256], *(edge_rows(seed) for seed in range(2))])
+    rows = rows[torch.isfinite(rows).all(1)]
+    _assert_blocks_equal(rows if type_name in KQUANTS else _fp16_safe(rows), type_name, finite=True)
 
 
 @pytest.mark.parametrize("type_name", LEGACY)
@@ -180,8 +189,9 @@ def test_non_finite_is_an_error_when_asked():
 def test_legacy_overflow():
     """A block scale beyond float16 is a FloatingPointError (the export's one line), not an inf in the file."""
     for type_name in LEGACY:
-        with pytest.raises(FloatingPointError):
-            ggml.quantize(torch.full((1, 32), 3e38), type_name)
+        for finite in (False, True):
+            with pytest.raises(FloatingPointError):
+                ggml.quantize(torch.full((1, 32), 3e38), type_name, finite=finite)
 
 
 def test_fp16_rounding_is_ggmls():

@@ -290,3 +290,74 @@ def test_write_back_hands_written_ranges_to_the_kernel_behind_the_end(tmp_path, 
     assert calls and calls[0][0] == 0 and all(a == os.POSIX_FADV_DONTNEED for _, _, a in calls)
     assert all(o + n == o2 for (o, n, _), (o2, _, _) in zip(calls, calls[1:], strict=False))
     assert calls[-1][0] + calls[-1][1] == wb.released >= len(data) - 3 * (1 << 16)
+
+
+def _direct_writes(monkeypatch, fail_at: int | None = None) -> list[tuple[int, int, int]]:
+    """Record every O_DIRECT write (offset, length, buffer address); the ``fail_at``-th raises EINVAL."""
+    import ctypes
+    import errno
+
+    from slimtune.checkpoint import writer
+
+    calls, real = [], writer._pwrite_direct
+
+    def record(fd, view, offset):
+        if fail_at is not None and len(calls) == fail_at:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        calls.append((offset, len(view), ctypes.addressof(ctypes.c_char.from_buffer(view))))
+        real(fd, view, offset)
+
+    monkeypatch.setattr(writer, "_pwrite_direct", record)
+    return calls
+
+
+def _append(path: Path, head: bytes, chunks: list[bytes], buffer_bytes: int):
+    """``head`` written normally, then ``chunks`` through ``DirectAppend``; returns it, closed."""
+    import os
+
+    from slimtune.checkpoint.writer import DirectAppend
+
+    with open(path, "wb") as f:
+        f.write(head)
+        f.flush()
+        out = DirectAppend(path, f.fileno(), len(head), buffer_bytes)
+        for c in chunks:
+            out.write(torch.frombuffer(bytearray(c), dtype=torch.uint8))
+        assert out.close() == len(head) + sum(map(len, chunks))
+        os.fsync(f.fileno())
+    return out
+
+
+@pytest.mark.parametrize("mode", ["direct", "refused at open", "refused at the first write", "refused at the third write"])
+def test_direct_append_writes_the_same_bytes_with_or_without_o_direct(tmp_path, monkeypatch, mode):
+    """``DirectAppend`` (the GGUF export's data): the file holds the head and every chunk in order
+    whether O_DIRECT is taken, refused by the filesystem at open (tmpfs before Linux 6.6, some FUSE)
+    or at a write (EINVAL: the rest goes through the page cache). O_DIRECT writes are whole aligned
+    blocks from an aligned buffer, the head's partial block rewritten as it was; only the tail after
+    the last whole block goes through the ordinary descriptor."""
+    import os
+
+    from slimtune.checkpoint import writer
+
+    if not getattr(os, "O_DIRECT", 0):
+        pytest.skip("no O_DIRECT on this platform")
+    fail_at = {"refused at the first write": 0, "refused at the third write": 2}.get(mode)
+    calls = _direct_writes(monkeypatch, fail_at)
+    if mode == "refused at open":
+        monkeypatch.setattr(writer, "_open_direct", lambda path: None)
+    head = os.urandom(5000)  # not a whole block: the first block is part head, part data
+    rng = torch.Generator().manual_seed(0)
+    sizes = [int(n) for n in torch.randint(1, 20_000, (40,), generator=rng)] + [3 * 4096, 1]
+    chunks = [os.urandom(n) for n in sizes]
+    path = tmp_path / "f.bin"
+    out = _append(path, head, chunks, buffer_bytes=4 * 4096)
+    assert path.read_bytes() == head + b"".join(chunks)
+    if out.direct is False and mode == "direct":
+        pytest.skip(f"{tmp_path}'s filesystem refuses O_DIRECT: only the fallback ran")
+    assert all(offset % 4096 == 0 and n % 4096 == 0 and address % 4096 == 0 for offset, n, address in calls)
+    if mode == "direct":
+        assert out.direct and calls[0][0] == 4096 * (len(head) // 4096)
+        covered = sum(n for _, n, _ in calls)
+        assert calls[-1][0] + calls[-1][1] == calls[0][0] + covered > len(head) + sum(sizes) - 4096  # contiguous; the tail < 1 block
+    else:
+        assert not out.direct and len(calls) == (fail_at or 0)

@@ -5,6 +5,7 @@ the same mechanism."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -142,6 +143,127 @@ class WriteBack:
         if upto - self.released >= _WRITEBACK_BYTES and hasattr(os, "posix_fadvise"):  # Linux; elsewhere the fsync does it all
             os.posix_fadvise(self.fd, self.released, upto - self.released, os.POSIX_FADV_DONTNEED)
             self.released = upto
+
+
+_DIRECT_ALIGN = 4096  # O_DIRECT's offsets, lengths and buffer addresses: a page covers any logical block size up to it
+_DIRECT_BUFFER = 8 * 1024 * 1024
+
+
+def _open_direct(path: Path) -> int | None:
+    """A write descriptor of ``path`` that bypasses the page cache (O_DIRECT), or None where the platform
+    or the filesystem has none."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return None
+    try:
+        return os.open(path, os.O_WRONLY | flag)
+    except OSError:  # EINVAL: a filesystem without O_DIRECT
+        return None
+
+
+def _read_exactly(path: Path, offset: int, nbytes: int) -> bytes:
+    fd = os.open(path, os.O_RDONLY)  # the writer's descriptor may be open for writing only
+    try:
+        data = os.pread(fd, nbytes, offset)
+    finally:
+        os.close(fd)
+    if len(data) != nbytes:
+        raise SlimtuneError(f"{path}: read {len(data)} of the {nbytes} bytes at offset {offset}")
+    return data
+
+
+def _pwrite_direct(fd: int, data: memoryview, offset: int) -> None:
+    _pwrite_all(fd, data, offset)
+
+
+class DirectAppend:
+    """Appends bytes to the file ``path`` (open as ``fd``, holding bytes [0, ``start``) already) from
+    ``start`` on, bypassing the page cache (O_DIRECT): the bytes are copied into a page-aligned buffer
+    (the file's block holding ``start`` read back first, so its head is rewritten as it is) and written
+    a whole buffer at a time; the last partial block goes through ``fd`` at ``close()``. A buffered
+    write of the same bytes costs ~1.5-2.5 s of system CPU per GB here (page cache, reclaim, writeback)
+    and ~0.05 this way. Where the platform or filesystem refuses O_DIRECT (at open or at the first
+    write), every byte goes through ``fd`` (``WriteBack``): the same bytes either way. The caller
+    fsyncs. Example: ``w = DirectAppend(path, fd, f.tell()); w.write(view); ...; end = w.close()``"""
+
+    def __init__(self, path: Path, fd: int, start: int, buffer_bytes: int = _DIRECT_BUFFER):
+        self.fd, self.pos = fd, start
+        self._dfd = _open_direct(path)
+        self.direct = self._dfd is not None
+        self._writeback = None if self.direct else WriteBack(fd)
+        self._base = start // _DIRECT_ALIGN * _DIRECT_ALIGN  # the file offset of the buffer's first byte
+        size = max(_DIRECT_ALIGN, buffer_bytes // _DIRECT_ALIGN * _DIRECT_ALIGN)
+        raw = torch.empty(size + _DIRECT_ALIGN, dtype=torch.uint8)
+        skip = -raw.data_ptr() % _DIRECT_ALIGN
+        self._buf = raw[skip : skip + size]
+        self._view = memoryview(self._buf.numpy())
+        self._fill = start - self._base
+        if self.direct and self._fill:
+            try:
+                self._view[: self._fill] = _read_exactly(path, self._base, self._fill)
+            except BaseException:
+                self.abandon()
+                raise
+
+    def write(self, data: torch.Tensor) -> None:
+        """Append ``data`` (a contiguous tensor's bytes)."""
+        flat = data.reshape(-1).view(torch.uint8)
+        done, n = 0, flat.numel()
+        while done < n and self.direct:
+            take = min(n - done, self._buf.numel() - self._fill)
+            self._buf[self._fill : self._fill + take].copy_(flat[done : done + take])  # torch's copy: no GIL held
+            self._fill += take
+            done += take
+            if self._fill == self._buf.numel():
+                self._flush(self._fill)
+        if done < n:  # no O_DIRECT (from the start, or since the flush above: the buffer is empty)
+            _pwrite_all(self.fd, tensor_bytes(flat[done:]), self.pos + done)
+            self._writeback.written(self.pos + n)
+        self.pos += n
+
+    def _flush(self, nbytes: int) -> None:
+        """Buffer bytes [0, nbytes) (whole blocks) to the file at ``_base``; the rest moves to the front."""
+        view = self._view[:nbytes]
+        if self.direct:
+            try:
+                _pwrite_direct(self._dfd, view, self._base)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self._stop_direct()  # a filesystem that took the flag at open and refuses the write
+        if not self.direct:
+            _pwrite_all(self.fd, view, self._base)
+        rest = self._fill - nbytes
+        if rest:
+            self._view[:rest] = self._view[nbytes : self._fill]
+        self._base += nbytes
+        self._fill = rest
+
+    def _stop_direct(self) -> None:
+        os.close(self._dfd)
+        self._dfd, self.direct = None, False
+        self._writeback = WriteBack(self.fd)
+
+    def close(self) -> int:
+        """The buffered bytes written (whole blocks directly, the tail through ``fd``); returns the end offset."""
+        try:
+            if self.direct and self._fill:
+                whole = self._fill // _DIRECT_ALIGN * _DIRECT_ALIGN
+                if whole:
+                    self._flush(whole)
+                if self._fill:
+                    _pwrite_all(self.fd, self._view[: self._fill], self._base)
+                    self._base, self._fill = self._base + self._fill, 0
+        finally:
+            self.abandon()
+        return self.pos
+
+    def abandon(self) -> None:
+        """Let go of the O_DIRECT descriptor and the buffer, writing nothing more (the file is being discarded)."""
+        if self._dfd is not None:
+            os.close(self._dfd)
+            self._dfd = None
+        self._view.release()
 
 
 class _RowSink:

@@ -270,7 +270,7 @@ def _add_export(sub) -> None:
         "--type",
         default="f16",
         help="f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1 (every 2-D weight), or llama.cpp's mixes q4_k_m, q4_k_s, q5_k_m, "
-        "q5_k_s, q6_k (default: f16)",
+        "q5_k_s, q6_k, q3_k_s, q3_k_m, q3_k_l, q2_k (default: f16)",
     )
     export.add_argument("--out", type=Path, default=None, help="output file (default: model-TYPE.gguf beside SRC)")
     export.add_argument("--base", type=Path, default=None, help="base model (a directory or hub id), to merge an adapter on the fly")

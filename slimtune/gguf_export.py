@@ -74,7 +74,8 @@ class GGUFOptions:
     type: str = "f16"
     """f32, f16, bf16, q8_0, q4_0, q4_1, q5_0 or q5_1: the type of every 2-D weight (norms, biases and
     position embeddings stay f32, as llama.cpp's converter keeps them); or a K-quant mix, q4_k_m, q4_k_s,
-    q5_k_m, q5_k_s or q6_k: each tensor's type as llama-quantize chooses it (``slimtune.formats.gguf_mix``)."""
+    q5_k_m, q5_k_s, q6_k, q3_k_s, q3_k_m, q3_k_l or q2_k: each tensor's type as llama-quantize chooses it
+    (``slimtune.formats.gguf_mix``)."""
     merge_base: str = "original"
     """Merge an adapter into W itself (original) or into dequant(NF4(W)) (quantized), as ``slimtune merge``."""
     overwrite: bool = False

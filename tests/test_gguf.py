@@ -443,18 +443,18 @@ def test_q8_0_real_model_top1(tmp_path):
 
 # --- K-quant mixes: slimtune's file equals llama_model_quantize(slimtune's f32 file) -------------------------
 
-MIXES = ["q4_k_m", "q4_k_s", "q5_k_m", "q5_k_s", "q6_k"]
+MIXES = ["q4_k_m", "q4_k_s", "q5_k_m", "q5_k_s", "q6_k", "q3_k_s", "q3_k_m", "q3_k_l", "q2_k"]
 LLAMA_QUANTIZE_ADDS: frozenset[str] = frozenset()
 """Metadata keys llama-quantize writes that slimtune's mix export does not: none (it sets general.file_type
 and general.quantization_version, which slimtune writes with the same values; measured on every mix here)."""
 
 
-def _kquant_llama(tmp_path_factory, width: int, layers: int, inter: int, tied: bool) -> Path:
+def _kquant_llama(tmp_path_factory, width: int, layers: int, inter: int, tied: bool, kv_heads: int = 1) -> Path:
     d = tmp_path_factory.mktemp(f"kquant-llama-{width}-{layers}")
     torch.manual_seed(0)
     cfg = tiny_config(
         family_of("llama"), hidden_size=width, intermediate_size=inter, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=tied,
+        num_attention_heads=4, num_key_value_heads=kv_heads, tie_word_embeddings=tied,
     )  # fmt: skip
     model = AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():
@@ -512,7 +512,7 @@ def test_mix_equals_llama_quantize(kquant_models, kquant_f32, tmp_path, mix, wid
     assert_same_gguf(ours, llama_quantize(f32, tmp_path / f"{mix}-llama.gguf", mix), LLAMA_QUANTIZE_ADDS)
     types = {t.name: t.tensor_type.name for t in Reader(ours).tensors}
     if width == 320:  # the fallbacks happened: rows of 320 in 32-blocks, ffn_down's 512 in K-quants
-        assert types["blk.0.attn_q.weight"] in ("Q5_0", "Q5_1", "Q8_0") and types["blk.0.ffn_down.weight"].endswith("_K")
+        assert types["blk.0.attn_q.weight"] in ("Q4_0", "Q5_0", "Q5_1", "Q8_0") and types["blk.0.ffn_down.weight"].endswith("_K")
     else:
         assert types["token_embd.weight"] == "Q6_K" and "output.weight" not in types  # tied
     logits = cpp_logits(load_cpp(ours), PROMPT[:8])
@@ -520,8 +520,9 @@ def test_mix_equals_llama_quantize(kquant_models, kquant_f32, tmp_path, mix, wid
 
 
 def test_mix_types_on_8_layers_equal_llama_quantize(tmp_path_factory, tmp_path, capsys):
-    """The per-layer rules (use_more_bits, q4_k_s's first 4 attn_v and first eighth of ffn_down) on 8
-    layers: `--dry-run`'s type table equals llama-quantize's types, and its size the written file's."""
+    """The per-layer rules (use_more_bits, q4_k_s's first 4 attn_v and first eighth of ffn_down, q3_k_m's
+    first 2 attn_v and first sixteenth of ffn_down) on 8 and 16 layers, and q2_k's attn_v below 4 query
+    heads per KV head: `--dry-run`'s type table equals llama-quantize's types, and its size the written file's."""
     src = _kquant_llama(tmp_path_factory, 256, 8, 256, False)
     f32 = export(src, "f32", tmp_path / "f32.gguf")
     for mix in MIXES:
@@ -536,14 +537,25 @@ def test_mix_types_on_8_layers_equal_llama_quantize(tmp_path_factory, tmp_path, 
         size = int(lines[-1].split(" tensors, ")[1].split(" bytes")[0].replace(",", ""))
         if mix == "q4_k_m":
             assert size == export(src, mix, out).stat().st_size
-    assert planned["blk.0.ffn_down.weight"] == "Q6_K"  # q6_k: everything
+    assert planned["blk.0.ffn_down.weight"] == "Q3_K"  # q2_k's ffn_down
+    for layers, kv_heads, mixes in ((16, 1, ["q3_k_m"]), (2, 2, ["q2_k"])):
+        src = _kquant_llama(tmp_path_factory, 256, layers, 256, False, kv_heads)
+        f32 = export(src, "f32", tmp_path / f"f32-{layers}.gguf")
+        for mix in mixes:
+            capsys.readouterr()
+            assert slimtune_main(["export", str(src), "--type", mix, "--out", str(tmp_path / "x.gguf"), "--dry-run"]) == 0
+            planned = {line.split()[0]: line.split()[1] for line in capsys.readouterr().out.strip().splitlines()[:-1]}
+            theirs = Reader(llama_quantize(f32, tmp_path / f"{mix}-{layers}-llama.gguf", mix))
+            assert planned == {t.name: t.tensor_type.name for t in theirs.tensors}, (mix, layers)
+    assert planned["blk.0.attn_v.weight"] == "Q3_K"  # 2 query heads per KV head
 
 
 @pytest.mark.parametrize("width", [256, 320])
 def test_moe_mixes_equal_llama_quantize(tmp_path_factory, tmp_path, width):
     """An 8-expert Mixtral (llama.cpp's n_expert == 8 rules: attn_v and attn_k Q8_0, attn_output Q5_K in
-    q4_k_*; ffn_down_exps by the layer in its name): q4_k_m, q4_k_s and q5_k_m at rows of 256, q4_k_m at
-    rows of 320 (fallbacks), byte for byte llama-quantize's of slimtune's f32 file; the experts stacked 3-D, the router F32."""
+    q4_k_*, q3_k_s, q3_k_m and q2_k; ffn_down_exps by the layer in its name): q4_k_m, q4_k_s, q5_k_m and
+    the 3- and 2-bit mixes at rows of 256, q4_k_m, q3_k_m and q2_k at rows of 320 (fallbacks), byte for
+    byte llama-quantize's of slimtune's f32 file; the experts stacked 3-D, the router F32."""
     d = tmp_path_factory.mktemp(f"moe-mix-{width}")
     torch.manual_seed(0)
     inter = 256  # ffn_down's rows of 256 take K-quants at both widths
@@ -556,7 +568,7 @@ def test_moe_mixes_equal_llama_quantize(tmp_path_factory, tmp_path, width):
     byte_tokenizer().save_pretrained(d)
     f32 = export(d, "f32", tmp_path / "f32.gguf")
     # the mixes whose choices differ here (q5_k_s and q6_k apply no rule the 8 experts change; the dense tests cover them)
-    for mix in ["q4_k_m", "q4_k_s", "q5_k_m"] if width == 256 else ["q4_k_m"]:
+    for mix in ["q4_k_m", "q4_k_s", "q5_k_m", "q3_k_s", "q3_k_m", "q3_k_l", "q2_k"] if width == 256 else ["q4_k_m", "q3_k_m", "q2_k"]:
         ours = export(d, mix, tmp_path / f"{mix}.gguf")
         assert_same_gguf(ours, llama_quantize(f32, tmp_path / f"{mix}-llama.gguf", mix), LLAMA_QUANTIZE_ADDS)
         tensors = {t.name: t for t in Reader(ours).tensors}

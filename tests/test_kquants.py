@@ -19,8 +19,8 @@ from slimtune.quant import ggml, kquants
 from tests.conftest import llama_cpp_oracle
 
 llama_cpp = llama_cpp_oracle()
-_GGML_TYPE = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
-KQUANTS = ["Q4_K", "Q5_K", "Q6_K"]
+_GGML_TYPE = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+KQUANTS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 LEGACY = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 
 
@@ -155,7 +155,7 @@ def test_threads_and_pieces_do_not_change_the_bytes(monkeypatch):
     """Many pieces (4 blocks each here) on two threads: the same blocks, in order, as one thread, and ggml's."""
     monkeypatch.setattr(ggml, "_TYPES", {k: (fn, values, 4) for k, (fn, values, _) in ggml._TYPES.items()})
     rows = random_rows(3)[::20, :1024]  # 16 rows: 64 superblocks, 512 legacy blocks
-    for type_name in ("Q8_0", "Q4_1", "Q4_K", "Q6_K"):
+    for type_name in ("Q8_0", "Q4_1", "Q2_K", "Q3_K", "Q4_K", "Q6_K"):
         one, two = ggml.quantize(rows, type_name, threads=1), ggml.quantize(rows, type_name, threads=2)
         assert torch.equal(one, two)
         _assert_blocks_equal(rows, type_name, threads=2)
@@ -236,6 +236,6 @@ def test_bad_input():
         ggml.quantize(torch.zeros(2, 320), "Q4_K")
     with pytest.raises(ValueError, match="blocks of 32"):
         ggml.quantize(torch.zeros(2, 48), "Q8_0")
-    with pytest.raises(ValueError, match="Q3_K"):
-        ggml.quantize(torch.zeros(2, 256), "Q3_K")
+    with pytest.raises(ValueError, match="IQ4_NL"):
+        ggml.quantize(torch.zeros(2, 256), "IQ4_NL")
     assert ggml.quantize(torch.zeros(0, 256), "Q6_K").numel() == 0

@@ -176,8 +176,13 @@ def test_every_micro_batch_backward_is_followed_by_a_trim(qlora_model, monkeypat
 
     monkeypatch.setattr(step, "HeapTrim", CountingTrim)
     parts = step.StepParts(
-        qlora_model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0), torch.amp.GradScaler("cpu", enabled=False),
-        params, 1.0, torch.device("cpu"),
+        qlora_model,
+        optimizer,
+        torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
+        torch.amp.GradScaler("cpu", enabled=False),
+        params,
+        1.0,
+        torch.device("cpu"),
     )
     ids = torch.randint(0, 100, (2, 8))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}

@@ -11,6 +11,12 @@ from slimtune.config.schema import PLACEHOLDER, REQUIRED, ConfigPath, Key, Model
 from slimtune.lora import DEFAULT_TARGETS
 from slimtune.memory import DEFAULT_SHARD_SIZE
 
+# checkpoint.gguf's names: `slimtune export --type`'s (the plain types, then llama-quantize's K-quant mixes)
+_GgufType = Literal[
+    "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1",
+    "q4_k_m", "q4_k_s", "q5_k_m", "q5_k_s", "q6_k", "q3_k_s", "q3_k_m", "q3_k_l", "q2_k",
+]  # fmt: skip
+
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSection:
@@ -225,11 +231,9 @@ class CheckpointSection:
         "the run's last step.",
         name="async",
     )
-    gguf: Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k_m", "q4_k_s", "q5_k_m", "q5_k_s", "q6_k"] | None = (
-        setting(  # fmt: skip
-            None,
-            "Also write model-TYPE.gguf (+ an Ollama Modelfile) beside the run's final checkpoint, for llama.cpp/Ollama (docs/gguf.md).",
-        )
+    gguf: _GgufType | None = setting(  # fmt: skip
+        None,
+        "Also write model-TYPE.gguf (+ an Ollama Modelfile) beside the run's final checkpoint, for llama.cpp/Ollama (docs/gguf.md).",
     )
     gguf_verify: bool = setting(
         True,

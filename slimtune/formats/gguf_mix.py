@@ -1,7 +1,8 @@
 """The per-tensor GGML types of llama.cpp's K-quant mixes (``llama-quantize``'s ``Q4_K_M``, ``Q4_K_S``,
-``Q5_K_M``, ``Q5_K_S``, ``Q6_K``), as ``llama_tensor_get_type`` in ``src/llama-quant.cpp`` of the
-llama.cpp that llama-cpp-python 0.3.36 vendors chooses them without an importance matrix (facts followed,
-not code copied):
+``Q5_K_M``, ``Q5_K_S``, ``Q6_K``, ``Q3_K_S``, ``Q3_K_M``, ``Q3_K_L``, ``Q2_K``), as ``llama_tensor_get_type``
+in ``src/llama-quant.cpp`` of the llama.cpp that llama-cpp-python 0.3.36 vendors chooses them without an
+importance matrix (facts followed, not code copied; its Falcon-only branches are left out, Falcon is not a
+slimtune family):
 
 - only tensors of 2 or more dimensions whose name ends in ``weight`` are quantized, norms
   (``_norm.weight``), the MoE router (``ffn_gate_inp``) and position embeddings excepted: those keep their
@@ -10,12 +11,17 @@ not code copied):
   or Q8_0 when its rows do not divide into the mix's blocks of 256;
 - ``attn_v`` (and fused ``attn_qkv``, which llama.cpp counts as attn_v: its own QKV rule is never reached),
   counted in llama.cpp's tensor order (by layer): Q6_K where ``use_more_bits`` picks the layer (Q4_K_M,
-  Q5_K_M), Q5_K on the first 4 (Q4_K_S); 70B-class models (Llama with 80 layers and GQA, Qwen2 with 80)
-  get Q5_K for a Q4_K choice; 8-expert models get Q8_0 for attn_v and attn_k and Q5_K for attn_output;
+  Q5_K_M), Q5_K on the first 4 (Q4_K_S), Q5_K on the first 2 and Q4_K after (Q3_K_M), Q5_K (Q3_K_L),
+  Q4_K with 4 or more query heads per KV head and Q3_K below (Q2_K); 70B-class models (Llama with 80
+  layers and GQA, Qwen2 with 80) get Q5_K for a Q3_K or Q4_K choice; 8-expert models get Q8_0 for attn_v
+  and attn_k;
 - ``ffn_down``: Q6_K where ``use_more_bits`` picks the layer (Q4_K_M, Q5_K_M), Q5_K on the first eighth
-  of the layers (Q4_K_S);
+  of the layers (Q4_K_S), Q5_K on the first sixteenth and Q4_K after (Q3_K_M), Q5_K (Q3_K_L), Q3_K (Q2_K);
+- ``attn_output``: Q3_K (Q2_K), Q4_K (Q3_K_M), Q5_K (Q3_K_L); in 8-expert models Q5_K for Q2_K, Q3_K_S,
+  Q3_K_M, Q4_K_S and Q4_K_M;
 - every other weight takes the mix's type; then a row length that does not divide into the type's
-  blocks falls back: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, and F16 where even 32 does not divide.
+  blocks falls back: Q2_K and Q3_K -> Q4_0 (this llama.cpp's choice; older ones took IQ4_NL), Q4_K ->
+  Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, and F16 where even 32 does not divide.
 
 Example::
 
@@ -38,10 +44,14 @@ MIXES: dict[str, tuple[gguf.GGMLQuantizationType, gguf.LlamaFileType]] = {
     "q5_k_m": (Q.Q5_K, FT.MOSTLY_Q5_K_M),
     "q5_k_s": (Q.Q5_K, FT.MOSTLY_Q5_K_S),
     "q6_k": (Q.Q6_K, FT.MOSTLY_Q6_K),
+    "q3_k_s": (Q.Q3_K, FT.MOSTLY_Q3_K_S),
+    "q3_k_m": (Q.Q3_K, FT.MOSTLY_Q3_K_M),
+    "q3_k_l": (Q.Q3_K, FT.MOSTLY_Q3_K_L),
+    "q2_k": (Q.Q2_K, FT.MOSTLY_Q2_K),
 }
 """Mix name -> (its default tensor type, the general.file_type llama-quantize writes)."""
 
-_FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
+_FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
 _LAYER = re.compile(r"blk\.(\d+)\.")
 
 
@@ -135,7 +145,13 @@ def _choose(mix, default, name, shape, cat, tied, n_wv, model: MixModel, state: 
     if cat == "output" or (tied and cat == "token_embd"):
         return Q.Q8_0 if shape[-1] % gguf.GGML_QUANT_SIZES[default][0] else Q.Q6_K
     if cat == "attn_v":
-        if mix in ("q4_k_m", "q5_k_m") and _use_more_bits(state["wv"], n_wv):
+        if mix == "q2_k":
+            t = Q.Q4_K if model.heads // model.kv_heads >= 4 else Q.Q3_K
+        elif mix == "q3_k_m":
+            t = Q.Q5_K if state["wv"] < 2 else Q.Q4_K
+        elif mix == "q3_k_l":
+            t = Q.Q5_K
+        elif mix in ("q4_k_m", "q5_k_m") and _use_more_bits(state["wv"], n_wv):
             t = Q.Q6_K
         elif mix == "q4_k_s" and state["wv"] < 4:
             t = Q.Q5_K
@@ -151,13 +167,22 @@ def _choose(mix, default, name, shape, cat, tied, n_wv, model: MixModel, state: 
         if model.experts > 1:
             m = _LAYER.match(name)
             layer = int(m.group(1)) if m else -1
-        if mix in ("q4_k_m", "q5_k_m") and _use_more_bits(layer, n):
+        if mix == "q2_k":
+            t = Q.Q3_K
+        elif mix == "q3_k_m":
+            t = Q.Q5_K if layer < n // 16 else Q.Q4_K  # (Q3_K only on Falcon, not a slimtune family)
+        elif mix == "q3_k_l":
+            t = Q.Q5_K
+        elif mix in ("q4_k_m", "q5_k_m") and _use_more_bits(layer, n):
             t = Q.Q6_K
         elif mix == "q4_k_s" and layer < n // 8:
             t = Q.Q5_K
         state["down"] += 1
-    elif cat == "attn_output" and model.experts == 8 and mix in ("q4_k_s", "q4_k_m"):
-        t = Q.Q5_K
+    elif cat == "attn_output":
+        if model.experts == 8:
+            t = Q.Q5_K if mix in ("q2_k", "q3_k_s", "q3_k_m", "q4_k_s", "q4_k_m") else t
+        else:
+            t = {"q2_k": Q.Q3_K, "q3_k_m": Q.Q4_K, "q3_k_l": Q.Q5_K}.get(mix, t)
     return t
 
 

@@ -33,6 +33,8 @@ LORA_PARTS = {
     "magnitude_weight": ".lora_magnitude_vector.weight",  # older PEFT versions
 }
 LORA_SUFFIXES = tuple(LORA_PARTS.values())
+
+
 def lora_key(module: str, part: str) -> str:
     """The PEFT file's name for ``part`` ("lora_A", "lora_B", "magnitude", ...) of ``module``.
 

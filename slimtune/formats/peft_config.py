@@ -59,7 +59,6 @@ _NO_MERGE_EFFECT = {
 }
 
 
-
 # vLLM's --max-lora-rank choices (vllm.config.lora MaxLoRARanks): its kernels take an adapter of rank r with
 # a max_lora_rank >= r among these (its default is 16); above 512 no setting loads it.
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)

@@ -3,7 +3,7 @@ writes to GGUF, byte for byte what ggml's reference quantizers (``quantize_row_*
 the path ``llama_model_quantize`` takes without an importance matrix) write:
 
 - the legacy 32-value blocks Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (here: a few passes over the blocks each);
-- the K-quants Q4_K, Q5_K, Q6_K (``slimtune.quant.kquants``: the iterative scale searches).
+- the K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (``slimtune.quant.kquants``: the iterative scale searches).
 
 The ``gguf`` package quantizes the legacy types too, in numpy on one core; these run on every core the
 process may use (``threads``), in pieces of cache-sized blocks, and agree with both ggml and the package
@@ -161,6 +161,8 @@ _TYPES: dict[str, tuple[Callable[[torch.Tensor, bool], torch.Tensor], int, int]]
     "Q4_1": (_q4_1, 32, 4096),
     "Q5_0": (_q5_0, 32, 4096),
     "Q5_1": (_q5_1, 32, 4096),
+    "Q2_K": (QUANTIZERS["Q2_K"], kquants.QK_K, 1024),
+    "Q3_K": (QUANTIZERS["Q3_K"], kquants.QK_K, 1024),
     "Q4_K": (QUANTIZERS["Q4_K"], kquants.QK_K, 1024),
     "Q5_K": (QUANTIZERS["Q5_K"], kquants.QK_K, 1024),
     "Q6_K": (QUANTIZERS["Q6_K"], kquants.QK_K, 128),
@@ -245,7 +247,7 @@ def _no_grad(fn: Callable[[torch.Tensor, bool], torch.Tensor], piece: torch.Tens
 
 def quantize(rows: torch.Tensor, type_name: str, threads: int | None = None, finite: bool = False) -> torch.Tensor:
     """fp32 rows (..., k * block values; bf16 and fp16 rows are taken as their exact fp32 values) quantized
-    to ``type_name`` (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K): the bytes ggml's reference
+    to ``type_name`` (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K): the bytes ggml's reference
     quantizer writes for them, as a flat uint8 tensor (rows one after the other, blocks in order).
     ``FloatingPointError`` where a legacy block's scale overflows float16. NaN and infinities are
     quantized as ggml quantizes them, or with ``finite`` are a ``NonFiniteError`` (a ``ValueError``),

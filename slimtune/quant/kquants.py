@@ -1,10 +1,10 @@
-"""ggml's K-quant block formats Q4_K, Q5_K and Q6_K, quantized in torch, vectorized over blocks, byte for
-byte what ggml's reference quantizers (``quantize_row_q4_K_ref``, ``quantize_row_q5_K_ref``,
-``quantize_row_q6_K_ref`` in ``ggml-quants.c``, the path ``llama_model_quantize`` takes without an
-importance matrix) write. The ``gguf`` package only dequantizes these types, hence this module.
+"""ggml's K-quant block formats Q2_K, Q3_K, Q4_K, Q5_K and Q6_K, quantized in torch, vectorized over blocks,
+byte for byte what ggml's reference quantizers (``quantize_row_q2_K_ref`` ... ``quantize_row_q6_K_ref`` in
+``ggml-quants.c``, the path ``llama_model_quantize`` takes without an importance matrix) write. The ``gguf``
+package only dequantizes these types, hence this module.
 
-The C was read to learn the algorithm (``make_qkx2_quants``, ``make_qx_quants``, ``nearest_int``); the code
-here is a vectorized re-derivation. What byte identity needs, each handled below:
+The C was read to learn the algorithm (``make_qkx2_quants``, ``make_qx_quants``, ``make_q3_quants``,
+``nearest_int``); the code here is a vectorized re-derivation. What byte identity needs, each handled below:
 
 - every float operation is an IEEE float32 operation in the C's order: sums are accumulated one element
   at a time (``_running_sum``; torch's reductions are pairwise), ``a * b + c`` is two roundings (ggml-base
@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 QK_K = 256
-BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+BLOCK_BYTES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 
 _F32 = np.float32
 _GROUP_MAX_EPS = float(_F32(1e-15))  # 1e-15f
@@ -165,9 +165,10 @@ def _levels(v: torch.Tensor, lo: int, hi: int, fast: bool | None = None) -> torc
     return nearest_int(v).clamp_(lo, hi).float()
 
 
-def _make_qkx2(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int, check: bool = False):
+def _make_qkx2(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int, check: bool = False, mad: bool = False):
     """ggml's ``make_qkx2_quants`` on sub-blocks ``x`` (n, M): values along dim 0, one sub-block per
-    column. Returns (scale (M,), the_min (M,), L (n, M) int32 in 0..nmax).
+    column, its error the weighted squares (``mad``: the weighted absolute values, as Q2_K asks for it).
+    Returns (scale (M,), the_min (M,), L (n, M) int32 in 0..nmax).
 
     The candidate scales go in the C's order, each from the best ``min`` so far (a better candidate moves
     it), every block at once. The levels are not kept per candidate: each block remembers the winner's
@@ -195,7 +196,7 @@ def _make_qkx2(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta:
 
     def error(lf: torch.Tensor, s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         diff = lf.mul_(s).add_(m).sub_(x)  # scale * L + min - x, in place on the levels
-        return _running_sum(diff.mul_(diff).mul_(w))
+        return _running_sum((diff.abs_() if mad else diff.mul_(diff)).mul_(w))
 
     best_error = error(levels(iscale, mn), scale, mn)
     state = torch.stack([best_error, scale, iscale, mn, mn, span])  # best error, scale, win iscale, win min, min, span
@@ -323,21 +324,27 @@ def _make_qx(x: torch.Tensor, nmax: int, check: bool = False):
     return scale, L
 
 
+def _first_absmax(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The C's ``amax = 0; max = 0; for s in scales (dim 1): if (fabsf(s) > amax) { amax = fabsf(s); max = s; }``:
+    (amax, max) per superblock, the first scale of largest magnitude (+0 where all are 0)."""
+    if bool(torch.isfinite(scales).all()):
+        max_scale = signed_absmax(scales, 1)
+        return max_scale.abs(), max_scale
+    max_abs, max_scale = torch.zeros_like(scales[:, 0]), torch.zeros_like(scales[:, 0])  # the loop, which a NaN never enters
+    for j in range(scales.shape[1]):
+        a = scales[:, j].abs()
+        bigger = a > max_abs
+        max_abs = torch.where(bigger, a, max_abs)
+        max_scale = torch.where(bigger, scales[:, j], max_scale)
+    return max_abs, max_scale
+
+
 def _q6_k(x: torch.Tensor, check: bool = False) -> torch.Tensor:
     n = x.shape[0]
     sub = x.reshape(n * 16, 16).t().contiguous()
     scales, L = _make_qx(sub, 32, check)
     scales, L = scales.view(n, 16), L.t().reshape(n, 16, 16)
-    if bool(torch.isfinite(scales).all()):  # the first scale of largest |scale| (+0 where all are 0), as the C's strict > picks it
-        max_scale = signed_absmax(scales, 1)
-        max_abs = max_scale.abs()
-    else:  # the C's loop, which a NaN never enters
-        max_abs, max_scale = torch.zeros_like(scales[:, 0]), torch.zeros_like(scales[:, 0])
-        for j in range(16):
-            a = scales[:, j].abs()
-            bigger = a > max_abs
-            max_abs = torch.where(bigger, a, max_abs)
-            max_scale = torch.where(bigger, scales[:, j], max_scale)
+    max_abs, max_scale = _first_absmax(scales)
     zero = max_abs < _GROUP_MAX_EPS
     iscale = _over(-128.0, max_scale)
     d_bits = fp16_bits(_over(1.0, iscale))
@@ -353,6 +360,105 @@ def _q6_k(x: torch.Tensor, check: bool = False) -> torch.Tensor:
     return torch.where(zero[:, None], torch.zeros_like(out), out)
 
 
-QUANTIZERS = {"Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+# --- Q2_K, Q3_K: 16 sub-blocks of 16 with a 4-bit scale and min (Q2_K), a 6-bit signed scale (Q3_K) ---
+
+
+def _pack_2bit(L: torch.Tensor) -> torch.Tensor:
+    """Levels (N, 256) in 0..3 -> the 64 ``qs`` bytes: byte 32h + l holds L[128h + l + 32k] at bits 2k."""
+    q = L.view(-1, 2, 4, 32)
+    return (q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)).reshape(-1, 64)
+
+
+def _q2_k(x: torch.Tensor, check: bool = False) -> torch.Tensor:
+    """``quantize_row_q2_K_ref``: ``make_qkx2_quants(16, 3, x, |x|, ..., -0.5, 0.1, 15, use_mad=true)`` per
+    sub-block, its scales and mins to 4 bits against their largest, then the levels again from those."""
+    n = x.shape[0]
+    sub = x.reshape(n * 16, 16).t().contiguous()
+    scales, mins, L = _make_qkx2(sub, sub.abs(), 3, -0.5, 0.1, 15, check, mad=True)
+    scales, mins, L = scales.view(n, 16), mins.view(n, 16), L.t().reshape(n, 16, 16)
+    max_scale, max_min = _max_positive(scales), _max_positive(mins)
+    has_scale, has_min = (max_scale > 0)[:, None], (max_min > 0)[:, None]
+    zero = torch.zeros((), dtype=torch.int32)
+    ls = torch.where(has_scale, nearest_int(_over(15.0, max_scale)[:, None] * scales), zero)
+    lm = torch.where(has_min, nearest_int(_over(15.0, max_min)[:, None] * mins), zero)
+    packed = ((ls & 0xFF) | (lm << 4)) & 0xFF  # y.scales[j] = l; y.scales[j] |= (l << 4): uint8 stores
+    d_bits = fp16_bits(torch.where(has_scale[:, 0], max_scale / 15.0, 0.0))
+    dmin_bits = fp16_bits(torch.where(has_min[:, 0], max_min / 15.0, 0.0))
+    d = fp16_value(d_bits)[:, None] * (packed & 0xF).float()
+    dm = fp16_value(dmin_bits)[:, None] * (packed >> 4).float()
+    requant = nearest_int((x.view(n, 16, 16) + dm[..., None]) / d[..., None]).clamp(0, 3)
+    L = torch.where((d != 0)[..., None], requant, L).reshape(n, 256)
+    return torch.cat([packed.to(torch.uint8), _pack_2bit(L).to(torch.uint8), le16(d_bits), le16(dmin_bits)], dim=1)
+
+
+def _make_q3(x: torch.Tensor, nmax: int, check: bool = False):
+    """ggml's ``make_q3_quants(n, nmax, x, L, do_rmse=true)`` on sub-blocks ``x`` (n, M): values along dim 0.
+    Returns (scale (M,), L (n, M) int32: level + nmax, 0 for an all-zero sub-block). The C's refinement
+    visits the values one at a time (each change moves the sums the next one sees): here each visit is a
+    step over the sub-blocks at once, up to 5 rounds of n steps; a sub-block that a round left unchanged
+    leaves the next rounds (the C's per-block break: it would change nothing again)."""
+    mx = signed_absmax(x, 0)
+    finite_blocks(check, mx)
+    zero = mx.abs() < _GROUP_MAX_EPS
+    mx = torch.where(zero, torch.ones_like(mx), mx)  # all-zero sub-blocks: any scale (overwritten below)
+    L = _levels(x * _over(float(-nmax), mx), -nmax, nmax - 1)  # the C's iscale = -nmax / max, a float division
+    w = x * x
+    wx = w * x
+    sumlx = _running_sum(wx * L)  # w*x[i]*l
+    suml2 = _running_sum(w * L * L)  # w*l*l
+    live = torch.arange(x.shape[1])  # the sub-blocks still changing: each round works on these only
+    for _ in range(5):
+        xa, wa, wxa, La = x[:, live], w[:, live], wx[:, live], L[:, live]
+        slx_a, sl2_a = sumlx[live], suml2[live]
+        changed = torch.zeros(live.shape, dtype=torch.bool)
+        for i in range(x.shape[0]):
+            li = La[i]
+            slx = slx_a - wxa[i] * li
+            sl2 = sl2_a - wa[i] * li * li
+            new = nearest_int(xa[i] * sl2 / slx).clamp_(-nmax, nmax - 1).float()
+            accept = (slx > 0) & (new != li)
+            slx = slx + wxa[i] * new
+            sl2 = sl2 + wa[i] * new * new
+            accept &= (sl2 > 0) & (slx * slx * sl2_a > slx_a * slx_a * sl2)
+            La[i] = torch.where(accept, new, li)
+            slx_a = torch.where(accept, slx, slx_a)
+            sl2_a = torch.where(accept, sl2, sl2_a)
+            changed |= accept
+        L[:, live], sumlx[live], suml2[live] = La, slx_a, sl2_a
+        live = live[changed]
+        if not live.numel():
+            break
+    scale = torch.where(suml2 > 0, sumlx / suml2, torch.zeros_like(sumlx))
+    scale = torch.where(zero, torch.zeros_like(scale), scale)
+    L = torch.where(zero, torch.zeros_like(L), L + nmax)
+    return scale, L.to(torch.int32)
+
+
+def _q3_k(x: torch.Tensor, check: bool = False) -> torch.Tensor:
+    """``quantize_row_q3_K_ref``: ``make_q3_quants(16, 4, ...)`` per sub-block, the 16 scales to 6 bits
+    against the first of largest magnitude, then the levels again from those; the levels' high bit in
+    ``hmask`` (bit j // 32 of byte j % 32), the low two in ``qs``."""
+    n = x.shape[0]
+    sub = x.reshape(n * 16, 16).t().contiguous()
+    scales, L = _make_q3(sub, 4, check)
+    scales, L = scales.view(n, 16), L.t().reshape(n, 16, 16)
+    _, max_scale = _first_absmax(scales)
+    live = (max_scale != 0)[:, None]  # the C's if (max_scale)
+    iscale = _over(-32.0, max_scale)
+    sc = ((nearest_int(iscale[:, None] * scales) + 128) & 0xFF) - 128  # int8_t l = nearest_int(...)
+    sc = torch.where(live, sc.clamp(-32, 31) + 32, torch.zeros_like(sc))  # 0..63 (memset 0 where not live)
+    low, high = sc & 0xF, sc >> 4
+    packed = torch.cat([low[:, :8] | (low[:, 8:] << 4), (high.view(n, 4, 4) << (2 * torch.arange(4).view(1, 4, 1))).sum(1)], dim=1)
+    d_bits = fp16_bits(torch.where(live[:, 0], _over(1.0, iscale), 0.0))
+    d = fp16_value(d_bits)[:, None] * (sc - 32).float()  # the stored scale back: sc - 32
+    requant = nearest_int(x.view(n, 16, 16) / d[..., None]).clamp(-4, 3) + 4
+    L = torch.where((d != 0)[..., None], requant, L).reshape(n, 256)
+    top = L > 3
+    hmask = (top.view(n, 8, 32).to(torch.int32) << torch.arange(8).view(1, 8, 1)).sum(1)
+    L = torch.where(top, L - 4, L)
+    return torch.cat([hmask.to(torch.uint8), _pack_2bit(L).to(torch.uint8), packed.to(torch.uint8), le16(d_bits)], dim=1)
+
+
+QUANTIZERS = {"Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
 """Superblocks (N, 256), check -> their bytes (N, BLOCK_BYTES[type]) (``check``: NaN or an infinity is a
 ``NonFiniteError``); ``slimtune.quant.ggml.quantize`` runs them."""

@@ -153,6 +153,16 @@ def test_smollm2_fields_equal_llama_cpp_converters(smollm2_dir, smollm2_gguf):
     assert {k: v for k, v in ours.items() if v != theirs[k]} == {}
 
 
+@pytest.mark.parametrize(
+    "merges", [["a b", "ab c"], [["a", "b"], ["ab", "c"]], [["a b", "c"], [" ", "x y"]]], ids=["strings", "pairs", "spaces"]
+)
+def test_merges_read_as_gguf_reads_them(tmp_path, merges):
+    """The merges taken from the tokenizer.json already parsed are gguf.SpecialVocab's reading of that
+    file (a space inside a pair's half as U+0120), in either form tokenizers accepts."""
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE", "merges": merges}}))
+    assert gguf_vocab._gguf_merges(merges) == gguf.SpecialVocab(tmp_path, load_merges=True).merges
+
+
 @pytest.mark.real_model
 def test_unknown_pre_tokenizer_is_one_line(tmp_path, smollm2_dir):
     model_dir = _smollm2_tokenizer(tmp_path, smollm2_dir)

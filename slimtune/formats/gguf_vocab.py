@@ -41,6 +41,7 @@ Field = tuple[str, object, "GGUFValueType | None"]
 TOKENIZER_JSON_BYTES = 256 * 1024 * 1024  # Gemma 3's is 33 MB
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 _SPACE = "\u2581"  # SentencePiece's visible space
+_BPE_SPACE = "\u0120"  # a space in a byte-level BPE merge's half, as gguf writes it
 _INERT_MERGE = "\u0120\u0120 \u0120\u0120"  # two-character halves: never adjacent symbols when no merge exists
 
 
@@ -65,16 +66,16 @@ def vocab_fields(model_dir: str | Path, hf_config, chat_template: str | None) ->
     _check_tokenizer_configs(model_dir)
     tokenizer = _load_tokenizer(model_dir)
     _check_ids_below(tokenizer, n_vocab, path)
+    special = _special_vocab(model_dir, n_vocab)
     if model.get("byte_fallback") is True:
         fields = _sentencepiece_fields(tokenizer, model, n_vocab)
-        special = _special_vocab(model_dir, n_vocab, merges=False)
     else:
-        special = _special_vocab(model_dir, n_vocab, merges=True)
+        merges = _gguf_merges(model.get("merges", []))
         # Without merges every token is one byte however the text is split: any pre-tokenizer gives the
         # same ids. llama.cpp needs a merges array all the same; one that can never apply stands in.
-        pre = _pre_tokenizer_name(tokenizer, spec, path) if special.merges else "gpt-2"
+        pre = _pre_tokenizer_name(tokenizer, spec, path) if merges else "gpt-2"
         fields = _byte_level_fields(tokenizer, n_vocab, pre)
-        fields.append((Keys.Tokenizer.MERGES, special.merges or [_INERT_MERGE], GGUFValueType.ARRAY))
+        fields.append((Keys.Tokenizer.MERGES, merges or [_INERT_MERGE], GGUFValueType.ARRAY))
     _check_as_llama_cpp_loads(fields, special, _added_special_tokens(tokenizer), path)
     fields += _special_fields(special, _added_special_tokens(tokenizer))
     template = chat_template if chat_template else special.chat_template
@@ -244,10 +245,18 @@ def _adds_space_prefix(tokenizer) -> bool:
     return bool(pieces) and pieces[0].startswith(_SPACE)
 
 
-def _special_vocab(model_dir: Path, n_vocab: int, merges: bool) -> gguf.SpecialVocab:
-    """gguf's reading of the special-token ids, add-token flags and merges; its errors as one line."""
+def _gguf_merges(merges: list) -> list[str]:
+    """tokenizer.json's ``model.merges`` (checked by ``check_tokenizer_json``) as the converter writes them
+    (``gguf.SpecialVocab``'s reading): "a b" strings; a pair [a, b] joined by a space, a space inside a
+    half written as U+0120 (the byte-level alphabet's space). Taken from the tokenizer.json already parsed,
+    not parsed again by gguf, and pair by pair (gguf's reading follows the first item's form)."""
+    return [m if isinstance(m, str) else f"{m[0].replace(' ', _BPE_SPACE)} {m[1].replace(' ', _BPE_SPACE)}" for m in merges]
+
+
+def _special_vocab(model_dir: Path, n_vocab: int) -> gguf.SpecialVocab:
+    """gguf's reading of the special-token ids and add-token flags; its errors as one line."""
     try:
-        return gguf.SpecialVocab(model_dir, load_merges=merges, n_vocab=n_vocab)
+        return gguf.SpecialVocab(model_dir, load_merges=False, n_vocab=n_vocab)
     except (ValueError, TypeError, KeyError, AttributeError, IndexError, OSError) as e:
         first = first_line(e)
         raise SlimtuneError(f"{model_dir}: the tokenizer's special tokens or merges are not readable: {first}") from None

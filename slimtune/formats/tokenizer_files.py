@@ -90,12 +90,13 @@ def _check_merges(merges: object, vocab: dict, path: Path) -> None:
 
 
 def _check_with_library(spec: dict, path: Path) -> None:
-    """The tokenizers library parses the whole file; what it refuses is named by the part (and the item
-    of a Sequence) it refuses when parsed alone."""
+    """The tokenizers library parses the whole file (``path``, which ``spec`` was read from: read again by
+    the library, not written out of ``spec`` and parsed); what it refuses is named by the part (and the
+    item of a Sequence) it refuses when parsed alone."""
     from tokenizers import Tokenizer
 
     try:
-        Tokenizer.from_str(json.dumps(spec))
+        Tokenizer.from_file(str(path))
         return
     except Exception as e:  # noqa: BLE001 - the library raises plain Exception for every refusal
         whole = first_line(e)

@@ -76,8 +76,9 @@ def vocab_fields(model_dir: str | Path, hf_config, chat_template: str | None) ->
         pre = _pre_tokenizer_name(tokenizer, spec, path) if merges else "gpt-2"
         fields = _byte_level_fields(tokenizer, n_vocab, pre)
         fields.append((Keys.Tokenizer.MERGES, merges or [_INERT_MERGE], GGUFValueType.ARRAY))
-    _check_as_llama_cpp_loads(fields, special, _added_special_tokens(tokenizer), path)
-    fields += _special_fields(special, _added_special_tokens(tokenizer))
+    added = _added_special_tokens(tokenizer)
+    _check_as_llama_cpp_loads(fields, special, added, path)
+    fields += _special_fields(special, added)
     template = chat_template if chat_template else special.chat_template
     if template:
         where = "slimtune_format.json: chat_template" if chat_template else f"{model_dir / 'tokenizer_config.json'}: chat_template"

@@ -123,6 +123,27 @@ def test_edge_rows_byte_identical_to_ggml(type_name):
         _assert_blocks_equal(rows if type_name in KQUANTS else _fp16_safe(rows), type_name)
 
 
+@pytest.mark.parametrize("type_name", ["Q2_K", "Q4_K", "Q5_K"])
+def test_scale_search_falls_back_to_checked_levels_only_where_needed(type_name, monkeypatch):
+    """make_qkx2's candidates take the unchecked fast levels and keep their reach: random rows finish in
+    that search; edge rows (spans that overflow, 3e38) leave the fast range, so the search runs again with
+    every candidate's levels checked, and both give ggml's bytes."""
+    runs = []
+    search = kquants._qkx2_search
+
+    def spy(*args, **kwargs):
+        result = search(*args, **kwargs)
+        runs.append((kwargs["checked"], result is None))
+        return result
+
+    monkeypatch.setattr(kquants, "_qkx2_search", spy)
+    _assert_blocks_equal(random_rows(3), type_name, threads=1)
+    assert runs and all(r == (False, False) for r in runs)
+    runs.clear()
+    _assert_blocks_equal(edge_rows(0), type_name, threads=1)
+    assert (False, True) in runs and (True, False) in runs
+
+
 @pytest.mark.parametrize("type_name", KQUANTS + LEGACY)
 def test_finite_rows_checked_as_the_export_checks_them_byte_identical_to_ggml(type_name):
     """``finite=True`` (the export's call: NaN and infinities refused, so Q8_0 takes torch's fp16 cast of
@@ -229,6 +250,25 @@ def test_running_sum_is_sequential():
     for v in t[:, 0].tolist():
         s = float(np.float32(s + v))
     assert kquants._running_sum(t).item() == s and s != float(t.sum(dtype=torch.float64))
+
+
+@pytest.mark.parametrize("n", [16, 31, 32])
+def test_running_sum_equals_the_c_loop_on_wide_sums(n):
+    """Every sum of wide-range terms (magnitudes 1e-3..1e3 in shuffled order), with and without a start,
+    equals numpy's float32 ``s += t`` loop bit for bit, while the float64 sum rounded once and the reversed
+    order round most of them differently (so the comparison can tell the orders apart)."""
+    g = torch.Generator().manual_seed(n)
+    t = torch.randn(n, 3, 512, generator=g) * torch.logspace(-3, 3, n)[torch.randperm(n, generator=g)][:, None, None]
+    start = torch.randn(3, 512, generator=g)
+    for first in (None, start):
+        acc = np.zeros((3, 512), np.float32) if first is None else first.numpy().copy()
+        for row in t.numpy():
+            acc = (acc + row).astype(np.float32)
+        got = kquants._running_sum(t, first)
+        assert got.dtype == torch.float32 and np.array_equal(got.numpy().view(np.int32), acc.view(np.int32))
+    base = kquants._running_sum(t).view(torch.int32)
+    assert (t.double().sum(0).float().view(torch.int32) != base).float().mean() > 0.3
+    assert (kquants._running_sum(t.flip(0)).view(torch.int32) != base).float().mean() > 0.3
 
 
 def test_bad_input():

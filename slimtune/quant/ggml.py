@@ -165,7 +165,7 @@ _TYPES: dict[str, tuple[Callable[[torch.Tensor, bool], torch.Tensor], int, int]]
     "Q3_K": (QUANTIZERS["Q3_K"], kquants.QK_K, 1024),
     "Q4_K": (QUANTIZERS["Q4_K"], kquants.QK_K, 1024),
     "Q5_K": (QUANTIZERS["Q5_K"], kquants.QK_K, 1024),
-    "Q6_K": (QUANTIZERS["Q6_K"], kquants.QK_K, 128),
+    "Q6_K": (QUANTIZERS["Q6_K"], kquants.QK_K, 256),
 }
 """Blocks per piece: cache-sized temporaries (Q6_K's 19 candidate scales over 256 values per superblock)
 with few enough torch calls per value (measured fastest on this machine's CPU)."""

@@ -21,10 +21,12 @@ The C was read to learn the algorithm (``make_qkx2_quants``, ``make_qx_quants``,
 
 Speed (the scale searches are most of the work: 21 candidate scales for each Q4_K sub-block, 19 for Q6_K):
 every pass is a torch op over all the blocks of a piece at once (cache-sized, ``slimtune.quant.ggml``),
-the sequential sums add in place, the three sums of a candidate in one pass over a (n, 3, blocks) buffer,
+each sequential sum is one ``index_add_`` (the loop inside torch, not one Python call per term: the two
+quantizer threads share one GIL, and 16-32 calls per sum kept the second thread waiting), the three sums
+of a candidate in one pass over a (n, 3, blocks) buffer,
 no levels are kept per candidate (the winner's are made again), Q6_K's candidates, which do not depend
 on each other, are computed together (and what each would make the best, before the sequential choice),
-a Q4_K/Q5_K block's search state moves in one ``where``, and the large buffers are each thread's own,
+a Q4_K/Q5_K block's search state moves in one bitwise select (``_select``), and the large buffers are each thread's own,
 reused piece after piece (``_scratch``: a fresh one per piece cost more in page faults than Q6_K's
 arithmetic).
 
@@ -103,6 +105,17 @@ def _scratch(name: str, shape: tuple[int, ...]) -> torch.Tensor:
     return held
 
 
+def _select(mask: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """``torch.where(mask, new, old)`` for float32 or int32 ``new`` and ``old`` of one dtype, by their bits
+    (``old ^ ((old ^ new) & -mask)``: every bit kept, NaN payloads and signed zeros too). torch's ``where`` on
+    a bool mask is the scalar kernel here: 318 us for a (6, 32768) float32 select where these three integer
+    passes take 78 us (measured, one thread), and the search state moves by it 21 times a piece."""
+    bits = torch.int32
+    o = old.view(bits) if old.dtype != bits else old
+    n = new.view(bits) if new.dtype != bits else new
+    return (o ^ ((o ^ n) & mask.to(bits).neg_())).view(old.dtype)
+
+
 def _over(c: float, t: torch.Tensor) -> torch.Tensor:
     """The float32 quotient ``c / t`` (one rounding: a Python scalar's ``c / t`` is ``t.reciprocal() * c``)."""
     return torch.full_like(t, c) / t
@@ -136,13 +149,33 @@ def signed_absmax(x: torch.Tensor, dim: int) -> torch.Tensor:
     return first_extreme(x, mx, (hi == -lo) & (hi > 0), lambda s: s.abs().argmax(dim), dim)
 
 
-def _running_sum(terms: torch.Tensor, start: torch.Tensor | None = None) -> torch.Tensor:
+def _running_sum(terms: torch.Tensor, start: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``s = start (or 0); for t in terms: s += t`` over the first dimension, float32 one addition at a time
-    (in place on one accumulator)."""
-    s = torch.zeros_like(terms[0]) if start is None else start.clone()
-    for t in terms:
-        s.add_(t)
-    return s
+    (into ``out``, shaped like one term, when given).
+
+    One ``index_add_`` with every index 0: torch adds the slices into the accumulator in the order of the
+    index (its documented semantics; the CPU kernel is that loop, in the accumulator's dtype), so the sum is
+    the C's sequential one (another order rounds most wide-range sums differently: tests/test_kquants.py), and it
+    is one call where a Python loop of ``add_`` made one per term: 16-32 per sum, each holding the GIL the
+    other quantizer thread waits for."""
+    if out is None:
+        out = torch.zeros_like(terms[0]) if start is None else start.clone()
+    elif start is None:
+        out.zero_()
+    else:
+        out.copy_(start)
+    return out.unsqueeze(0).index_add_(0, _zeros_index(terms.shape[0]), terms).squeeze(0)
+
+
+_ZERO_INDEX: dict[int, torch.Tensor] = {}
+
+
+def _zeros_index(n: int) -> torch.Tensor:
+    """The int64 index of ``n`` zeros ``_running_sum`` adds by (made once per length; never written)."""
+    index = _ZERO_INDEX.get(n)
+    if index is None:
+        index = _ZERO_INDEX.setdefault(n, torch.zeros(n, dtype=torch.int64))
+    return index
 
 
 # --- Q4_K, Q5_K: 8 sub-blocks of 32 with a 6-bit scale and min ------------------------------------------
@@ -174,11 +207,21 @@ def _make_qkx2(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta:
     it), every block at once. The levels are not kept per candidate: each block remembers the winner's
     (iscale, min) and its levels are made again once at the end (the same float operations). A block's
     state (best error, scale, the winner's iscale and min, min, max - min) is one (6, M) tensor, moved by
-    one ``where``; the levels and the errors are made in place in one buffer. A flat block (max == min:
-    its scale and levels are overwritten with 0) computes with a span of 1, so its levels are finite
-    (all 0: never a better candidate, D = 0) and the fast level path holds."""
+    one select; the levels and the errors are made in place in one buffer, the sums in the thread's own.
+    The candidates' levels take the fast path (``_levels``) unchecked, while the reach of their arguments
+    is kept per block; should any reach leave the fast range (spans that overflow, NaN), the search is run
+    again with every candidate's levels checked. A flat block (max == min: its scale and levels are
+    overwritten with 0) computes with a span of 1, so its levels are finite (all 0: never a better
+    candidate, D = 0) and the fast level path holds."""
+    result = _qkx2_search(x, w, nmax, rmin, rdelta, nstep, check, mad, checked=False)
+    return result if result is not None else _qkx2_search(x, w, nmax, rmin, rdelta, nstep, check, mad, checked=True)
+
+
+def _qkx2_search(x, w, nmax, rmin, rdelta, nstep, check, mad, checked):
+    """``_make_qkx2``'s search; with ``checked`` False, None where a candidate's levels left the fast range."""
     lo, mx = x.amin(0), x.amax(0)
     finite_blocks(check, lo, mx)
+    n, m_blocks = x.shape
     sum_w = _running_sum(w[1:], w[0])
     sum_x = _running_sum(w[1:] * x[1:], w[0] * x[0])
     mn = torch.where(lo > 0, torch.zeros_like(lo), lo)
@@ -187,30 +230,38 @@ def _make_qkx2(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta:
     iscale = _over(nmax, span)
     scale = _over(1.0, iscale)
     v = _scratch("qkx2_levels", tuple(x.shape))
+    ends = torch.stack([lo, mx])
+    reach = torch.zeros_like(ends)  # the largest |isc * (x - m)| of the unchecked candidates, at x's extremes
 
-    def levels(isc: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-        # |isc * (x - m)| is at most this (rounding is monotonic: the extremes of x - m are at x's; isc > 0)
-        bound = torch.maximum((lo - m).abs_(), (mx - m).abs_()).mul_(isc)
-        fast = bool((bound < _FAST_RANGE).all())  # NaN and inf fail the test
+    def levels(isc: torch.Tensor, m: torch.Tensor, fast: bool | None = None) -> torch.Tensor:
+        if fast is None:  # |isc * (x - m)| is at most this (rounding is monotonic: the extremes of x - m are at x's)
+            bound = torch.maximum((lo - m).abs_(), (mx - m).abs_()).mul_(isc.abs())
+            fast = bool((bound < _FAST_RANGE).all())  # NaN and inf fail the test
         return _levels(torch.sub(x, m, out=v).mul_(isc), 0, nmax, fast)  # the C's iscale * (x - min)
+
+    err = _scratch("qkx2_error", (m_blocks,))
 
     def error(lf: torch.Tensor, s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         diff = lf.mul_(s).add_(m).sub_(x)  # scale * L + min - x, in place on the levels
-        return _running_sum((diff.abs_() if mad else diff.mul_(diff)).mul_(w))
+        return _running_sum((diff.abs_() if mad else diff.mul_(diff)).mul_(w), out=err)
 
     best_error = error(levels(iscale, mn), scale, mn)
     state = torch.stack([best_error, scale, iscale, mn, mn, span])  # best error, scale, win iscale, win min, min, span
-    n, m_blocks = x.shape
     sums = _scratch("qkx2_sums", (n, 3, m_blocks))
+    totals = _scratch("qkx2_totals", (3, m_blocks))
     steps = [torch.tensor(_F32(rmin) + _F32(rdelta) * _F32(i) + _F32(nmax)) for i in range(nstep + 1)]
     for step in steps:
         mn = state[4]
         isc = step / state[5]  # the C's (rmin + rdelta*is + nmax)/(max - min): a 0-d tensor, a true division
-        lf = levels(isc, mn)
+        if checked:
+            lf = levels(isc, mn)
+        else:
+            torch.maximum(reach, torch.sub(ends, mn).abs_().mul_(isc.abs()), out=reach)
+            lf = levels(isc, mn, True)
         wl = torch.mul(w, lf, out=sums[:, 0])
         torch.mul(wl, lf, out=sums[:, 1])
         torch.mul(wl, x, out=sums[:, 2])
-        sum_l, sum_l2, sum_xl = _running_sum(sums)
+        sum_l, sum_l2, sum_xl = _running_sum(sums, out=totals)
         D = sum_w * sum_l2 - sum_l * sum_l
         this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
         this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
@@ -219,11 +270,13 @@ def _make_qkx2(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta:
         this_scale = torch.where(clipped, sum_xl / sum_l2, this_scale)
         cur_error = error(lf, this_scale, this_min)
         better = (D > 0) & (cur_error < state[0])
-        state = torch.where(better, torch.stack([cur_error, this_scale, isc, mn, this_min, mx - this_min]), state)
+        state = _select(better, torch.stack([cur_error, this_scale, isc, mn, this_min, mx - this_min]), state)
+    if not checked and not bool((reach < _FAST_RANGE).all()):  # NaN and inf fail the test
+        return None
     _, scale, win_iscale, win_min, mn, _ = state
     L = levels(win_iscale, win_min).to(torch.int32)
     scale = torch.where(flat, torch.zeros_like(scale), scale)
-    L = torch.where(flat, torch.zeros_like(L), L)
+    L = _select(flat, torch.zeros((), dtype=torch.int32), L)
     return scale, -mn, L
 
 
@@ -257,7 +310,7 @@ def _quantize_qkx(x: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep:
     dm = fp16_value(dmin_bits)[:, None] * lm.float()
     xs = x.view(n, 8, 32)
     requant = nearest_int((xs + dm[..., None]) / d[..., None]).clamp(0, nmax)
-    L = torch.where((d != 0)[..., None], requant, L)
+    L = _select((d != 0)[..., None], requant, L)
     return d_bits, dmin_bits, packed, L.reshape(n, 256)
 
 

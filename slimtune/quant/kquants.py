@@ -51,7 +51,15 @@ _GROUP_MAX_EPS = float(_F32(1e-15))  # 1e-15f
 
 def nearest_int(v: torch.Tensor) -> torch.Tensor:
     """ggml's ``nearest_int`` of float32 values, as int32: ``(bits(v + 12582912.f) & 0x7fffff) - 0x400000``."""
-    return ((v + 12582912.0).view(torch.int32) & 0x7FFFFF) - 0x400000
+    return nearest_int_(v + 12582912.0, added=True)
+
+
+def nearest_int_(v: torch.Tensor, added: bool = False) -> torch.Tensor:
+    """``nearest_int`` in place on the float32 temporary ``v`` (returned as its int32 view): one buffer where
+    the expression made four (each a fresh allocation the kernel zeroes). ``added``: 1.5 * 2**23 is in."""
+    if not added:
+        v.add_(12582912.0)
+    return v.view(torch.int32).bitwise_and_(0x7FFFFF).sub_(0x400000)
 
 
 def fp16_bits(f: torch.Tensor) -> torch.Tensor:
@@ -113,7 +121,7 @@ def _select(mask: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.T
     bits = torch.int32
     o = old.view(bits) if old.dtype != bits else old
     n = new.view(bits) if new.dtype != bits else new
-    return (o ^ ((o ^ n) & mask.to(bits).neg_())).view(old.dtype)
+    return torch.bitwise_xor(o, n).bitwise_and_(mask.to(bits).neg_()).bitwise_xor_(o).view(old.dtype)
 
 
 def _over(c: float, t: torch.Tensor) -> torch.Tensor:
@@ -276,16 +284,15 @@ def _qkx2_search(x, w, nmax, rmin, rdelta, nstep, check, mad, checked):
     _, scale, win_iscale, win_min, mn, _ = state
     L = levels(win_iscale, win_min).to(torch.int32)
     scale = torch.where(flat, torch.zeros_like(scale), scale)
-    L = _select(flat, torch.zeros((), dtype=torch.int32), L)
+    if bool(flat.any()):
+        L = _select(flat, torch.zeros((), dtype=torch.int32), L)
     return scale, -mn, L
 
 
 def _max_positive(v: torch.Tensor) -> torch.Tensor:
-    """``m = 0; for x in v (last dim): if (x > m) m = x``."""
-    m = torch.zeros_like(v[..., 0])
-    for j in range(v.shape[-1]):
-        m = torch.where(v[..., j] > m, v[..., j], m)
-    return m
+    """``m = 0; for x in v (last dim): if (x > m) m = x``: the largest positive value, +0.0 where none is
+    (NaN is never greater, so it is left out, as are -0.0 and the negatives)."""
+    return torch.where(v > 0, v, 0.0).amax(-1)
 
 
 def _quantize_qkx(x: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int, check: bool):
@@ -309,7 +316,7 @@ def _quantize_qkx(x: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep:
     d = fp16_value(d_bits)[:, None] * ls.float()
     dm = fp16_value(dmin_bits)[:, None] * lm.float()
     xs = x.view(n, 8, 32)
-    requant = nearest_int((xs + dm[..., None]) / d[..., None]).clamp(0, nmax)
+    requant = nearest_int_(torch.add(xs, dm[..., None]).div_(d[..., None])).clamp_(0, nmax)
     L = _select((d != 0)[..., None], requant, L)
     return d_bits, dmin_bits, packed, L.reshape(n, 256)
 
@@ -361,14 +368,16 @@ def _make_qx(x: torch.Tensor, nmax: int, check: bool = False):
     # what each candidate would make the best: scale = sumlx / suml2, best = scale * sumlx (all at once)
     ratio = sumlx / suml2
     cand_best = ratio * sumlx
-    square, positive = sumlx * sumlx, suml2 > 0
+    # the C's suml2 > 0 && sumlx*sumlx > best*suml2 as one comparison: -inf (never greater) where suml2 <= 0
+    square = torch.where(suml2 > 0, sumlx * sumlx, -torch.inf).unbind(0)
     scale0 = torch.where(suml2[0] != 0, ratio[0], torch.zeros_like(ratio[0]))
     best = scale0 * sumlx[0]
     pick = torch.zeros_like(mx, dtype=torch.int64)
-    for s in range(1, len(_QX_STEPS)):
-        better = positive[s] & (square[s] > best * suml2[s])  # the C's sumlx*sumlx > best*suml2
-        best = torch.where(better, cand_best[s], best)
-        pick.masked_fill_(better, s)
+    for s, (sq, l2, cb) in enumerate(zip(square, suml2.unbind(0), cand_best.unbind(0), strict=True)):
+        if s:
+            better = sq > best * l2
+            best = torch.where(better, cb, best)
+            pick.masked_fill_(better, s)
     scale = torch.where(pick == 0, scale0, ratio.gather(0, pick[None])[0])
     chosen = iscales.gather(0, pick[None])  # the winner's iscale: its levels again (cheaper than keeping all)
     L = _levels(x * chosen, -nmax, nmax - 1, fast).to(torch.int32)
@@ -404,8 +413,8 @@ def _q6_k(x: torch.Tensor, check: bool = False) -> torch.Tensor:
     sc = nearest_int(iscale[:, None] * scales).clamp_max(127) & 0xFF  # stored as int8_t
     sc_value = torch.where(sc > 127, sc - 256, sc)
     d = fp16_value(d_bits)[:, None] * sc_value.float()
-    requant = nearest_int(x.view(n, 16, 16) / d[..., None]).clamp(-32, 31) + 32
-    L = torch.where((d != 0)[..., None], requant, L).reshape(n, 2, 4, 32)
+    requant = nearest_int_(torch.div(x.view(n, 16, 16), d[..., None])).clamp_(-32, 31).add_(32)
+    L = _select((d != 0)[..., None], requant, L).reshape(n, 2, 4, 32)
     low, high = L & 0xF, L >> 4
     ql = torch.cat([low[:, :, 0] | (low[:, :, 2] << 4), low[:, :, 1] | (low[:, :, 3] << 4)], dim=2).reshape(n, 128)
     qh = (high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)).reshape(n, 64)
@@ -439,8 +448,8 @@ def _q2_k(x: torch.Tensor, check: bool = False) -> torch.Tensor:
     dmin_bits = fp16_bits(torch.where(has_min[:, 0], max_min / 15.0, 0.0))
     d = fp16_value(d_bits)[:, None] * (packed & 0xF).float()
     dm = fp16_value(dmin_bits)[:, None] * (packed >> 4).float()
-    requant = nearest_int((x.view(n, 16, 16) + dm[..., None]) / d[..., None]).clamp(0, 3)
-    L = torch.where((d != 0)[..., None], requant, L).reshape(n, 256)
+    requant = nearest_int_(torch.add(x.view(n, 16, 16), dm[..., None]).div_(d[..., None])).clamp_(0, 3)
+    L = _select((d != 0)[..., None], requant, L).reshape(n, 256)
     return torch.cat([packed.to(torch.uint8), _pack_2bit(L).to(torch.uint8), le16(d_bits), le16(dmin_bits)], dim=1)
 
 
@@ -504,8 +513,8 @@ def _q3_k(x: torch.Tensor, check: bool = False) -> torch.Tensor:
     packed = torch.cat([low[:, :8] | (low[:, 8:] << 4), (high.view(n, 4, 4) << (2 * torch.arange(4).view(1, 4, 1))).sum(1)], dim=1)
     d_bits = fp16_bits(torch.where(live[:, 0], _over(1.0, iscale), 0.0))
     d = fp16_value(d_bits)[:, None] * (sc - 32).float()  # the stored scale back: sc - 32
-    requant = nearest_int(x.view(n, 16, 16) / d[..., None]).clamp(-4, 3) + 4
-    L = torch.where((d != 0)[..., None], requant, L).reshape(n, 256)
+    requant = nearest_int_(torch.div(x.view(n, 16, 16), d[..., None])).clamp_(-4, 3).add_(4)
+    L = _select((d != 0)[..., None], requant, L).reshape(n, 256)
     top = L > 3
     hmask = (top.view(n, 8, 32).to(torch.int32) << torch.arange(8).view(1, 8, 1)).sum(1)
     L = torch.where(top, L - 4, L)

@@ -239,7 +239,6 @@ def _qkx2_search(x, w, nmax, rmin, rdelta, nstep, check, mad, checked):
     scale = _over(1.0, iscale)
     v = _scratch("qkx2_levels", tuple(x.shape))
     ends = torch.stack([lo, mx])
-    reach = torch.zeros_like(ends)  # the largest |isc * (x - m)| of the unchecked candidates, at x's extremes
 
     def levels(isc: torch.Tensor, m: torch.Tensor, fast: bool | None = None) -> torch.Tensor:
         if fast is None:  # |isc * (x - m)| is at most this (rounding is monotonic: the extremes of x - m are at x's)
@@ -247,40 +246,51 @@ def _qkx2_search(x, w, nmax, rmin, rdelta, nstep, check, mad, checked):
             fast = bool((bound < _FAST_RANGE).all())  # NaN and inf fail the test
         return _levels(torch.sub(x, m, out=v).mul_(isc), 0, nmax, fast)  # the C's iscale * (x - min)
 
-    err = _scratch("qkx2_error", (m_blocks,))
+    index = _zeros_index(n)
+    err = _scratch("qkx2_error", (1, m_blocks))
 
     def error(lf: torch.Tensor, s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         diff = lf.mul_(s).add_(m).sub_(x)  # scale * L + min - x, in place on the levels
-        return _running_sum((diff.abs_() if mad else diff.mul_(diff)).mul_(w), out=err)
+        return err.zero_().index_add_(0, index, (diff.abs_() if mad else diff.mul_(diff)).mul_(w))[0]  # _running_sum
 
     best_error = error(levels(iscale, mn), scale, mn)
-    state = torch.stack([best_error, scale, iscale, mn, mn, span])  # best error, scale, win iscale, win min, min, span
+    # best error, scale, win iscale, win min, min, span: float32 values, moved by their bits (_select in place)
+    state = torch.stack([best_error, scale, iscale, mn, mn, span]).view(torch.int32)
+    values = state.view(torch.float32)
+    best, _, _, _, mn, span = values
     sums = _scratch("qkx2_sums", (n, 3, m_blocks))
-    totals = _scratch("qkx2_totals", (3, m_blocks))
+    totals = _scratch("qkx2_totals", (1, 3, m_blocks))
+    cand = _scratch("qkx2_candidate", (6, m_blocks))
+    tried = _scratch("qkx2_tried", (nstep + 1, 2, m_blocks))  # each candidate's (iscale, min): its reach, after
     steps = [torch.tensor(_F32(rmin) + _F32(rdelta) * _F32(i) + _F32(nmax)) for i in range(nstep + 1)]
-    for step in steps:
-        mn = state[4]
-        isc = step / state[5]  # the C's (rmin + rdelta*is + nmax)/(max - min): a 0-d tensor, a true division
+    for i, step in enumerate(steps):
+        isc = step / span  # the C's (rmin + rdelta*is + nmax)/(max - min): a 0-d tensor, a true division
         if checked:
             lf = levels(isc, mn)
         else:
-            torch.maximum(reach, torch.sub(ends, mn).abs_().mul_(isc.abs()), out=reach)
+            torch.stack([isc, mn], out=tried[i])
             lf = levels(isc, mn, True)
         wl = torch.mul(w, lf, out=sums[:, 0])
         torch.mul(wl, lf, out=sums[:, 1])
         torch.mul(wl, x, out=sums[:, 2])
-        sum_l, sum_l2, sum_xl = _running_sum(sums, out=totals)
+        sum_l, sum_l2, sum_xl = totals.zero_().index_add_(0, index, sums)[0]  # _running_sum of the three
         D = sum_w * sum_l2 - sum_l * sum_l
         this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
         this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
         clipped = this_min > 0
-        this_min.masked_fill_(clipped, 0.0)
-        this_scale = torch.where(clipped, sum_xl / sum_l2, this_scale)
+        if bool(clipped.any()):
+            this_min.masked_fill_(clipped, 0.0)
+            this_scale = torch.where(clipped, sum_xl / sum_l2, this_scale)
         cur_error = error(lf, this_scale, this_min)
-        better = (D > 0) & (cur_error < state[0])
-        state = _select(better, torch.stack([cur_error, this_scale, isc, mn, this_min, mx - this_min]), state)
-    if not checked and not bool((reach < _FAST_RANGE).all()):  # NaN and inf fail the test
-        return None
+        better = (D > 0) & (cur_error < best)
+        torch.stack([cur_error, this_scale, isc, mn, this_min, mx - this_min], out=cand)
+        state.bitwise_xor_(torch.bitwise_xor(state, cand.view(torch.int32)).bitwise_and_(better.to(torch.int32).neg_()))
+    if not checked:
+        # |isc * (x - m)| of every candidate at x's extremes (rounding is monotonic, as in levels())
+        reach = (ends - tried[:, 1:]).abs_().mul_(tried[:, :1].abs())
+        if not bool((reach < _FAST_RANGE).all()):  # NaN and inf fail the test
+            return None
+    state = values
     _, scale, win_iscale, win_min, mn, _ = state
     L = levels(win_iscale, win_min).to(torch.int32)
     scale = torch.where(flat, torch.zeros_like(scale), scale)

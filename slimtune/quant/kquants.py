@@ -113,15 +113,17 @@ def _scratch(name: str, shape: tuple[int, ...]) -> torch.Tensor:
     return held
 
 
-def _select(mask: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+def _select(mask: torch.Tensor, new: torch.Tensor, old: torch.Tensor, in_place: bool = False) -> torch.Tensor:
     """``torch.where(mask, new, old)`` for float32 or int32 ``new`` and ``old`` of one dtype, by their bits
-    (``old ^ ((old ^ new) & -mask)``: every bit kept, NaN payloads and signed zeros too). torch's ``where`` on
-    a bool mask is the scalar kernel here: 318 us for a (6, 32768) float32 select where these three integer
-    passes take 78 us (measured, one thread), and the search state moves by it 21 times a piece."""
+    (``old ^ ((old ^ new) & -mask)``: every bit kept, NaN payloads and signed zeros too); ``in_place``: into
+    ``old`` (its shape the result's). torch's ``where`` on a bool mask is the scalar kernel here: 318 us for a
+    (6, 32768) float32 select where these three integer passes take 78 us (measured, one thread), and the
+    search state moves by it 21 times a piece."""
     bits = torch.int32
     o = old.view(bits) if old.dtype != bits else old
     n = new.view(bits) if new.dtype != bits else new
-    return torch.bitwise_xor(o, n).bitwise_and_(mask.to(bits).neg_()).bitwise_xor_(o).view(old.dtype)
+    change = torch.bitwise_xor(o, n).bitwise_and_(mask.to(bits).neg_())
+    return (o.bitwise_xor_(change) if in_place else change.bitwise_xor_(o)).view(old.dtype)
 
 
 def _over(c: float, t: torch.Tensor) -> torch.Tensor:
@@ -246,20 +248,17 @@ def _qkx2_search(x, w, nmax, rmin, rdelta, nstep, check, mad, checked):
             fast = bool((bound < _FAST_RANGE).all())  # NaN and inf fail the test
         return _levels(torch.sub(x, m, out=v).mul_(isc), 0, nmax, fast)  # the C's iscale * (x - min)
 
-    index = _zeros_index(n)
-    err = _scratch("qkx2_error", (1, m_blocks))
+    err = _scratch("qkx2_error", (m_blocks,))
 
     def error(lf: torch.Tensor, s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         diff = lf.mul_(s).add_(m).sub_(x)  # scale * L + min - x, in place on the levels
-        return err.zero_().index_add_(0, index, (diff.abs_() if mad else diff.mul_(diff)).mul_(w))[0]  # _running_sum
+        return _running_sum((diff.abs_() if mad else diff.mul_(diff)).mul_(w), out=err)
 
     best_error = error(levels(iscale, mn), scale, mn)
-    # best error, scale, win iscale, win min, min, span: float32 values, moved by their bits (_select in place)
-    state = torch.stack([best_error, scale, iscale, mn, mn, span]).view(torch.int32)
-    values = state.view(torch.float32)
-    best, _, _, _, mn, span = values
+    state = torch.stack([best_error, scale, iscale, mn, mn, span])  # best error, scale, win iscale, win min, min, span
+    best, _, _, _, mn, span = state  # views: the select below moves them in place
     sums = _scratch("qkx2_sums", (n, 3, m_blocks))
-    totals = _scratch("qkx2_totals", (1, 3, m_blocks))
+    totals = _scratch("qkx2_totals", (3, m_blocks))
     cand = _scratch("qkx2_candidate", (6, m_blocks))
     tried = _scratch("qkx2_tried", (nstep + 1, 2, m_blocks))  # each candidate's (iscale, min): its reach, after
     steps = [torch.tensor(_F32(rmin) + _F32(rdelta) * _F32(i) + _F32(nmax)) for i in range(nstep + 1)]
@@ -273,7 +272,7 @@ def _qkx2_search(x, w, nmax, rmin, rdelta, nstep, check, mad, checked):
         wl = torch.mul(w, lf, out=sums[:, 0])
         torch.mul(wl, lf, out=sums[:, 1])
         torch.mul(wl, x, out=sums[:, 2])
-        sum_l, sum_l2, sum_xl = totals.zero_().index_add_(0, index, sums)[0]  # _running_sum of the three
+        sum_l, sum_l2, sum_xl = _running_sum(sums, out=totals)
         D = sum_w * sum_l2 - sum_l * sum_l
         this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
         this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
@@ -284,13 +283,12 @@ def _qkx2_search(x, w, nmax, rmin, rdelta, nstep, check, mad, checked):
         cur_error = error(lf, this_scale, this_min)
         better = (D > 0) & (cur_error < best)
         torch.stack([cur_error, this_scale, isc, mn, this_min, mx - this_min], out=cand)
-        state.bitwise_xor_(torch.bitwise_xor(state, cand.view(torch.int32)).bitwise_and_(better.to(torch.int32).neg_()))
+        _select(better, cand, state, in_place=True)
     if not checked:
         # |isc * (x - m)| of every candidate at x's extremes (rounding is monotonic, as in levels())
         reach = (ends - tried[:, 1:]).abs_().mul_(tried[:, :1].abs())
         if not bool((reach < _FAST_RANGE).all()):  # NaN and inf fail the test
             return None
-    state = values
     _, scale, win_iscale, win_min, mn, _ = state
     L = levels(win_iscale, win_min).to(torch.int32)
     scale = torch.where(flat, torch.zeros_like(scale), scale)

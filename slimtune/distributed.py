@@ -143,9 +143,24 @@ def init_distributed(device: str = "cpu", timeout_s: float = 1800.0) -> Ranks:
                     "start at most one process per GPU (or use device=cpu)"
                 )
             torch.cuda.set_device(local)
-        dist.init_process_group(backend="nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        join_group(backend="nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
         raise_on_sigterm(f"rank {os.environ.get('RANK', '?')}: stopped by SIGTERM (torchrun stops every rank when one fails)")
     return current_ranks()
+
+
+def join_group(**kwargs: Any) -> None:
+    """``dist.init_process_group(**kwargs)``, with ``torch.distributed.nn`` imported first. That module
+    binds ``group.WORLD`` as its functions' default argument when it is imported; imported after the
+    group exists (torch's dynamo pulls it in through FSDP on first use), those defaults keep the gloo
+    group alive after ``destroy_process_group``. Its worker threads then still hold their last work at
+    interpreter exit, and freeing its tensors there aborts the process ("terminate called without an
+    active exception": 5 of 20 two-rank merges on a loaded 2-core machine). Imported first, the defaults are
+    None and ``shutdown`` ends the group's threads.
+
+    Example: ``join_group(backend="gloo", store=store, rank=0, world_size=2)``"""
+    import torch.distributed.nn  # noqa: F401 - see above: before the group exists
+
+    dist.init_process_group(**kwargs)
 
 
 _SIGTERM: dict[str, Any] = {"message": None, "deferred": 0, "pending": False}

@@ -278,3 +278,41 @@ def test_a_sigterm_during_the_cleanup_of_a_temporary_directory_waits_for_it(tmp_
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert list(tmp_path.iterdir()) == []  # neither the temporary directory nor its lock
+
+
+_GROUP_ENDS = """
+import os, sys
+import torch
+import torch.distributed as dist
+from slimtune.distributed import init_distributed, shutdown
+
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
+torch.ones(4).sum()
+before = threads()
+ranks = init_distributed("cpu")
+group = dist.group.WORLD
+import torch.distributed.fsdp  # what torch's dynamo imports on first use, after the group exists
+ranks.gather(ranks.rank, "a test exchange")
+shutdown(wait=True)
+held = sys.getrefcount(group) - 1  # less getrefcount's own argument
+del group
+print(f"rank {ranks.rank}: references {held}, threads {before} -> {threads()}")
+assert held == 1 and threads() == before
+"""
+
+
+@pytest.mark.multiprocess
+def test_shutdown_ends_the_groups_threads_even_after_torch_distributed_nn_is_imported(tmp_path):
+    """torch.distributed.nn binds group.WORLD as a default argument when imported: imported after the
+    group exists it kept the group (and its gloo worker threads) alive past ``destroy_process_group``,
+    and a worker freeing its last work at interpreter exit aborted the rank (``join_group``)."""
+    script = tmp_path / "group_ends.py"
+    script.write_text(_GROUP_ENDS)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank}: references 1, threads" in result.stdout

@@ -34,7 +34,7 @@ from slimtune.checkpoint.background.child import WriterProcess, become_writer
 from slimtune.checkpoint.background.protocol import Ready, Request, Start, Stop, Unavailable, WriterGroup, WriterSetup, WriterSpec
 from slimtune.checkpoint.background.snapshot import to_host, write_request
 from slimtune.checkpoint.manager import CheckpointManager
-from slimtune.distributed import SINGLE, Ranks, current_ranks, shutdown
+from slimtune.distributed import SINGLE, Ranks, current_ranks, join_group, shutdown
 from slimtune.errors import SlimtuneError, first_line
 from slimtune.logs import configure_logging
 from slimtune.model import load_qlora_model
@@ -227,7 +227,7 @@ def _join_writers(group: WriterGroup | None) -> Ranks:
         within = f"{_JOIN_TIMEOUT.total_seconds():.0f} s"
         raise SlimtuneError(f"the checkpoint writers did not all join their group within {within} ({first})") from None
     store.set_timeout(_GROUP_TIMEOUT)
-    dist.init_process_group("gloo", store=store, rank=group.rank, world_size=group.world_size, timeout=_GROUP_TIMEOUT)
+    join_group(backend="gloo", store=store, rank=group.rank, world_size=group.world_size, timeout=_GROUP_TIMEOUT)
     return current_ranks()
 
 

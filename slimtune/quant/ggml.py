@@ -163,15 +163,16 @@ _TYPES: dict[str, tuple[Callable[[torch.Tensor, bool], torch.Tensor], int, int]]
     "Q5_1": (_q5_1, 32, 4096),
     "Q2_K": (QUANTIZERS["Q2_K"], kquants.QK_K, 1024),
     "Q3_K": (QUANTIZERS["Q3_K"], kquants.QK_K, 1024),
-    "Q4_K": (QUANTIZERS["Q4_K"], kquants.QK_K, 1024),
-    "Q5_K": (QUANTIZERS["Q5_K"], kquants.QK_K, 1024),
+    "Q4_K": (QUANTIZERS["Q4_K"], kquants.QK_K, 2048),
+    "Q5_K": (QUANTIZERS["Q5_K"], kquants.QK_K, 2048),
     "Q6_K": (QUANTIZERS["Q6_K"], kquants.QK_K, 256),
 }
 """Blocks per piece: cache-sized temporaries (Q6_K's 19 candidate scales over 256 values per superblock)
 with few enough torch calls per value (measured fastest on this machine's CPU with two quantizer threads:
 the threads share one GIL, so pieces too small to keep both busy between calls lose more than a cache
 miss costs; 2 threads on 32k random superblocks, best of 3: Q4_K 512 / 1024 / 2048 blocks 72.9 / 108.0 /
-112.7 MB/s of float32, Q6_K 128 / 256 / 512 blocks 94.0 / 128.9 / 126.0)."""
+112.7 MB/s of float32, Q6_K 128 / 256 / 512 blocks 94.0 / 128.9 / 126.0; after the search's fresh buffers
+went, three sweeps of Q4_K 1024 / 2048: 125.7 / 132.0, 116.6 / 121.1, 110.7 / 129.9, and 4096: 100.9)."""
 BLOCK_VALUES = {name: values for name, (_, values, _) in _TYPES.items()}
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, **kquants.BLOCK_BYTES}
 

@@ -211,11 +211,14 @@ def _levels(v: torch.Tensor, lo: int, hi: int, fast: bool | None = None) -> torc
 def _make_qkx2(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int, check: bool = False, mad: bool = False):
     """ggml's ``make_qkx2_quants`` on sub-blocks ``x`` (n, M): values along dim 0, one sub-block per
     column, its error the weighted squares (``mad``: the weighted absolute values, as Q2_K asks for it).
-    Returns (scale (M,), the_min (M,), L (n, M) int32 in 0..nmax).
+
+    Returns (scale (M,), the_min (M,), ``levels_of``): ``levels_of(idx)`` makes the winners' levels L of the
+    sub-blocks ``idx`` as (len(idx), n) int32 in 0..nmax. The callers need them only where a sub-block's
+    quantized scale is 0 (elsewhere the C overwrites them from that scale), so they are not made for all.
 
     The candidate scales go in the C's order, each from the best ``min`` so far (a better candidate moves
     it), every block at once. The levels are not kept per candidate: each block remembers the winner's
-    (iscale, min) and its levels are made again once at the end (the same float operations). A block's
+    (iscale, min) and its levels are made again from them (the same float operations). A block's
     state (best error, scale, the winner's iscale and min, min, max - min) is one (6, M) tensor, moved by
     one select; the levels and the errors are made in place in one buffer, the sums in the thread's own.
     The candidates' levels take the fast path (``_levels``) unchecked, while the reach of their arguments
@@ -227,13 +230,27 @@ def _make_qkx2(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta:
     return result if result is not None else _qkx2_search(x, w, nmax, rmin, rdelta, nstep, check, mad, checked=True)
 
 
+# The pairs of the sums [sum_w, sum_x, sum_l, sum_l2, sum_xl] whose products make D = sum_w*sum_l2 - sum_l*sum_l,
+# the scale's numerator sum_w*sum_xl - sum_x*sum_l and the min's sum_l2*sum_x - sum_l*sum_xl (each the C's
+# product, one rounding: a float product does not depend on its operands' order)
+_QKX2_LEFT = torch.tensor([0, 2, 0, 1, 3, 2])
+_QKX2_RIGHT = torch.tensor([3, 2, 4, 2, 1, 4])
+
+
 def _qkx2_search(x, w, nmax, rmin, rdelta, nstep, check, mad, checked):
-    """``_make_qkx2``'s search; with ``checked`` False, None where a candidate's levels left the fast range."""
+    """``_make_qkx2``'s search; with ``checked`` False, None where a candidate's levels left the fast range.
+
+    A candidate's (M,)-sized arithmetic goes in few calls: its sums sit beside sum_w and sum_x in one
+    (5, M) buffer, the six products of D and the two numerators are one multiply of two gathers of it, the
+    three differences one subtraction and the scale and min one division, written straight into the
+    candidate's row of the state (its error, scale, min, iscale, the min its levels used, max - min)."""
     lo, mx = x.amin(0), x.amax(0)
     finite_blocks(check, lo, mx)
     n, m_blocks = x.shape
-    sum_w = _running_sum(w[1:], w[0])
-    sum_x = _running_sum(w[1:] * x[1:], w[0] * x[0])
+    sums5 = _scratch("qkx2_sums5", (5, m_blocks))  # sum_w, sum_x, then the candidate's sum_l, sum_l2, sum_xl
+    _running_sum(w[1:], w[0], out=sums5[0])
+    wx = torch.mul(w, x, out=_scratch("qkx2_wx", tuple(x.shape)))
+    _running_sum(wx[1:], wx[0], out=sums5[1])
     mn = torch.where(lo > 0, torch.zeros_like(lo), lo)
     flat = mx == mn
     span = torch.where(flat, torch.ones_like(mx), mx - mn)
@@ -248,53 +265,56 @@ def _qkx2_search(x, w, nmax, rmin, rdelta, nstep, check, mad, checked):
             fast = bool((bound < _FAST_RANGE).all())  # NaN and inf fail the test
         return _levels(torch.sub(x, m, out=v).mul_(isc), 0, nmax, fast)  # the C's iscale * (x - min)
 
-    err = _scratch("qkx2_error", (m_blocks,))
-
-    def error(lf: torch.Tensor, s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    def error(lf: torch.Tensor, s: torch.Tensor, m: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         diff = lf.mul_(s).add_(m).sub_(x)  # scale * L + min - x, in place on the levels
-        return _running_sum((diff.abs_() if mad else diff.mul_(diff)).mul_(w), out=err)
+        return _running_sum((diff.abs_() if mad else diff.mul_(diff)).mul_(w), out=out)
 
-    best_error = error(levels(iscale, mn), scale, mn)
-    state = torch.stack([best_error, scale, iscale, mn, mn, span])  # best error, scale, win iscale, win min, min, span
-    best, _, _, _, mn, span = state  # views: the select below moves them in place
+    # the state: best error, scale, min, the winner's iscale and the min its levels used, max - min
+    state = torch.stack([torch.empty_like(mn), scale, mn, iscale, mn, span])
+    error(levels(iscale, mn), scale, mn, out=state[0])
+    best, _, mn, _, _, span = state  # views: the select below moves them in place
     sums = _scratch("qkx2_sums", (n, 3, m_blocks))
-    totals = _scratch("qkx2_totals", (3, m_blocks))
+    left, right = _scratch("qkx2_left", (6, m_blocks)), _scratch("qkx2_right", (6, m_blocks))
+    terms = _scratch("qkx2_terms", (3, m_blocks))  # D, the scale's numerator, the min's
     cand = _scratch("qkx2_candidate", (6, m_blocks))
     tried = _scratch("qkx2_tried", (nstep + 1, 2, m_blocks))  # each candidate's (iscale, min): its reach, after
     steps = [torch.tensor(_F32(rmin) + _F32(rdelta) * _F32(i) + _F32(nmax)) for i in range(nstep + 1)]
     for i, step in enumerate(steps):
-        isc = step / span  # the C's (rmin + rdelta*is + nmax)/(max - min): a 0-d tensor, a true division
+        isc = torch.div(step, span, out=cand[3])  # the C's (rmin + rdelta*is + nmax)/(max - min): a true division
+        cand[4].copy_(mn)
         if checked:
             lf = levels(isc, mn)
         else:
-            torch.stack([isc, mn], out=tried[i])
+            tried[i].copy_(cand[3:5])
             lf = levels(isc, mn, True)
         wl = torch.mul(w, lf, out=sums[:, 0])
         torch.mul(wl, lf, out=sums[:, 1])
         torch.mul(wl, x, out=sums[:, 2])
-        sum_l, sum_l2, sum_xl = _running_sum(sums, out=totals)
-        D = sum_w * sum_l2 - sum_l * sum_l
-        this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
-        this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
+        _running_sum(sums, out=sums5[2:])
+        products = torch.index_select(sums5, 0, _QKX2_LEFT, out=left).mul_(torch.index_select(sums5, 0, _QKX2_RIGHT, out=right))
+        D = torch.sub(products[0::2], products[1::2], out=terms)[0]
+        this_scale, this_min = torch.div(terms[1:], D, out=cand[1:3])  # the C's (...)/D for both
         clipped = this_min > 0
         if bool(clipped.any()):
             this_min.masked_fill_(clipped, 0.0)
-            this_scale = torch.where(clipped, sum_xl / sum_l2, this_scale)
-        cur_error = error(lf, this_scale, this_min)
+            this_scale.copy_(torch.where(clipped, sums5[4] / sums5[3], this_scale))  # sum_xl / sum_l2
+        cur_error = error(lf, this_scale, this_min, out=cand[0])
         better = (D > 0) & (cur_error < best)
-        torch.stack([cur_error, this_scale, isc, mn, this_min, mx - this_min], out=cand)
+        torch.sub(mx, this_min, out=cand[5])
         _select(better, cand, state, in_place=True)
     if not checked:
         # |isc * (x - m)| of every candidate at x's extremes (rounding is monotonic, as in levels())
-        reach = (ends - tried[:, 1:]).abs_().mul_(tried[:, :1].abs())
-        if not bool((reach < _FAST_RANGE).all()):  # NaN and inf fail the test
+        reach = torch.sub(ends, tried[:, 1:], out=_scratch("qkx2_reach", (nstep + 1, 2, m_blocks)))
+        if not float(reach.abs_().mul_(tried[:, :1].abs_()).amax()) < _FAST_RANGE:  # amax keeps a NaN: it fails
             return None
-    _, scale, win_iscale, win_min, mn, _ = state
-    L = levels(win_iscale, win_min).to(torch.int32)
-    scale = torch.where(flat, torch.zeros_like(scale), scale)
-    if bool(flat.any()):
-        L = _select(flat, torch.zeros((), dtype=torch.int32), L)
-    return scale, -mn, L
+    _, scale, mn, win_iscale, win_min, _ = state
+
+    def levels_of(idx: torch.Tensor) -> torch.Tensor:
+        """The winners' levels of the sub-blocks ``idx`` (k,), as (k, n) int32 (a flat sub-block's: 0)."""
+        found = _levels(x.index_select(1, idx).sub_(win_min[idx]).mul_(win_iscale[idx]), 0, nmax).to(torch.int32)
+        return found.masked_fill_(flat[idx], 0).t()
+
+    return torch.where(flat, torch.zeros_like(scale), scale), -mn, levels_of
 
 
 def _max_positive(v: torch.Tensor) -> torch.Tensor:
@@ -307,11 +327,12 @@ def _quantize_qkx(x: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep:
     """The shared part of Q4_K and Q5_K on superblocks ``x`` (N, 256): fp16 d and dmin bits (N,), the 12
     packed scale bytes (N, 12) and the levels L (N, 256) in 0..nmax."""
     n = x.shape[0]
-    sub = x.reshape(n * 8, 32).t().contiguous()  # (32, M): values along dim 0
-    av_x = _sqrtf(_running_sum(sub * sub) / 32.0)
-    w = av_x + sub.abs()
-    scales, mins, L = _make_qkx2(sub, w, nmax, rmin, rdelta, nstep, check)
-    scales, mins, L = scales.view(n, 8), mins.view(n, 8), L.t().reshape(n, 8, 32)
+    sub = _scratch("qkx_sub", (32, n * 8)).copy_(x.reshape(n * 8, 32).t())  # (32, M): values along dim 0
+    w = torch.mul(sub, sub, out=_scratch("qkx_weights", tuple(sub.shape)))
+    av_x = _sqrtf(_running_sum(w) / 32.0)
+    w = torch.abs(sub, out=w).add_(av_x)  # the C's av_x + fabsf(x[l])
+    scales, mins, levels_of = _make_qkx2(sub, w, nmax, rmin, rdelta, nstep, check)
+    scales, mins = scales.view(n, 8), mins.view(n, 8)
     max_scale, max_min = _max_positive(scales), _max_positive(mins)
     inv_scale = torch.where(max_scale > 0, _over(63.0, max_scale), torch.zeros_like(max_scale))
     inv_min = torch.where(max_min > 0, _over(63.0, max_min), torch.zeros_like(max_min))
@@ -324,9 +345,19 @@ def _quantize_qkx(x: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep:
     d = fp16_value(d_bits)[:, None] * ls.float()
     dm = fp16_value(dmin_bits)[:, None] * lm.float()
     xs = x.view(n, 8, 32)
-    requant = nearest_int_(torch.add(xs, dm[..., None]).div_(d[..., None])).clamp_(0, nmax)
-    L = _select((d != 0)[..., None], requant, L)
+    requant = torch.add(xs, dm[..., None], out=_scratch("qkx_requant", tuple(xs.shape)))  # a fresh one: page faults
+    L = nearest_int_(requant.div_(d[..., None])).clamp_(0, nmax)
+    _keep_search_levels(L.view(n * 8, 32), d.view(-1) == 0, levels_of)
     return d_bits, dmin_bits, packed, L.reshape(n, 256)
+
+
+def _keep_search_levels(L: torch.Tensor, unscaled: torch.Tensor, levels_of) -> None:
+    """Where a sub-block's quantized scale is 0 (``unscaled``, rare: a zero block, a scale far below the
+    superblock's largest), the C keeps ``make_qkx2``'s levels: those rows of ``L`` (sub-blocks, values)
+    taken from the search."""
+    idx = unscaled.nonzero()[:, 0]
+    if idx.numel():
+        L[idx] = levels_of(idx)
 
 
 def _q4_k(x: torch.Tensor, check: bool = False) -> torch.Tensor:
@@ -443,9 +474,11 @@ def _q2_k(x: torch.Tensor, check: bool = False) -> torch.Tensor:
     """``quantize_row_q2_K_ref``: ``make_qkx2_quants(16, 3, x, |x|, ..., -0.5, 0.1, 15, use_mad=true)`` per
     sub-block, its scales and mins to 4 bits against their largest, then the levels again from those."""
     n = x.shape[0]
-    sub = x.reshape(n * 16, 16).t().contiguous()
-    scales, mins, L = _make_qkx2(sub, sub.abs(), 3, -0.5, 0.1, 15, check, mad=True)
-    scales, mins, L = scales.view(n, 16), mins.view(n, 16), L.t().reshape(n, 16, 16)
+    sub = _scratch("qkx_sub", (16, n * 16)).copy_(x.reshape(n * 16, 16).t())
+    scales, mins, levels_of = _make_qkx2(
+        sub, torch.abs(sub, out=_scratch("qkx_weights", tuple(sub.shape))), 3, -0.5, 0.1, 15, check, mad=True
+    )
+    scales, mins = scales.view(n, 16), mins.view(n, 16)
     max_scale, max_min = _max_positive(scales), _max_positive(mins)
     has_scale, has_min = (max_scale > 0)[:, None], (max_min > 0)[:, None]
     zero = torch.zeros((), dtype=torch.int32)
@@ -456,8 +489,10 @@ def _q2_k(x: torch.Tensor, check: bool = False) -> torch.Tensor:
     dmin_bits = fp16_bits(torch.where(has_min[:, 0], max_min / 15.0, 0.0))
     d = fp16_value(d_bits)[:, None] * (packed & 0xF).float()
     dm = fp16_value(dmin_bits)[:, None] * (packed >> 4).float()
-    requant = nearest_int_(torch.add(x.view(n, 16, 16), dm[..., None]).div_(d[..., None])).clamp_(0, 3)
-    L = _select((d != 0)[..., None], requant, L).reshape(n, 256)
+    requant = torch.add(x.view(n, 16, 16), dm[..., None], out=_scratch("qkx_requant", (n, 16, 16)))
+    L = nearest_int_(requant.div_(d[..., None])).clamp_(0, 3)
+    _keep_search_levels(L.view(n * 16, 16), d.view(-1) == 0, levels_of)
+    L = L.reshape(n, 256)
     return torch.cat([packed.to(torch.uint8), _pack_2bit(L).to(torch.uint8), le16(d_bits), le16(dmin_bits)], dim=1)
 
 

@@ -1,11 +1,14 @@
 """The child of ``python -m bench gguf``: ``python -m bench.gguf_child BASE ADAPTER OUT TYPE VERIFY`` exports the
 GGUF file and prints one JSON line: seconds, bytes written, the export's own report, RSS before (after
-imports) and at peak (reset with clear_refs first)."""
+imports) and at peak (reset with clear_refs first), and the quantizer's worker processes' private memory
+(sampled 4 times a second, summed over the workers alive at each sample; its peak)."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -13,13 +16,49 @@ from slimtune.gguf_export import GGUFOptions, export_gguf
 from slimtune.memory import bytes_written_by_process, peak_rss_mb, reset_peak_rss, rss_mb
 
 
+def _children() -> list[int]:
+    pids = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            pids += [int(p) for p in Path(f"/proc/self/task/{task}/children").read_text().split()]
+        except OSError:
+            pass
+    return pids
+
+
+def _private_mb(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            return sum(int(line.split()[1]) for line in f if line.startswith(("Private_Clean:", "Private_Dirty:"))) / 1024
+    except (OSError, ValueError, IndexError):
+        return 0.0  # it ended between the listing and the read
+
+
+class _WorkerMemory(threading.Thread):
+    """The peak over samples of the summed private memory of this process's children (the quantizer's
+    workers: what they hold beyond the pages they share with this process)."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.peak_mb, self.stop = 0.0, threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.wait(0.25):
+            self.peak_mb = max(self.peak_mb, sum(_private_mb(pid) for pid in _children()))
+
+
 def main(argv: list[str]) -> None:
     base, adapter, out, qtype, verify = argv
     before = rss_mb()
     reset = reset_peak_rss()
+    workers = _WorkerMemory()
+    workers.start()
     w0, t0 = bytes_written_by_process(), time.perf_counter()
     result = export_gguf(Path(out), GGUFOptions(qtype, overwrite=True, verify=verify == "True"), base=Path(base), adapter=Path(adapter))
     figures = {"export_s": time.perf_counter() - t0, "bytes_written": bytes_written_by_process() - w0}
+    workers.stop.set()
+    workers.join()
+    figures["workers_private_peak_mb"] = workers.peak_mb
     figures |= {"reported_bytes": result.bytes, "tensors": result.tensors, "rss_before_mb": before}
     print(json.dumps(figures | {"peak_rss_mb": peak_rss_mb(), "peak_reset": reset}))
 

@@ -172,5 +172,7 @@ def bench_gguf(
         "rss_before_mb": round(stats["rss_before_mb"], 1),
         "peak_rss_mb": round(stats["peak_rss_mb"], 1),
         "overhead_mb": round(stats["peak_rss_mb"] - stats["rss_before_mb"], 1),
+        "workers_private_peak_mb": round(stats["workers_private_peak_mb"], 1),
+        "overhead_with_workers_mb": round(stats["peak_rss_mb"] - stats["rss_before_mb"] + stats["workers_private_peak_mb"], 1),
         "peak_reset": stats["peak_reset"],
     } | peer_stats

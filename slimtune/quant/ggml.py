@@ -26,14 +26,16 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from slimtune.quant import kquants
 from slimtune.quant.kquants import QUANTIZERS, NonFiniteError, _scratch, finite_blocks, first_extreme, fp16_bits, le16, signed_absmax
+from slimtune.quant.pool import PiecePool, can_fork, register_error
 
 __all__ = ["BLOCK_BYTES", "BLOCK_VALUES", "NonFiniteError", "Quantizer", "quantize"]
+
+register_error(NonFiniteError)  # a worker's comes back as itself
 
 
 def _div(t: torch.Tensor, c: float) -> torch.Tensor:
@@ -163,16 +165,16 @@ _TYPES: dict[str, tuple[Callable[[torch.Tensor, bool], torch.Tensor], int, int]]
     "Q5_1": (_q5_1, 32, 4096),
     "Q2_K": (QUANTIZERS["Q2_K"], kquants.QK_K, 1024),
     "Q3_K": (QUANTIZERS["Q3_K"], kquants.QK_K, 1024),
-    "Q4_K": (QUANTIZERS["Q4_K"], kquants.QK_K, 2048),
-    "Q5_K": (QUANTIZERS["Q5_K"], kquants.QK_K, 2048),
+    "Q4_K": (QUANTIZERS["Q4_K"], kquants.QK_K, 1024),
+    "Q5_K": (QUANTIZERS["Q5_K"], kquants.QK_K, 1024),
     "Q6_K": (QUANTIZERS["Q6_K"], kquants.QK_K, 256),
 }
 """Blocks per piece: cache-sized temporaries (Q6_K's 19 candidate scales over 256 values per superblock)
-with few enough torch calls per value (measured fastest on this machine's CPU with two quantizer threads:
-the threads share one GIL, so pieces too small to keep both busy between calls lose more than a cache
-miss costs; 2 threads on 32k random superblocks, best of 3: Q4_K 512 / 1024 / 2048 blocks 72.9 / 108.0 /
-112.7 MB/s of float32, Q6_K 128 / 256 / 512 blocks 94.0 / 128.9 / 126.0; after the search's fresh buffers
-went, three sweeps of Q4_K 1024 / 2048: 125.7 / 132.0, 116.6 / 121.1, 110.7 / 129.9, and 4096: 100.9)."""
+with few enough torch calls per value, measured fastest on this 2-core machine with two workers. With two
+threads (before ``slimtune.quant.pool``) the GIL they share made bigger pieces pay: Q4_K 512 / 1024 / 2048
+blocks 72.9 / 108.0 / 112.7 MB/s of float32, Q6_K 128 / 256 / 512 blocks 94.0 / 128.9 / 126.0. With two
+worker processes the cores' shared cache does: Q4_K 128 / 256 / 512 / 1024 / 2048 blocks 59.2 / 96.0 /
+118.1 / 144.9 / 94.2 MB/s (one run; the 4 MB chunks of the export, two in flight)."""
 BLOCK_VALUES = {name: values for name, (_, values, _) in _TYPES.items()}
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, **kquants.BLOCK_BYTES}
 
@@ -181,7 +183,8 @@ _WIDENED = (torch.float32, torch.bfloat16, torch.float16)
 """Input dtypes taken as they are: float32, and the 16-bit floats (exact in float32)."""
 
 
-def _pieces(rows: torch.Tensor, type_name: str) -> tuple[Callable[[torch.Tensor], torch.Tensor], list[torch.Tensor]]:
+def _blocks(rows: torch.Tensor, type_name: str) -> tuple[Callable[[torch.Tensor, bool], torch.Tensor], torch.Tensor, int]:
+    """(the type's quantizer, ``rows`` as blocks (N, block values) in a dtype it takes, blocks per piece)."""
     if type_name not in _TYPES:
         raise ValueError(f"GGML block type {type_name!r}: expected one of {', '.join(_TYPES)}")
     fn, values, piece = _TYPES[type_name]
@@ -190,8 +193,7 @@ def _pieces(rows: torch.Tensor, type_name: str) -> tuple[Callable[[torch.Tensor]
     blocks = rows.detach()
     if blocks.dtype not in _WIDENED:
         blocks = blocks.float()
-    blocks = blocks.reshape(-1, values)  # 16-bit rows stay so: each piece is widened where it is quantized
-    return fn, [blocks[i : i + piece] for i in range(0, blocks.shape[0], piece)]
+    return fn, blocks.reshape(-1, values), piece  # 16-bit rows stay so: each piece is widened where it is quantized
 
 
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -199,11 +201,13 @@ def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 class Quantizer:
-    """A pool of ``threads`` threads (default: torch's intra-op thread count, the cores the process may
-    use) that quantizes pieces of blocks, each piece's torch ops on one thread, while torch's own intra-op
-    parallelism is off (restored on exit): the ops are small, and torch's threads spent more time at their
-    barriers than computing (2 threads 10-50x slower than one on this busy 2-core machine, measured).
-    ``submit`` returns at once; the export makes the next chunk's rows while the pool quantizes this one.
+    """``threads`` worker processes (default: torch's intra-op thread count, the cores the process may use)
+    that quantize pieces of blocks, one torch thread each (``slimtune.quant.pool``: forked, rows and bytes
+    in shared memory; processes, because two threads of one process wait on each other's GIL hundreds of
+    times a piece). Torch's own intra-op parallelism is off in this process meanwhile (restored on exit):
+    the cores are the workers'. ``submit`` returns at once; the export makes the next chunk's rows while
+    the workers quantize this one. Where ``fork`` is missing (not Linux), pieces are quantized in the
+    calling thread at ``submit``.
 
     Example::
 
@@ -213,19 +217,23 @@ class Quantizer:
 
     def __init__(self, threads: int | None = None):
         self.threads = threads or torch.get_num_threads()
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: PiecePool | None = None
         self._before = 0
 
     def __enter__(self) -> Quantizer:
         self._before = torch.get_num_threads()
         torch.set_num_threads(1)
-        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="slimtune-quant")
+        if can_fork():
+            self._pool = PiecePool(_work, self.threads, _SLOT_BYTES).__enter__()
         return self
 
-    def __exit__(self, *exc) -> None:
-        assert self._pool is not None
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        torch.set_num_threads(self._before)
+    def __exit__(self, exc_type, *exc) -> None:
+        try:
+            if self._pool is not None:
+                self._pool.__exit__(exc_type, *exc)
+        finally:
+            self._pool = None
+            torch.set_num_threads(self._before)
 
     def submit(self, rows: torch.Tensor, type_name: str, finite: bool = False) -> Callable[[], torch.Tensor]:
         """Start quantizing ``rows`` (see ``quantize``); the returned function waits and gives the bytes
@@ -235,10 +243,28 @@ class Quantizer:
 
     def submit_parts(self, rows: torch.Tensor, type_name: str, finite: bool = False) -> Callable[[], list[torch.Tensor]]:
         """``submit``, the bytes given as the pieces' flat uint8 tensors in order (no copy joins them)."""
-        assert self._pool is not None, "use Quantizer in a with block"
-        fn, pieces = _pieces(rows, type_name)
-        futures = [self._pool.submit(_no_grad, fn, p, finite) for p in pieces]
-        return lambda: [f.result().reshape(-1) for f in futures]
+        fn, blocks, piece = _blocks(rows, type_name)
+        if self._pool is None:
+            done = [_no_grad(fn, blocks[i : i + piece], finite).reshape(-1) for i in range(0, blocks.shape[0], piece)]
+            return lambda: done
+        per_block = max(blocks.shape[1] * blocks.element_size(), BLOCK_BYTES[type_name])
+        segment = max(piece, _SLOT_BYTES // per_block // piece * piece)  # whole pieces to a slot
+        waits = []
+        for start in range(0, blocks.shape[0], segment):
+            seg = blocks[start : start + segment]
+            pieces = [(a, min(a + piece, seg.shape[0])) for a in range(0, seg.shape[0], piece)]
+            sizes = [(b - a) * BLOCK_BYTES[type_name] for a, b in pieces]
+            waits.append(self._pool.submit(seg, pieces, type_name, sizes, finite))
+        return lambda: [part for wait in waits for part in wait()]
+
+
+_SLOT_BYTES = 16 * 1024 * 1024
+"""One submission's rows in shared memory (the export's chunks are 4 MB of float32): 3 slots in, 3 out."""
+
+
+def _work(type_name: str, piece: torch.Tensor, finite: bool) -> torch.Tensor:
+    """A worker's piece: ``type_name``'s quantizer on it."""
+    return _no_grad(_TYPES[type_name][0], piece, finite)
 
 
 def _no_grad(fn: Callable[[torch.Tensor, bool], torch.Tensor], piece: torch.Tensor, finite: bool) -> torch.Tensor:
@@ -256,15 +282,15 @@ def quantize(rows: torch.Tensor, type_name: str, threads: int | None = None, fin
     ``FloatingPointError`` where a legacy block's scale overflows float16. NaN and infinities are
     quantized as ggml quantizes them, or with ``finite`` are a ``NonFiniteError`` (a ``ValueError``),
     found from the blocks' own maxima and minima (no pass of its own over the values).
-    The blocks go in cache-sized pieces to ``threads`` threads (``Quantizer``; 1: this thread).
+    The blocks go in cache-sized pieces to ``threads`` worker processes (``Quantizer``; 1: this thread).
     Example: ``quantize(torch.randn(2, 256), "Q6_K").numel() == 2 * 210``"""
-    fn, pieces = _pieces(rows, type_name)
-    if (threads or torch.get_num_threads()) > 1 and len(pieces) > 1:
+    fn, blocks, piece = _blocks(rows, type_name)
+    if (threads or torch.get_num_threads()) > 1 and blocks.shape[0] > piece:
         with Quantizer(threads) as q:
             return q.submit(rows, type_name, finite)()
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _joined([_no_grad(fn, p, finite) for p in pieces])
+        return _joined([_no_grad(fn, blocks[i : i + piece], finite) for i in range(0, blocks.shape[0], piece)])
     finally:
         torch.set_num_threads(before)

@@ -4,10 +4,10 @@
 Why processes: the quantizers are hundreds of small torch ops a piece. Each op releases the GIL for its
 kernel and takes it back after, so two quantizer threads in one process hand the GIL to each other
 hundreds of times a piece and wait at every handoff: on this 2-core machine two threads gave Q4_K 1.3x
-one thread's speed, two processes 1.9x (the same rows, measured). ggml's C gets 1.96x from two threads.
+one thread's speed, two processes 1.5-1.9x (the same rows, measured). ggml's C gets 1.96x from two threads.
 
-How it works, all on Linux's ``fork`` (no pickling, no imports in the child; elsewhere the caller uses
-threads): the pool maps ``slots`` pairs of shared anonymous buffers (rows in, bytes out) and forks
+How it works, all on Linux's ``fork`` (no pickling, no imports in the child; elsewhere the caller quantizes
+in its own thread): the pool maps ``slots`` pairs of shared anonymous buffers (rows in, bytes out) and forks
 ``workers`` processes that inherit them. ``submit`` copies rows into a free slot and puts one small task
 per piece on a shared queue; any idle worker takes the next one, runs ``work(name, piece, finite)`` on
 one torch thread (GNU OpenMP's pool does not survive a fork: one thread never enters it) and writes the

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from slimtune.gguf_export import GGUFOptions, export_gguf
-from slimtune.memory import bytes_written_by_process, peak_rss_mb, reset_peak_rss, rss_mb
+from slimtune.memory import bytes_written_by_process, peak_rss_mb, private_mb, reset_peak_rss, rss_mb
 
 
 def _children() -> list[int]:
@@ -26,14 +26,6 @@ def _children() -> list[int]:
     return pids
 
 
-def _private_mb(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            return sum(int(line.split()[1]) for line in f if line.startswith(("Private_Clean:", "Private_Dirty:"))) / 1024
-    except (OSError, ValueError, IndexError):
-        return 0.0  # it ended between the listing and the read
-
-
 class _WorkerMemory(threading.Thread):
     """The peak over samples of the summed private memory of this process's children (the quantizer's
     workers: what they hold beyond the pages they share with this process)."""
@@ -44,7 +36,7 @@ class _WorkerMemory(threading.Thread):
 
     def run(self) -> None:
         while not self.stop.wait(0.25):
-            self.peak_mb = max(self.peak_mb, sum(_private_mb(pid) for pid in _children()))
+            self.peak_mb = max(self.peak_mb, sum(private_mb(pid) for pid in _children()))
 
 
 def main(argv: list[str]) -> None:

@@ -38,12 +38,13 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def private_mb() -> float:
-    """Memory this process holds that no other process shares (Private_Clean + Private_Dirty of
-    /proc/self/smaps_rollup) in MiB: for a forked process, its own allocations plus the pages its parent
-    has written since the fork (copy-on-write leaves the old page to the child). 0.0 where unsupported."""
+def private_mb(pid: int | str = "self") -> float:
+    """Memory this process (or process ``pid``) holds that no other process shares (Private_Clean +
+    Private_Dirty of /proc/PID/smaps_rollup) in MiB: for a forked process, its own allocations plus the
+    pages its parent has written since the fork (copy-on-write leaves the old page to the child). 0.0 where
+    unsupported or where the process has ended."""
     try:
-        with open("/proc/self/smaps_rollup") as f:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
             return sum(int(line.split()[1]) for line in f if line.startswith(("Private_Clean:", "Private_Dirty:"))) / 1024
     except OSError:
         return 0.0

@@ -245,7 +245,7 @@ class Quantizer:
         """``submit``, the bytes given as the pieces' flat uint8 tensors in order (no copy joins them)."""
         fn, blocks, piece = _blocks(rows, type_name)
         if self._pool is None:
-            done = [_no_grad(fn, blocks[i : i + piece], finite).reshape(-1) for i in range(0, blocks.shape[0], piece)]
+            done = _in_thread(fn, blocks, piece, finite)
             return lambda: done
         per_block = max(blocks.shape[1] * blocks.element_size(), BLOCK_BYTES[type_name])
         segment = max(piece, _SLOT_BYTES // per_block // piece * piece)  # whole pieces to a slot
@@ -265,6 +265,11 @@ _SLOT_BYTES = 16 * 1024 * 1024
 def _work(type_name: str, piece: torch.Tensor, finite: bool) -> torch.Tensor:
     """A worker's piece: ``type_name``'s quantizer on it."""
     return _no_grad(_TYPES[type_name][0], piece, finite)
+
+
+def _in_thread(fn: Callable[[torch.Tensor, bool], torch.Tensor], blocks: torch.Tensor, piece: int, finite: bool) -> list[torch.Tensor]:
+    """Every piece of ``blocks`` quantized here, one after the other: their flat bytes, in order."""
+    return [_no_grad(fn, blocks[i : i + piece], finite).reshape(-1) for i in range(0, blocks.shape[0], piece)]
 
 
 def _no_grad(fn: Callable[[torch.Tensor, bool], torch.Tensor], piece: torch.Tensor, finite: bool) -> torch.Tensor:
@@ -291,6 +296,6 @@ def quantize(rows: torch.Tensor, type_name: str, threads: int | None = None, fin
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _joined([_no_grad(fn, blocks[i : i + piece], finite) for i in range(0, blocks.shape[0], piece)])
+        return _joined(_in_thread(fn, blocks, piece, finite))
     finally:
         torch.set_num_threads(before)

@@ -219,7 +219,7 @@ def _make_qkx2(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta:
     The candidate scales go in the C's order, each from the best ``min`` so far (a better candidate moves
     it), every block at once. The levels are not kept per candidate: each block remembers the winner's
     (iscale, min) and its levels are made again from them (the same float operations). A block's
-    state (best error, scale, the winner's iscale and min, min, max - min) is one (6, M) tensor, moved by
+    state (best error, scale, min, the winner's iscale and min, max - min) is one (6, M) tensor, moved by
     one select; the levels and the errors are made in place in one buffer, the sums in the thread's own.
     The candidates' levels take the fast path (``_levels``) unchecked, while the reach of their arguments
     is kept per block; should any reach leave the fast range (spans that overflow, NaN), the search is run
@@ -325,7 +325,8 @@ def _max_positive(v: torch.Tensor) -> torch.Tensor:
 
 def _quantize_qkx(x: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int, check: bool):
     """The shared part of Q4_K and Q5_K on superblocks ``x`` (N, 256): fp16 d and dmin bits (N,), the 12
-    packed scale bytes (N, 12) and the levels L (N, 256) in 0..nmax."""
+    packed scale bytes (N, 12) and the levels L (N, 256) in 0..nmax (in this thread's buffer: packed before
+    its next piece)."""
     n = x.shape[0]
     sub = _scratch("qkx_sub", (32, n * 8)).copy_(x.reshape(n * 8, 32).t())  # (32, M): values along dim 0
     w = torch.mul(sub, sub, out=_scratch("qkx_weights", tuple(sub.shape)))

@@ -75,7 +75,6 @@ class PiecePool:
         self._in = [mmap.mmap(-1, self.slot_bytes) for _ in range(self.slots)]
         self._out = [mmap.mmap(-1, self.slot_bytes) for _ in range(self.slots)]
         self._tasks = context.SimpleQueue()
-        gc.collect()
         gc.freeze()  # the parent's objects out of the collector's reach: a child's collection would copy their pages
         try:
             for i in range(self.workers):
@@ -196,7 +195,7 @@ class PiecePool:
                 raise SlimtuneError(f"quantizer process {proc.pid} ended ({how}{'; out of memory?' if code == -9 else ''})")
 
 
-_ERRORS: dict[str, type[Exception]] = {}
+_ERRORS: dict[str, type[Exception]] = {"FloatingPointError": FloatingPointError, "ValueError": ValueError}
 
 
 def register_error(cls: type[Exception]) -> type[Exception]:
@@ -206,5 +205,5 @@ def register_error(cls: type[Exception]) -> type[Exception]:
 
 
 def _rebuilt(name: str, message: str) -> Exception:
-    cls = _ERRORS.get(name) or {"FloatingPointError": FloatingPointError, "ValueError": ValueError}.get(name)
+    cls = _ERRORS.get(name)
     return cls(message) if cls is not None else RuntimeError(f"{name}: {message}")

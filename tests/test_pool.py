@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ import torch
 from slimtune.errors import SlimtuneError
 from slimtune.quant import ggml
 from slimtune.quant.pool import PiecePool, can_fork
+from tests.conftest import ROOT
 
 pytestmark = pytest.mark.skipif(not can_fork(), reason="the pool forks (Linux)")
 
@@ -82,3 +86,36 @@ def test_the_workers_end_with_the_pool():
 def test_rows_larger_than_a_slot_go_in_several():
     rows = _rows(20000)  # 20 MB of float32: two slots' worth
     assert torch.equal(ggml.quantize(rows, "Q4_K", threads=2), ggml.quantize(rows, "Q4_K", threads=1))
+
+
+_PARENT = """
+import os, sys, time
+import torch
+from slimtune.quant.pool import PiecePool
+
+with PiecePool(lambda name, piece, finite: piece.sum(1), 2, 1024) as pool:
+    print(" ".join(str(p.pid) for p in pool._procs), flush=True)
+    time.sleep(600)
+"""
+
+
+def test_the_workers_end_when_their_parent_is_killed():
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _PARENT], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}
+    )
+    workers = [int(p) for p in parent.stdout.readline().split()]
+    assert len(workers) == 2
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{pid}") and _alive(pid) for pid in workers):
+        time.sleep(0.1)
+    assert not any(os.path.exists(f"/proc/{pid}") and _alive(pid) for pid in workers)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except OSError:
+        return False

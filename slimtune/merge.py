@@ -41,8 +41,8 @@ class BaseCheckpoint:
     """A base checkpoint on disk (a directory, or a hub id ``resolve_model`` fetches): tensor names,
     shapes and dtypes from the headers, rows on demand. With ``check`` (a folded ``ReadCheck`` of the
     base), every byte read is hashed as it is read. With ``drop_behind`` (one pass that reads each byte
-    once and nothing else reading the files beside it), what was read is let go from the page cache
-    (``SafetensorsReader``)."""
+    once and nothing else reading the files beside it), what was read is let go from the page cache and
+    what comes next is read ahead (``SafetensorsReader``)."""
 
     def __init__(
         self, model_dir: str | Path | ModelSource, pool: BufferPool | None = None, check: ReadCheck | None = None, drop_behind: bool = False

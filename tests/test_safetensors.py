@@ -76,7 +76,38 @@ def test_drop_behind_lets_go_of_exactly_the_ranges_read(tmp_path, monkeypatch):
         start = r.header.data_start + r.entry("w").begin
         assert torch.equal(r.read("w", 3, 8), t[3:8])
         assert torch.equal(r.read("w"), t)
-    assert dropped == [(start + 3 * 24, 5 * 24, os.POSIX_FADV_DONTNEED), (start, 10 * 24, os.POSIX_FADV_DONTNEED)]
+    assert [d for d in dropped if d[2] == os.POSIX_FADV_DONTNEED] == [
+        (start + 3 * 24, 5 * 24, os.POSIX_FADV_DONTNEED),
+        (start, 10 * 24, os.POSIX_FADV_DONTNEED),
+    ]
+
+
+def test_a_read_once_stream_has_the_kernel_read_ahead_of_it_once_per_half_window(tmp_path, monkeypatch):
+    """drop_behind's stream asks for the READ_AHEAD bytes after each read (POSIX_FADV_WILLNEED), topped up
+    only once half of the window was consumed, each byte asked for once; a plain reader asks for nothing."""
+    import os
+
+    import slimtune.formats.safetensors as st
+
+    t = torch.randn(64, 8)  # rows of 32 bytes
+    save_file({"w": t}, tmp_path / "r.safetensors")
+    advised = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: advised.append((off, n, advice)))
+    monkeypatch.setattr(st, "READ_AHEAD", 256)
+    with SafetensorsReader(tmp_path / "r.safetensors") as r:
+        r.read("w")
+    assert advised == []
+    with SafetensorsReader(tmp_path / "r.safetensors", drop_behind=True) as r:
+        start = r.header.data_start + r.entry("w").begin
+        for row in range(0, 64, 2):
+            assert torch.equal(r.read("w", row, row + 2), t[row : row + 2])
+    ahead = [(off, n) for off, n, advice in advised if advice == os.POSIX_FADV_WILLNEED]
+    assert ahead[0] == (start + 64, 256)  # the first read (64 bytes), then the window after it
+    for (off, n), (next_off, next_n) in zip(ahead, ahead[1:], strict=False):
+        assert next_off == off + n  # contiguous: nothing asked for twice, no hole
+        assert 128 <= next_n <= 256  # topped up by at least half a window: not a call per read
+    assert len(ahead) < 32 / 2  # 32 reads
+    assert ahead[-1][0] + ahead[-1][1] >= start + 64 * 32  # the whole tensor was asked for ahead of its reads
 
 
 def test_header_checks_catch_truncation_and_lying_offsets(tmp_path):

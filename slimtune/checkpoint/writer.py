@@ -278,7 +278,6 @@ class _RowSink:
         self.pieces = [(g, s, s.offset + a * s.row_bytes, (b - a) * s.row_bytes) for g, s, a, b in slots if b > a]
         self.index, self.done = 0, 0
         self.writeback = WriteBack(fd) if sha is not None else None
-        self._pool = None  # the thread that hashes a chunk while it is written
 
     def write(self, chunk: torch.Tensor) -> None:
         if self.index >= len(self.pieces):
@@ -289,36 +288,18 @@ class _RowSink:
         data = tensor_bytes(chunk)
         if self.done + len(data) > nbytes:
             raise SlimtuneError(f"{self.path}: tensor {slot.name}: more bytes than its rows {list(slot.shape)}")
-        hashed = None if self.sha is None else self._hasher().submit(in_context(self._hash), data)  # beside the write
-        try:
-            with stage("write", device_work=False):
-                _pwrite_all(self.fd, data, offset + self.done)
-                if self.writeback is not None:
-                    self.writeback.written(offset + self.done + len(data))
-        finally:
-            if hashed is not None:
-                hashed.result()  # before the chunk is let go, and in order
+        with stage("write", device_work=False):
+            _pwrite_all(self.fd, data, offset + self.done)
+            if self.writeback is not None:
+                self.writeback.written(offset + self.done + len(data))
+        if self.sha is not None:
+            with stage("hash", device_work=False):
+                self.sha.update(data)
         self.done += len(data)
         if self.done == nbytes:
             self.index, self.done = self.index + 1, 0
             if self.done_fn is not None:
                 self.done_fn(g)
-
-    def _hasher(self):
-        if self._pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="slimtune-hash")
-        return self._pool
-
-    def _hash(self, data: memoryview) -> None:
-        with stage("hash", device_work=False):
-            self.sha.update(data)
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
 
     def check_complete(self) -> None:
         if self.index < len(self.pieces):
@@ -487,7 +468,7 @@ def _write_file_part(
     if not f.bytes_of(rank) and not hash_now:
         return
     path = directory / f.path
-    fd, sink = os.open(path, os.O_WRONLY), None
+    fd = os.open(path, os.O_WRONLY)
     try:
         sink = _RowSink(fd, path, mine, hashlib.sha256(f.header) if hash_now else None, progress.finished if progress else None)
         chunks = (c for _, s, a, b in mine for c in row_chunks(s.source, options.chunk_bytes, a, b))
@@ -496,8 +477,6 @@ def _write_file_part(
         with stage("fsync", device_work=False):
             os.fsync(fd)
     finally:
-        if sink is not None:
-            sink.close()
         os.close(fd)
     if sink.sha is not None:
         hashes[f.path] = sink.sha.hexdigest()

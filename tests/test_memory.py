@@ -58,8 +58,9 @@ from slimtune.quant.nf4 import nf4_nbytes, quantize_nf4
 torch.manual_seed(0)
 weight = (torch.randn(8192, 2048) * 0.02).to(torch.bfloat16)  # the Llama-3.2-1B MLP shape
 kept = [quantize_nf4(weight)]  # the allocator's first pattern, before the measure
+inputs = [weight.clone() for _ in range(4)]  # made (and resident) before the measure: only quantize_nf4's growth counts
 before = rss_mb()
-kept += [quantize_nf4(weight.clone()) for _ in range(4)]
+kept += [quantize_nf4(w) for w in inputs]
 print(json.dumps({"grew_mb": rss_mb() - before, "kept_mb": sum(map(nf4_nbytes, kept[1:])) / 2**20}))
 """
 

@@ -54,7 +54,7 @@ def bench_gguf_stages(preset: str, out: Path, layers: int | None, block_type: st
                 reader.rows(key, s, min(s + step, shape[0])).float()
         reader.close()
         figures = {"read_s": round(time.perf_counter() - t0, 2)}
-        with open_source(None, base, adapter, "original", stream=False) as src:  # passes from the page cache
+        with open_source(None, base, adapter, "original", one_pass=False) as src:  # passes from the page cache
             arch = gguf_arch(_with_norm_eps(src.config, load_config(src.config_dir)), str(src.model_dir / "config.json"))
             tensors = gguf_tensors(arch, src.stream)
             figures["rows_s"] = _pass(tensors, lambda rows, cols, q: None)

@@ -111,17 +111,31 @@ def smollm2_gguf(smollm2_dir) -> Path:
 
 
 def gone(pid: int, seconds: float = 30) -> bool:
-    """``pid`` exits (or is a zombie) within ``seconds``."""
+    """``pid`` exits (or is a zombie) within ``seconds``: every thread of it, not only the main one
+    (a main thread is a zombie as soon as it ends, while its other threads may still be exiting and
+    holding the process's files and locks)."""
     deadline = time.monotonic() + seconds
     while True:
-        try:
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                return True
-        except (OSError, IndexError):
+        if not any(_task_alive(t) for t in _tasks(pid)):
             return True
         if time.monotonic() >= deadline:
             return False
         time.sleep(min(0.1, seconds))
+
+
+def _tasks(pid: int) -> list[Path]:
+    try:
+        return list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return []
+
+
+def _task_alive(task: Path) -> bool:
+    """A thread that has not yet passed its exit (not a zombie or dead)."""
+    try:
+        return (task / "stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
 
 
 def llama_cpp_oracle():

@@ -14,6 +14,7 @@ import socket
 import struct
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -271,13 +272,16 @@ class _RowSink:
     (hashing them too when this rank writes the whole file, so that file needs no read back). Each
     finished tensor is reported to ``done(global_slot)`` (the progress other ranks' hashers follow).
     A file hashed here is never read back: its written bytes go to the kernel's writeback as the save
-    works (``WriteBack``)."""
+    works (``WriteBack``). The hash of a chunk runs on a thread of the sink's own while the chunk is
+    written (both release the GIL), and the chunk is let go only when both are done, so the hash stays
+    in order; ``close`` ends that thread (before the fsync: the process holds no idle thread there)."""
 
     def __init__(self, fd: int, path: Path, slots: list[tuple[int, TensorSlot, int, int]], sha=None, done=None):
         self.fd, self.path, self.sha, self.done_fn = fd, path, sha, done
         self.pieces = [(g, s, s.offset + a * s.row_bytes, (b - a) * s.row_bytes) for g, s, a, b in slots if b > a]
         self.index, self.done = 0, 0
         self.writeback = WriteBack(fd) if sha is not None else None
+        self._hasher = None if sha is None else ThreadPoolExecutor(1, thread_name_prefix="slimtune-hash")
 
     def write(self, chunk: torch.Tensor) -> None:
         if self.index >= len(self.pieces):
@@ -288,18 +292,30 @@ class _RowSink:
         data = tensor_bytes(chunk)
         if self.done + len(data) > nbytes:
             raise SlimtuneError(f"{self.path}: tensor {slot.name}: more bytes than its rows {list(slot.shape)}")
-        with stage("write", device_work=False):
-            _pwrite_all(self.fd, data, offset + self.done)
-            if self.writeback is not None:
-                self.writeback.written(offset + self.done + len(data))
-        if self.sha is not None:
-            with stage("hash", device_work=False):
-                self.sha.update(data)
+        hashed = None if self._hasher is None else self._hasher.submit(in_context(self._hash), data)
+        try:
+            with stage("write", device_work=False):
+                _pwrite_all(self.fd, data, offset + self.done)
+                if self.writeback is not None:
+                    self.writeback.written(offset + self.done + len(data))
+        finally:
+            if hashed is not None:
+                hashed.result()  # before the next chunk, and before this one is let go
         self.done += len(data)
         if self.done == nbytes:
             self.index, self.done = self.index + 1, 0
             if self.done_fn is not None:
                 self.done_fn(g)
+
+    def _hash(self, data: memoryview) -> None:
+        with stage("hash", device_work=False):
+            self.sha.update(data)
+
+    def close(self) -> None:
+        """End the hash thread (the hash so far is kept)."""
+        if self._hasher is not None:
+            self._hasher.shutdown()
+            self._hasher = None
 
     def check_complete(self) -> None:
         if self.index < len(self.pieces):
@@ -471,8 +487,11 @@ def _write_file_part(
     fd = os.open(path, os.O_WRONLY)
     try:
         sink = _RowSink(fd, path, mine, hashlib.sha256(f.header) if hash_now else None, progress.finished if progress else None)
-        chunks = (c for _, s, a, b in mine for c in row_chunks(s.source, options.chunk_bytes, a, b))
-        pipelined_write(sink, chunks, options.inflight_bytes, bar)
+        try:
+            chunks = (c for _, s, a, b in mine for c in row_chunks(s.source, options.chunk_bytes, a, b))
+            pipelined_write(sink, chunks, options.inflight_bytes, bar)
+        finally:
+            sink.close()
         sink.check_complete()
         with stage("fsync", device_work=False):
             os.fsync(fd)

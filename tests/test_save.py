@@ -267,29 +267,39 @@ def test_config_comes_from_the_base_or_from_the_model_when_the_base_is_gone(qlor
     assert config.model_type == "llama" and config.hidden_size == base["hidden_size"] and "quantization_config" not in config.to_dict()
 
 
-def test_write_back_hands_written_ranges_to_the_kernel_behind_the_end(tmp_path, monkeypatch):
+def test_write_back_hands_written_ranges_to_the_kernel_behind_the_end_and_again_to_let_them_go(tmp_path, monkeypatch):
     """``WriteBack`` (the GGUF export's and the hashed save's file): each range it hands to writeback
     (posix_fadvise DONTNEED) is contiguous with the last, ends at least 32 MiB behind the bytes written,
-    and everything up to that point is handed on; the bytes on disk are the bytes written."""
+    and everything up to that point is handed on; each such range is advised again once it lies
+    ``_DROP_LAG`` behind (its pages written by then, so let go), in order too; the bytes on disk are
+    the bytes written."""
     import os
 
     from slimtune.checkpoint import writer
 
+    step, lag = 1 << 16, 1 << 18
     calls = []
     monkeypatch.setattr(os, "posix_fadvise", lambda fd, offset, length, advice: calls.append((offset, length, advice)))
-    monkeypatch.setattr(writer, "_WRITEBACK_BYTES", 1 << 16)  # 64 KiB steps: a few MB make many ranges
+    monkeypatch.setattr(writer, "_WRITEBACK_BYTES", step)  # 64 KiB steps: a few MB make many ranges
+    monkeypatch.setattr(writer, "_DROP_LAG", lag)
     data = os.urandom(3 << 20)
     path = tmp_path / "f"
+    ends = {"started": 0, "dropped": 0}
     with open(path, "wb") as f:
         wb = writer.WriteBack(f.fileno())
         for i in range(0, len(data), 40_000):
             f.write(data[i : i + 40_000])
             wb.written(f.tell())
-            assert wb.released <= max(0, f.tell() - (1 << 16))
+            for offset, length, advice in calls:
+                assert advice == os.POSIX_FADV_DONTNEED and length >= step
+                kind = "started" if offset == ends["started"] else "dropped"
+                assert offset == ends[kind], (offset, ends)  # contiguous with its own kind's last range
+                ends[kind] = offset + length
+            calls.clear()
+            assert ends["started"] == wb.released <= max(0, f.tell() - step)
+            assert ends["dropped"] == wb.dropped <= max(0, wb.released - lag)
     assert path.read_bytes() == data
-    assert calls and calls[0][0] == 0 and all(a == os.POSIX_FADV_DONTNEED for _, _, a in calls)
-    assert all(o + n == o2 for (o, n, _), (o2, _, _) in zip(calls, calls[1:], strict=False))
-    assert calls[-1][0] + calls[-1][1] == wb.released >= len(data) - 3 * (1 << 16)
+    assert wb.released >= len(data) - 3 * step and wb.dropped >= wb.released - lag - 2 * step > 0
 
 
 def _direct_writes(monkeypatch, fail_at: int | None = None) -> list[tuple[int, int, int]]:

@@ -125,6 +125,7 @@ def pipelined_write(writer, chunks: Iterator[torch.Tensor], inflight_bytes: int,
 
 
 _WRITEBACK_BYTES = 32 * 1024 * 1024
+_DROP_LAG = 256 * 1024 * 1024  # behind the writeback's start: the disk has written it by then
 
 
 class WriteBack:
@@ -132,18 +133,28 @@ class WriteBack:
     written up to that much earlier are handed to the kernel's writeback and let go from the page cache
     (posix_fadvise DONTNEED), so the disk writes while the command works and the final fsync has little
     left to wait for (otherwise nothing is written before the kernel's dirty threshold, then writers are
-    throttled). Example: ``wb = WriteBack(fd); ...; wb.written(end_offset)`` after each write."""
+    throttled). DONTNEED starts the writeback of dirty pages but drops only clean ones, so each range is
+    advised again ``_DROP_LAG`` bytes later, once the disk has written it: then its pages go at once
+    instead of being found by the kernel's page reclaim. Example: ``wb = WriteBack(fd); ...;
+    wb.written(end_offset)`` after each write."""
 
     def __init__(self, fd: int):
         self.fd = fd
         self.released = 0  # bytes [0, released) of the file were handed to writeback
+        self.dropped = 0  # and [0, dropped) advised again, to be let go
 
     def written(self, end: int) -> None:
         """Bytes up to ``end`` are written."""
+        if not hasattr(os, "posix_fadvise"):  # Linux; elsewhere the fsync does it all
+            return
         upto = end - _WRITEBACK_BYTES
-        if upto - self.released >= _WRITEBACK_BYTES and hasattr(os, "posix_fadvise"):  # Linux; elsewhere the fsync does it all
+        if upto - self.released >= _WRITEBACK_BYTES:
             os.posix_fadvise(self.fd, self.released, upto - self.released, os.POSIX_FADV_DONTNEED)
             self.released = upto
+        drop = self.released - _DROP_LAG
+        if drop - self.dropped >= _WRITEBACK_BYTES:
+            os.posix_fadvise(self.fd, self.dropped, drop - self.dropped, os.POSIX_FADV_DONTNEED)
+            self.dropped = drop
 
 
 _DIRECT_ALIGN = 4096  # O_DIRECT's offsets, lengths and buffer addresses: a page covers any logical block size up to it

@@ -179,7 +179,8 @@ def cmd_inspect(args: argparse.Namespace) -> None:
 
 class _Version(argparse.Action):
     """``slimtune --version``: ``slimtune 0.1.0 (torch 2.13.0, transformers 5.24.0, ...)``, from the package
-    metadata (nothing imported), read only when asked."""
+    metadata, read only when asked; then what dequantizes NF4 here (``quant.nf4_kernel.status``: the C
+    loop, built on first use, or torch's ops and why)."""
 
     def __init__(self, option_strings, dest, **kwargs):
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
@@ -190,6 +191,9 @@ class _Version(argparse.Action):
         versions = software_versions()
         others = ", ".join(f"{name} {version}" for name, version in versions.items() if name != "slimtune")
         print(f"slimtune {versions['slimtune']} ({others}; python {sys.version.split()[0]})")
+        from slimtune.quant import nf4_kernel  # lazy: imports torch
+
+        print(f"NF4 dequantization on the CPU: {nf4_kernel.status()}")
         parser.exit()
 
 

@@ -80,5 +80,8 @@ def test_version_names_slimtune_and_its_libraries(capsys):
     from slimtune.cli import main
 
     assert main(["--version"]) == 0
-    line = capsys.readouterr().out.strip()
+    line, kernel = capsys.readouterr().out.strip().splitlines()
     assert line.startswith(f"slimtune {__version__} (torch {torch.__version__}, transformers {transformers.__version__}, "), line
+    from slimtune.quant import nf4_kernel
+
+    assert kernel == f"NF4 dequantization on the CPU: {nf4_kernel.status()}", kernel

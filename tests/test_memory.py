@@ -130,7 +130,7 @@ def test_loading_a_gigabyte_4bit_base_holds_its_files_plus_bounded_temporaries(t
 HEAP_TRIM_SCRIPT = """
 import ctypes, json
 import torch
-from slimtune.memory import HeapTrim, rss_mb
+from slimtune.memory import REFAULT_S_PER_MB, HeapTrim, rss_mb
 
 libc = ctypes.CDLL(None)
 libc.mallopt(-3, 64 * 1024 * 1024)   # M_MMAP_THRESHOLD: the 1 MB blocks below come from the heap
@@ -146,7 +146,17 @@ after_lax = rss_mb()
 trimmed = idle()
 after = rss_mb()
 again = idle()
-print(json.dumps(dict(grown=grown, freed=freed, lax_trimmed=lax_trimmed, after_lax=after_lax, trimmed=trimmed, after=after, again=again)))
+now = [0.0]
+timed = HeapTrim(slack_mb=64, cost_share=0.02, clock=lambda: now[0])
+more = [torch.ones(256 * 1024) for _ in range(400)]
+del more[::2]  # another 200 MB kept by glibc: re-faulting it costs ~0.1 s, so a trim waits ~5 s at 2%
+grown_timed = rss_mb() - timed.low
+now[0] = grown_timed * REFAULT_S_PER_MB / 0.02 * 0.9
+early = timed()
+now[0] = grown_timed * REFAULT_S_PER_MB / 0.02 * 1.1
+late = timed()
+print(json.dumps(dict(grown=grown, freed=freed, lax_trimmed=lax_trimmed, after_lax=after_lax, trimmed=trimmed, after=after, again=again,
+                      grown_timed=grown_timed, early=early, late=late)))
 """
 
 
@@ -158,9 +168,11 @@ def test_heap_trim_gives_back_freed_heap_memory_once_the_process_grew_past_its_s
     assert not f["lax_trimmed"] and f["after_lax"] > f["freed"] - 20, f  # under its slack: nothing done
     assert f["trimmed"] and f["after"] < f["freed"] - 150, f  # past it: the freed blocks go back
     assert not f["again"], f  # no growth since: no second trim
+    assert f["grown_timed"] > 150, f
+    assert not f["early"] and f["late"], f  # with cost_share: only once the time since the last trim pays for the re-faulting
 
 
-def test_every_micro_batch_backward_is_followed_by_a_trim(qlora_model, monkeypatch):
+def test_every_micro_batch_backward_is_followed_by_a_trim_of_the_one_heap_trim_the_steps_share(qlora_model):
     import torch
 
     from slimtune import step
@@ -175,7 +187,6 @@ def test_every_micro_batch_backward_is_followed_by_a_trim(qlora_model, monkeypat
             seen.append(all(p.grad is not None for p in params))
             return False
 
-    monkeypatch.setattr(step, "HeapTrim", CountingTrim)
     parts = step.StepParts(
         qlora_model,
         optimizer,
@@ -184,11 +195,35 @@ def test_every_micro_batch_backward_is_followed_by_a_trim(qlora_model, monkeypat
         params,
         1.0,
         torch.device("cpu"),
+        CountingTrim(),
     )
     ids = torch.randint(0, 100, (2, 8))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
     step.optimizer_step(parts, [batch, batch, batch], trained_tokens=3 * 2 * 7)
-    assert seen == [True, True, True]
+    step.optimizer_step(parts, [batch], trained_tokens=2 * 7)
+    assert seen == [True, True, True, True]
+    made = step.StepParts(qlora_model, optimizer, parts.scheduler, parts.scaler, params, 1.0, torch.device("cpu")).trim
+    assert made.cost_share == step.TRIM_COST_SHARE  # the default: the time rule on
+
+
+def test_the_recipe_keeps_one_heap_trim_across_its_steps(tmp_path):
+    from slimtune.config import load_config
+    from slimtune.recipes.finetune import setup, train_step
+    from slimtune.recipes.steps import restore
+
+    run = setup(load_config("tiny", [f"output_dir={tmp_path / 'run'}", "logging.progress_bar=false", "training.batch_size=2"]))
+    restore(run)
+    calls = []
+
+    class CountingTrim:
+        def __call__(self):
+            calls.append(1)
+            return False
+
+    run.trim = CountingTrim()
+    train_step(run, [[0, 1]])
+    train_step(run, [[2, 3], [4, 5]])
+    assert len(calls) == 3  # one per micro-batch, both steps on the run's one trim
 
 
 def test_the_pipelined_writer_offers_a_trim_after_every_chunk(monkeypatch):

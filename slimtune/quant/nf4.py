@@ -9,6 +9,8 @@ import weakref
 
 import torch
 
+from slimtune.quant.nf4_kernel import dequantize_bf16
+
 # torchao logs a warning for each optional CUDA extension it cannot load (none matter for NF4): the
 # applications (slimtune's CLI, the benchmarks, the test session) quiet it: ``cli.quiet_library_logs``.
 try:  # torchao >= 0.15
@@ -166,14 +168,19 @@ def _scalers(w: NF4Tensor, b0: int, b1: int) -> torch.Tensor:
 
 def dequantize_nf4_rows(w: NF4Tensor, start: int, end: int) -> torch.Tensor:
     """Rows [start, end) of the weight in its dtype, with the same operations, in the same dtype and order
-    as torchao (scale = q / factor + mean, w = nf4[code] * scale), so the bits are identical. 16-bit
-    weights look their codes up two bytes (four values) at a time (``_quad_table``) into the output, a
-    ``DEQUANT_PIECE`` of values at a time, scaled in place; other dtypes a byte at a time, whole.
+    as torchao (scale = q / factor + mean, w = nf4[code] * scale), so the bits are identical. bf16 weights
+    on the CPU go through the C loop where it is built (``quant.nf4_kernel``: each block's 16 values made
+    once, the codes looked up in a register); otherwise 16-bit weights look their codes up two bytes (four
+    values) at a time (``_quad_table``) into the output, a ``DEQUANT_PIECE`` of values at a time, scaled
+    in place, and other dtypes a byte at a time, whole.
 
     Example: ``dequantize_nf4_rows(quantize_nf4(w), 0, 4)  # == the NF4 weight's first 4 rows, torchao's bits``"""
     cols, bs = w.shape[1], w.block_size
     e0, e1 = start * cols, end * cols
     b0, b1 = e0 // bs, -(-e1 // bs)
+    values = None if torch.compiler.is_compiling() else dequantize_bf16(w, b0, b1)
+    if values is not None:
+        return values[e0 - b0 * bs : e1 - b0 * bs].view(end - start, cols)
     packed = w.quantized_data[b0 * bs // 2 : b1 * bs // 2]  # bs // 2 bytes per block
     scalers = _scalers(w, b0, b1)
     if w.nf4.element_size() == 2 and _LITTLE_ENDIAN and bs % 4 == 0:

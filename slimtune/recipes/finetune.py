@@ -146,7 +146,9 @@ def train_step(run: Run, batch: list[list[int]]) -> dict:
     trained_tokens, tokens = step_token_counts([examples[i] for mb in batch for i in mb])  # the global step's, on the host
     lr = optim.optimizer.param_groups[0]["lr"]
     params = [p for g in optim.optimizer.param_groups for p in g["params"]]
-    parts = StepParts(run.model, optim.optimizer, optim.scheduler, optim.scaler, params, cfg.training.max_grad_norm, run.where.device)
+    parts = StepParts(
+        run.model, optim.optimizer, optim.scheduler, optim.scaler, params, cfg.training.max_grad_norm, run.where.device, run.trim
+    )
     step_loss = all_sum(optimizer_step(parts, micro_batches, trained_tokens), ranks).item()  # the step's one host sync
     run.at.global_step += 1
     if not math.isfinite(step_loss) and not optim.scaler.is_enabled():

@@ -32,7 +32,6 @@ from slimtune.config import Config
 from slimtune.data import PreferencePair, model_inputs, rank_pairs
 from slimtune.distributed import SINGLE, Ranks, all_sum, reshard, split_rows
 from slimtune.errors import SlimtuneError
-from slimtune.memory import HeapTrim
 from slimtune.preference import PreferenceLoss, metric_means, pair_loss, sequence_logps
 from slimtune.recipes.run import Run
 from slimtune.recipes.steps import merged_dtype, prepare, timed_record
@@ -100,10 +99,11 @@ def train_step(run: Run, batch: list[list[int]]) -> dict:
     chosen_tokens, tokens = _counts(step_pairs)
     lr = optim.optimizer.param_groups[0]["lr"]
     params = [p for g in optim.optimizer.param_groups for p in g["params"]]
-    parts = StepParts(run.model, optim.optimizer, optim.scheduler, optim.scaler, params, cfg.training.max_grad_norm, run.where.device)
+    parts = StepParts(
+        run.model, optim.optimizer, optim.scheduler, optim.scaler, params, cfg.training.max_grad_norm, run.where.device, run.trim
+    )
     device = run.where.device
     totals = torch.zeros(9, dtype=torch.float32, device=device)  # the loss, then pair_loss's sums
-    trim = HeapTrim()
     for mb in batch:
         inputs = {k: v.to(device, non_blocking=True) for k, v in rank_pairs(pairs, mb, ranks, run.inputs.pad_id).items()}
         logits = run.model(**model_inputs(inputs)).logits
@@ -111,7 +111,7 @@ def train_step(run: Run, batch: list[list[int]]) -> dict:
         del logits
         optim.scaler.scale(loss).backward()
         totals += torch.cat([loss.detach().reshape(1), sums])
-        trim()  # as step.optimizer_step: what the micro-batch freed goes back to the system
+        run.trim()  # as step.optimizer_step: what the micro-batch freed goes back to the system
     apply_gradients(parts)
     totals = all_sum(totals, ranks).cpu()  # the step's one host sync
     run.at.global_step += 1

@@ -26,8 +26,9 @@ from slimtune.config import Config
 from slimtune.data import Data
 from slimtune.distributed import Ranks
 from slimtune.formats.hub import ModelSource
-from slimtune.memory import PeakMemory
+from slimtune.memory import HeapTrim, PeakMemory
 from slimtune.model import config_dtype
+from slimtune.step import step_heap_trim
 from slimtune.tracking import MetricsLog, Trackers
 
 
@@ -129,6 +130,7 @@ class Run:
     result: FinetuneResult | None = None
     saver: BackgroundSaver | None = None  # checkpoint.async: the background writer
     extra_state: dict = field(default_factory=dict)  # a recipe's own facts in each checkpoint's recipe state (plain containers, tensors)
+    trim: HeapTrim = field(default_factory=step_heap_trim)  # the steps' heap trim, kept across them (memory.HeapTrim)
 
     @property
     def base_dtype(self) -> torch.dtype:

@@ -12,7 +12,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from bench.common import disk_write_mb_s, real_model_dir, run_child, synthetic_base_and_adapter
+from bench.common import disk_direct_write_mb_s, disk_write_mb_s, real_model_dir, run_child, synthetic_base_and_adapter
 from bench.merge import merge_in_child
 from slimtune.formats.gguf_mix import MIXES
 from slimtune.tiny import byte_tokenizer
@@ -128,6 +128,8 @@ def bench_gguf(
     needs a vocabulary; SmolLM2's by default). ``peer="llama.cpp"``: then the merge + llama.cpp converter
     path on the same base + adapter (``_llama_cpp_peer``), its figures added. ``verify``: the export checks
     the sha256 of the base's and the adapter's files against their manifests while reading (``--no-verify``: not).
+    Two disk figures: ``disk_mb_s`` (2 GB buffered + fsync, before the export; ``ratio``) and ``disk_direct_mb_s``
+    (the file's size with O_DIRECT + fsync, after it, as the export writes; ``ratio_direct``).
 
     Example: ``bench_gguf("tiny", Path("bench-out"), "q8_0", peer="llama.cpp")``"""
     if peer is not None:
@@ -149,6 +151,7 @@ def bench_gguf(
         stats = _gguf_in_child(base, adapter, target, qtype, verify)
         size = target.stat().st_size
         target.unlink()
+        direct = disk_direct_write_mb_s(out, size)  # the file's volume, past the page cache, as the export writes
         peer_stats = _llama_cpp_peer(base, adapter, out, tag, qtype) if peer else {}  # the merge copies the tokenizer
     finally:
         for f in copied:
@@ -169,6 +172,8 @@ def bench_gguf(
         "write_mb_s": round(write_mb_s, 1),
         "disk_mb_s": round(disk, 1),
         "ratio": round(write_mb_s / disk, 3),
+        "disk_direct_mb_s": None if direct is None else round(direct, 1),
+        "ratio_direct": None if direct is None else round(write_mb_s / direct, 3),
         "rss_before_mb": round(stats["rss_before_mb"], 1),
         "peak_rss_mb": round(stats["peak_rss_mb"], 1),
         "overhead_mb": round(stats["peak_rss_mb"] - stats["rss_before_mb"], 1),

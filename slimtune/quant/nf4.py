@@ -204,9 +204,9 @@ def dequantize_nf4_rows(w: NF4Tensor, start: int, end: int) -> torch.Tensor:
 def nf4_linear(x: torch.Tensor, weight: NF4Tensor) -> torch.Tensor:
     """x @ W^T for an NF4 weight, differentiable in x, saving the NF4 weight (not a dequantized copy) for
     the backward pass: torchao's ``linear_nf4`` with the same math (dequantize, cast to x's dtype, one
-    matmul each way) and ``dequantize_nf4_rows``'s lookup (one int32 gather per byte instead of two int64
-    gathers per element, a stack and a concatenation), bit-identical: several times faster on the CPU
-    (``python -m bench nf4``). Under torch.compile (which fuses torchao's) and off the CPU
+    matmul each way) and ``dequantize_nf4_rows``'s lookup (the C loop for bf16, else a table gather
+    instead of torchao's two int64 gathers per element, a stack and a concatenation), bit-identical:
+    several times faster on the CPU (``python -m bench nf4``). Under torch.compile (which fuses torchao's) and off the CPU
     (slimtune's lookup is not yet measured against torchao's on a GPU) torchao's own is used.
 
     Example: ``y = nf4_linear(x, quantize_nf4(w))``"""

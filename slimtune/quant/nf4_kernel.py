@@ -130,8 +130,8 @@ def dequantize_bf16(w, b0: int, b1: int, loop: int | None = None) -> torch.Tenso
 
     Example: ``dequantize_bf16(quantize_nf4(w), 0, w.numel() // 64)  # == w's NF4 values, flat``"""
     lib, best, _ = _library()
-    run = best if loop is None else loop
-    if lib is None or run < (_MIN_KIND if loop is None else 0) or run > best:
+    run = kind() if loop is None else loop
+    if lib is None or run < 0 or run > best:
         return None
     codes, q, factor, mean, nf4 = w.quantized_data, w.quantized_scalers, w.quantization_factor, w.scaler_mean, w.nf4
     sbs, bs = w.scaler_block_size, w.block_size

@@ -98,7 +98,7 @@ class PhaseMemory:
 
 def _traced() -> PhaseMemory:
     """The recipe's steps (and the save's parts) as phases, wrapped where the recipe looks them up."""
-    from slimtune.checkpoint import docs, manager, save
+    from slimtune.checkpoint import extras, manager, save
     from slimtune.recipes import finetune, steps
 
     memory = PhaseMemory()

@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from slimtune.gguf_export import GGUFOptions, export_gguf
+from slimtune.gguf.export import GGUFOptions, export_gguf
 from slimtune.memory import bytes_written_by_process, peak_rss_mb, private_mb, reset_peak_rss, rss_mb
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from bench.common import disk_direct_write_mb_s, disk_write_mb_s, real_model_dir, run_child, synthetic_base_and_adapter
 from bench.merge import merge_in_child
-from slimtune.formats.gguf_mix import MIXES
+from slimtune.gguf.mix import MIXES
 from slimtune.tiny import byte_tokenizer
 
 

@@ -120,7 +120,7 @@ def _export(args: list[str]) -> None:
 
 
 def _quantize(llama_cpp, src: Path, dst: Path) -> Path:
-    from slimtune.formats.gguf_mix import MIXES
+    from slimtune.gguf.mix import MIXES
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype, params.nthread = int(MIXES["q4_k_m"][1]), 2

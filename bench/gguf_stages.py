@@ -1,7 +1,7 @@
 """``python -m bench gguf-stages``: where a GGUF export's time goes, stage by stage, on the synthetic base +
 adapter ``bench gguf`` makes (same ``--preset``/``--layers``/``--out``): each stage is a full pass over every
 tensor the file holds, adding one step to the one before, on one torch thread (the export's data phase runs
-torch with intra-op threads off: ``slimtune.quant.ggml.Quantizer``), so the differences are each step's cost:
+torch with intra-op threads off: ``slimtune.gguf.ggml.Quantizer``), so the differences are each step's cost:
 
 - ``read_s``: the base's rows read (bf16, page cache) and upcast to fp32, no merge;
 - ``rows_s``: the merged rows in GGUF order (LoRA merge in fp32, llama.cpp's Q/K permutation; a tensor no
@@ -22,11 +22,11 @@ import torch
 
 from bench.common import synthetic_base_and_adapter
 from bench.gguf_export import _default_gguf_tokenizer, _tokenizer_vocab
-from slimtune.formats.gguf_arch import gguf_arch
+from slimtune.gguf.arch import gguf_arch
 from slimtune.formats.hf import load_config
-from slimtune.gguf_export import GGUFOptions, _with_norm_eps, gguf_tensors, open_source
+from slimtune.gguf.export import GGUFOptions, _with_norm_eps, gguf_tensors, open_source
 from slimtune.merge import BaseCheckpoint
-from slimtune.quant import ggml
+from slimtune.gguf import ggml
 from slimtune.tensors import all_finite, row_chunks
 
 

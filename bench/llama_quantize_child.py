@@ -11,7 +11,7 @@ import time
 
 import llama_cpp
 
-from slimtune.formats.gguf_mix import MIXES
+from slimtune.gguf.mix import MIXES
 from slimtune.memory import peak_rss_mb
 
 

@@ -1,4 +1,4 @@
-"""``python -m bench quant``: throughput of slimtune's GGML block quantizers (``slimtune.quant.ggml``) in MB/s
+"""``python -m bench quant``: throughput of slimtune's GGML block quantizers (``slimtune.gguf.ggml``) in MB/s
 of fp32 input, on one thread and on a pool of ``--threads``, beside the ``gguf`` package's numpy quantizer
 (the legacy types: what the export used before) and ggml's own C (``ggml_quantize_chunk`` of the libggml
 llama-cpp-python loads: what ``llama_model_quantize`` runs, one thread). Rows: Gaussian weights (std 0.02),
@@ -13,7 +13,7 @@ import time
 import numpy as np
 import torch
 
-from slimtune.quant import ggml
+from slimtune.gguf import ggml
 
 _GGML_TYPE = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 

@@ -124,7 +124,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> None:
-    from slimtune.gguf_export import GGUFOptions, export_gguf
+    from slimtune.gguf.export import GGUFOptions, export_gguf
     from slimtune.memory import peak_rss_mb
 
     if args.src is None and (args.base is None or args.adapter is None):
@@ -134,7 +134,7 @@ def cmd_export(args: argparse.Namespace) -> None:
     out = args.out or (args.src or args.adapter).resolve().parent / f"{stem}-{args.type}.gguf"
     options = GGUFOptions(args.type, args.merge_base, args.overwrite, args.verify, dry_run=args.dry_run)
     if args.adapter_only:
-        from slimtune.gguf_adapter import export_gguf_adapter
+        from slimtune.gguf.adapter import export_gguf_adapter
 
         result = export_gguf_adapter(out, options, src=args.src, base=args.base, adapter=args.adapter, base_gguf=args.base_gguf)
     else:
@@ -172,7 +172,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> None:
-    from slimtune.inspect import inspect_path  # lazy
+    from slimtune.inspection import inspect_path  # lazy
 
     print("\n".join(inspect_path(args.path)))
 

@@ -1,4 +1,4 @@
-"""Seeded fuzzer of the adapter GGUF export (``slimtune export --adapter-only``, slimtune/gguf_adapter.py):
+"""Seeded fuzzer of the adapter GGUF export (``slimtune export --adapter-only``, slimtune/gguf/adapter.py):
 ``python -m tests.fuzz_adapter --seed 0 --cases 30`` prints one JSON line of figures. Each case is a copy of a
 small PEFT LoRA adapter (written here as PEFT lays it out: adapter_config.json, adapter_model.safetensors)
 for a tiny Llama base (tests/gguf_inputs.py), mutated, exported by the CLI's entry point in this process;

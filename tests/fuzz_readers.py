@@ -365,7 +365,7 @@ def _pair_text(rng: random.Random) -> bytes:
 
 
 def fuzz_preference(run: Runner, rng: random.Random, tmp: Path, n: int) -> None:
-    """The preference-row reader (data/preference.py through ``load_data``, as a preference run reads its
+    """The preference-row reader (data/pairs.py through ``load_data``, as a preference run reads its
     file): a refusal must be one line naming the file (``Runner.case``'s names)."""
     from slimtune.data import DataSpec, PairOptions, load_data
     from slimtune.prompts import FALLBACK_CHAT_TEMPLATE

@@ -1,4 +1,4 @@
-"""GGUF export (slimtune.gguf_export) checked by llama.cpp itself (llama-cpp-python, dev extras) and by
+"""GGUF export (slimtune.gguf.export) checked by llama.cpp itself (llama-cpp-python, dev extras) and by
 the gguf package's reader and quantizers.
 
 For every dense family llama.cpp supports: a tiny random model of the family (perturbed weights: a
@@ -30,8 +30,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from slimtune.cli import main as slimtune_main
 from slimtune.families import family_of, tiny_config
-from slimtune.formats.gguf_arch import ARCHS, gguf_arch
-from slimtune.gguf_export import TYPES, gguf_tensors, open_source, tensor_type
+from slimtune.gguf.arch import ARCHS, gguf_arch
+from slimtune.gguf.export import TYPES, gguf_tensors, open_source, tensor_type
 from slimtune.tiny import byte_tokenizer
 from tests.conftest import llama_cpp_oracle
 
@@ -480,7 +480,7 @@ def kquant_f32(kquant_models, tmp_path_factory):
 
 def llama_quantize(src: Path, out: Path, mix: str) -> Path:
     """llama.cpp's own llama-quantize (llama_model_quantize, no importance matrix) of a GGUF file."""
-    from slimtune.formats.gguf_mix import MIXES as FTYPES
+    from slimtune.gguf.mix import MIXES as FTYPES
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype, params.nthread = int(FTYPES[mix][1]), 2

@@ -1,4 +1,4 @@
-"""GGUF LoRA adapters (slimtune.gguf_adapter, ``slimtune export --adapter-only``) checked by llama.cpp: the
+"""GGUF LoRA adapters (slimtune.gguf.adapter, ``slimtune export --adapter-only``) checked by llama.cpp: the
 adapter applied by llama.cpp to the base's f16 GGUF (``Llama(model_path=base, lora_path=adapter)``) gives
 logits within the bf16 export's bound (test_gguf.LOGIT_BOUND std) of transformers' fp32 forward of the
 PEFT-merged model, and the same greedy continuation but for near-ties (test_gguf.check_close_and_greedy).

@@ -1,4 +1,4 @@
-"""Hostile inputs of ``slimtune export --format gguf`` (slimtune.gguf_export), one test per class of
+"""Hostile inputs of ``slimtune export --format gguf`` (slimtune.gguf.export), one test per class of
 issue 26: malformed tokenizer.json structure (as the tokenizers library parses it), tokenizer_config.json,
 config values llama.cpp refuses or aborts on, config vs tensor disagreements, a chat template that does
 not compile in transformers' sandboxed Jinja, and a flipped byte in a shard of a merged checkpoint or an
@@ -150,7 +150,7 @@ def test_metadata_arrays_packed_in_one_go_are_the_gguf_packages_bytes(tmp_path):
     import gguf
     import numpy as np
 
-    from slimtune import gguf_export
+    from slimtune.gguf import export as gguf_export
 
     V = gguf.GGUFValueType
     kv = [

@@ -19,8 +19,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from slimtune.data import FALLBACK_CHAT_TEMPLATE
 from slimtune.errors import SlimtuneError
-from slimtune.formats import gguf_pretokenizers, gguf_vocab
-from slimtune.formats.gguf_vocab import pre_tokenizer_name, vocab_fields, write_modelfile
+from slimtune.gguf import pretokenizers as gguf_pretokenizers, vocab as gguf_vocab
+from slimtune.gguf.vocab import pre_tokenizer_name, vocab_fields, write_modelfile
 from slimtune.tiny import byte_tokenizer
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is in the dev extras: pip install -e '.[dev]'")

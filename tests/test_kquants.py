@@ -1,4 +1,4 @@
-"""slimtune.quant.kquants and slimtune.quant.ggml checked block by block against ggml itself:
+"""slimtune.gguf.kquants and slimtune.gguf.ggml checked block by block against ggml itself:
 ``ggml_quantize_chunk`` of the libggml that llama-cpp-python loads (the function ``llama_model_quantize``
 calls for every tensor; with no importance matrix it runs ``quantize_row_*_ref``), and
 ``ggml_fp32_to_fp16_row`` for the fp16 rounding. Every block of every type (the K-quants and the legacy
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from slimtune.quant import ggml, kquants
+from slimtune.gguf import ggml, kquants
 from tests.conftest import llama_cpp_oracle
 
 llama_cpp = llama_cpp_oracle()

@@ -319,7 +319,7 @@ def test_inspect_checkpoint_and_adapter(tiny_base, tmp_path):
 
 def test_inspect_counts_merged_model_and_adapter_apart(qlora_model, tmp_path):
     from slimtune import save_checkpoint
-    from slimtune.inspect import inspect_path
+    from slimtune.inspection import inspect_path
 
     save_checkpoint(qlora_model, tmp_path / "ckpt", WriteOptions(progress=False))
     totals = [line for line in inspect_path(tmp_path / "ckpt") if line.startswith("total")]

@@ -1,4 +1,4 @@
-"""slimtune.quant.pool: the forked workers the quantizer runs on. Their bytes equal the in-thread
+"""slimtune.gguf.pool: the forked workers the quantizer runs on. Their bytes equal the in-thread
 quantizer's (tests/test_kquants.py compares threads=1 and threads=2 too); here: errors come back as
 themselves, a dead worker is one error (no hang), slots are reused in order, and the workers end with
 the pool."""
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from slimtune.errors import SlimtuneError
-from slimtune.quant import ggml
-from slimtune.quant.pool import PiecePool, can_fork
+from slimtune.gguf import ggml
+from slimtune.gguf.pool import PiecePool, can_fork
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.skipif(not can_fork(), reason="the pool forks (Linux)")
@@ -91,7 +91,7 @@ def test_rows_larger_than_a_slot_go_in_several():
 _PARENT = """
 import os, sys, time
 import torch
-from slimtune.quant.pool import PiecePool
+from slimtune.gguf.pool import PiecePool
 
 with PiecePool(lambda name, piece, finite: piece.sum(1), 2, 1024) as pool:
     print(" ".join(str(p.pid) for p in pool._procs), flush=True)

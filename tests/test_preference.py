@@ -1,4 +1,4 @@
-"""preference.py, data/preference.py and recipes/preference.py against TRL 1.16 itself (the oracle, never the
+"""preference.py, data/pairs.py and recipes/preference.py against TRL 1.16 itself (the oracle, never the
 implementation): the pairs tokenized and truncated as TRL's DPOTrainer makes them (standard and
 conversational rows), bad rows in one line, and on a tiny model and one batch the loss, TRL's reward and
 log-probability metrics and the LoRA gradients of DPO (sigmoid), IPO and SimPO equal TRL's DPOTrainer /
@@ -23,13 +23,13 @@ from transformers import AutoModelForCausalLM
 
 from slimtune.config import load_config
 from slimtune.data import IGNORE_INDEX, PairOptions, rank_pairs
-from slimtune.data.preference import BadPair, tokenize_pair
+from slimtune.data.pairs import BadPair, tokenize_pair
 from slimtune.data.readers import Record
 from slimtune.distributed import SINGLE
 from slimtune.errors import SlimtuneError
 from slimtune.formats.peft import lora_key
 from slimtune.lora import lora_modules
-from slimtune.preference import PreferenceLoss, pair_loss
+from slimtune.preference_loss import PreferenceLoss, pair_loss
 from slimtune.quant import base_rows
 from slimtune.recipes import preference
 from slimtune.tiny import byte_tokenizer

@@ -257,12 +257,12 @@ def test_exit_status_1_only_for_problems_found_and_3_for_internal_errors(tmp_pat
     code, out, err = _cli(["verify", ckpt], capsys)
     assert code == 1 and "FAIL" in out and "Traceback" not in out + err
 
-    import slimtune.inspect
+    import slimtune.inspection
 
     def boom(path):
         raise RuntimeError("unexpected\nsecond line")
 
-    monkeypatch.setattr(slimtune.inspect, "inspect_path", boom)
+    monkeypatch.setattr(slimtune.inspection, "inspect_path", boom)
     monkeypatch.delenv("SLIMTUNE_DEBUG", raising=False)
     code, out, err = _cli(["inspect", ckpt], capsys)
     assert code == 3 and len(err.strip().splitlines()) == 1 and "internal error: RuntimeError" in err and "report" in err

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from slimtune.data.packing import collate, epoch_order, epoch_steps, model_inputs, pack, rank_batch
-from slimtune.data.preference import BadPair, PairOptions, PreferencePair, rank_pairs, tokenize_pair
+from slimtune.data.pairs import BadPair, PairOptions, PreferencePair, rank_pairs, tokenize_pair
 from slimtune.data.readers import (
     FILE_TYPES,
     MAX_LINE_BYTES,
@@ -206,7 +206,7 @@ def _tokenize_all(
 def _tokenize_pairs(
     records: Iterable[Record], tokenizer, spec: DataSpec, shapes: Counter, vocab_size: int | None
 ) -> tuple[list[PreferencePair], int]:
-    """Preference rows as TRL tokenizes them (``data/preference.py``); a bad pair is an error, or with
+    """Preference rows as TRL tokenizes them (``data/pairs.py``); a bad pair is an error, or with
     ``spec.drop_bad_pairs`` skipped and counted."""
     pairs, dropped = [], 0
     for record in records:

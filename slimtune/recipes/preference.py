@@ -32,7 +32,7 @@ from slimtune.config import Config
 from slimtune.data import PreferencePair, model_inputs, rank_pairs
 from slimtune.distributed import SINGLE, Ranks, all_sum, reshard, split_rows
 from slimtune.errors import SlimtuneError
-from slimtune.preference import PreferenceLoss, metric_means, pair_loss, sequence_logps
+from slimtune.preference_loss import PreferenceLoss, metric_means, pair_loss, sequence_logps
 from slimtune.recipes.run import Run
 from slimtune.recipes.steps import merged_dtype, prepare, timed_record
 from slimtune.step import StepParts, apply_gradients

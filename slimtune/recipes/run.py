@@ -18,7 +18,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from slimtune.checkpoint.background import BackgroundSaver
-from slimtune.checkpoint.docs import CheckpointDocs
+from slimtune.checkpoint.extras import CheckpointDocs
 from slimtune.checkpoint.manager import CheckpointManager
 from slimtune.checkpoint.run_state import Optimization, ResumePoint
 from slimtune.checkpoint.save import SaveResult

@@ -28,7 +28,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from slimtune.checkpoint.background import BackgroundSaver, WriterSpec
-from slimtune.checkpoint.docs import CheckpointDocs, prompt_format_of
+from slimtune.checkpoint.extras import CheckpointDocs, prompt_format_of
 from slimtune.checkpoint.manager import CheckpointManager
 from slimtune.checkpoint.run_state import (
     Optimization,
@@ -53,7 +53,7 @@ from slimtune.formats.hub import ModelSource, is_hub_id, resolve_model
 from slimtune.formats.peft import read_adapter
 from slimtune.formats.peft_config import serving_problems
 from slimtune.generate import Loaded, SamplingOptions, generate, prompt_ids
-from slimtune.gguf_export import export_checkpoint_gguf
+from slimtune.gguf.export import export_checkpoint_gguf
 from slimtune.lora import LoRAConfig, lora_modules, lora_parameters
 from slimtune.memory import PeakMemory
 from slimtune.model import load_qlora_model, load_tokenizer, nf4_report, nf4_summary_line, pick_device, pick_dtype

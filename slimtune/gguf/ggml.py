@@ -3,7 +3,7 @@ writes to GGUF, byte for byte what ggml's reference quantizers (``quantize_row_*
 the path ``llama_model_quantize`` takes without an importance matrix) write:
 
 - the legacy 32-value blocks Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (here: a few passes over the blocks each);
-- the K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (``slimtune.quant.kquants``: the iterative scale searches).
+- the K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (``slimtune.gguf.kquants``: the iterative scale searches).
 
 The ``gguf`` package quantizes the legacy types too, in numpy on one core; these run on every core the
 process may use (``threads``), in pieces of cache-sized blocks, and agree with both ggml and the package
@@ -29,9 +29,9 @@ from collections.abc import Callable
 
 import torch
 
-from slimtune.quant import kquants
-from slimtune.quant.kquants import QUANTIZERS, NonFiniteError, _scratch, finite_blocks, first_extreme, fp16_bits, le16, signed_absmax
-from slimtune.quant.pool import PiecePool, can_fork, register_error
+from slimtune.gguf import kquants
+from slimtune.gguf.kquants import QUANTIZERS, NonFiniteError, _scratch, finite_blocks, first_extreme, fp16_bits, le16, signed_absmax
+from slimtune.gguf.pool import PiecePool, can_fork, register_error
 
 __all__ = ["BLOCK_BYTES", "BLOCK_VALUES", "NonFiniteError", "Quantizer", "quantize"]
 
@@ -171,7 +171,7 @@ _TYPES: dict[str, tuple[Callable[[torch.Tensor, bool], torch.Tensor], int, int]]
 }
 """Blocks per piece: cache-sized temporaries (Q6_K's 19 candidate scales over 256 values per superblock)
 with few enough torch calls per value, measured fastest on this 2-core machine with two workers. With two
-threads (before ``slimtune.quant.pool``) the GIL they share made bigger pieces pay: Q4_K 512 / 1024 / 2048
+threads (before ``slimtune.gguf.pool``) the GIL they share made bigger pieces pay: Q4_K 512 / 1024 / 2048
 blocks 72.9 / 108.0 / 112.7 MB/s of float32, Q6_K 128 / 256 / 512 blocks 94.0 / 128.9 / 126.0. With two
 worker processes the cores' shared cache does: Q4_K 128 / 256 / 512 / 1024 / 2048 blocks 59.2 / 96.0 /
 118.1 / 144.9 / 94.2 MB/s (one run; the 4 MB chunks of the export, two in flight)."""
@@ -202,7 +202,7 @@ def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
 
 class Quantizer:
     """``threads`` worker processes (default: torch's intra-op thread count, the cores the process may use)
-    that quantize pieces of blocks, one torch thread each (``slimtune.quant.pool``: forked, rows and bytes
+    that quantize pieces of blocks, one torch thread each (``slimtune.gguf.pool``: forked, rows and bytes
     in shared memory; processes, because two threads of one process wait on each other's GIL hundreds of
     times a piece). Torch's own intra-op parallelism is off in this process meanwhile (restored on exit):
     the cores are the workers'. ``submit`` returns at once; the export makes the next chunk's rows while

@@ -1,4 +1,4 @@
-"""Forked worker processes that quantize pieces of blocks out of shared memory (``slimtune.quant.ggml``'s
+"""Forked worker processes that quantize pieces of blocks out of shared memory (``slimtune.gguf.ggml``'s
 ``Quantizer`` runs on them).
 
 Why processes: the quantizers are hundreds of small torch ops a piece. Each op releases the GIL for its

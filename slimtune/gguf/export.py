@@ -5,7 +5,7 @@ llama.cpp, Ollama and LM Studio load, in bounded memory, with no intermediate 16
 The file is planned from shapes alone before any byte is made (every tensor's GGML type, size and
 offset), written through the ``gguf`` package's own writer for the header, metadata and tensor infos,
 then the data section by row chunks: each chunk is merged in fp32, transformed for llama.cpp
-(``slimtune.formats.gguf_arch``), encoded (quantized on whole rows by ``slimtune.quant.ggml``, ggml's
+(``slimtune.gguf.arch``), encoded (quantized on whole rows by ``slimtune.gguf.ggml``, ggml's
 reference quantizers in torch on every core, so the bytes equal llama.cpp's quantization of the whole
 tensor) and written by a writer thread while the next chunk is made, with the alignment padding between
 tensors. Temporary sibling, fsync, rename: never a partial ``.gguf`` under the final name.
@@ -37,15 +37,15 @@ import torch
 from slimtune.checkpoint.writer import DEFAULT_CHUNK_BYTES, DEFAULT_INFLIGHT_BYTES, DirectAppend, pipelined_write
 from slimtune.errors import SlimtuneError
 from slimtune.fileio import atomic_file, check_free_space, os_errors
-from slimtune.formats.gguf_arch import GGUFArch, gguf_arch
-from slimtune.formats.gguf_mix import MIXES, MixModel, mix_types
-from slimtune.formats.gguf_vocab import vocab_fields, write_modelfile
+from slimtune.gguf.arch import GGUFArch, gguf_arch
+from slimtune.gguf.mix import MIXES, MixModel, mix_types
+from slimtune.gguf.vocab import vocab_fields, write_modelfile
 from slimtune.formats.hf import export_config_dict, load_config
 from slimtune.formats.layout import CheckpointLayout
 from slimtune.formats.manifest import ReadCheck, checks_done, read_check
 from slimtune.generate import read_format_record
 from slimtune.merge import BaseCheckpoint, MergeBase, merged_file_stream
-from slimtune.quant import ggml
+from slimtune.gguf import ggml
 from slimtune.tensors import StreamTensor, all_finite, dtype_size, row_chunks, scalar_source
 
 Q = gguf.GGMLQuantizationType
@@ -75,7 +75,7 @@ class GGUFOptions:
     """f32, f16, bf16, q8_0, q4_0, q4_1, q5_0 or q5_1: the type of every 2-D weight (norms, biases and
     position embeddings stay f32, as llama.cpp's converter keeps them); or a K-quant mix, q4_k_m, q4_k_s,
     q5_k_m, q5_k_s, q6_k, q3_k_s, q3_k_m, q3_k_l or q2_k: each tensor's type as llama-quantize chooses it
-    (``slimtune.formats.gguf_mix``)."""
+    (``slimtune.gguf.mix``)."""
     merge_base: str = "original"
     """Merge an adapter into W itself (original) or into dequant(NF4(W)) (quantized), as ``slimtune merge``."""
     overwrite: bool = False
@@ -176,7 +176,7 @@ def plan_slots(tensors: list[tuple[str, StreamTensor]], qtypes: list[gguf.GGMLQu
 
 def encode_rows(rows: torch.Tensor, qtype: gguf.GGMLQuantizationType, quantizer: ggml.Quantizer | None = None):
     """Float rows (float32, or 16-bit as stored: exact in float32) as the file stores them (one rounding):
-    a cast for F32/F16/BF16, ``slimtune.quant.ggml`` (ggml's reference quantizers in torch) for the block
+    a cast for F32/F16/BF16, ``slimtune.gguf.ggml`` (ggml's reference quantizers in torch) for the block
     types. Returns a function that gives the bytes as flat uint8 tensors, in order (a block type goes to
     ``quantizer``'s threads meanwhile, when one is given, and comes back as its pieces, not joined); it
     raises ``FloatingPointError`` where a value (or a legacy block's scale) overflows float16, and a block

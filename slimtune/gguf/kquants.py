@@ -20,7 +20,7 @@ The C was read to learn the algorithm (``make_qkx2_quants``, ``make_qx_quants``,
 - integer narrowing (``uint8_t ls = nearest_int(...)``, the int8 Q6_K scales) wraps modulo 256, as C does.
 
 Speed (the scale searches are most of the work: 21 candidate scales for each Q4_K sub-block, 19 for Q6_K):
-every pass is a torch op over all the blocks of a piece at once (cache-sized, ``slimtune.quant.ggml``),
+every pass is a torch op over all the blocks of a piece at once (cache-sized, ``slimtune.gguf.ggml``),
 each sequential sum is one ``index_add_`` (the loop inside torch, not one Python call per term: the two
 quantizer threads share one GIL, and 16-32 calls per sum kept the second thread waiting), the three sums
 of a candidate in one pass over a (n, 3, blocks) buffer,
@@ -32,7 +32,7 @@ arithmetic).
 
 Example::
 
-    data = slimtune.quant.ggml.quantize(torch.randn(4, 512), "Q4_K")   # uint8, 4 rows x 2 blocks x 144 bytes
+    data = slimtune.gguf.ggml.quantize(torch.randn(4, 512), "Q4_K")   # uint8, 4 rows x 2 blocks x 144 bytes
 """
 
 from __future__ import annotations
@@ -567,4 +567,4 @@ def _q3_k(x: torch.Tensor, check: bool = False) -> torch.Tensor:
 
 QUANTIZERS = {"Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
 """Superblocks (N, 256), check -> their bytes (N, BLOCK_BYTES[type]) (``check``: NaN or an infinity is a
-``NonFiniteError``); ``slimtune.quant.ggml.quantize`` runs them."""
+``NonFiniteError``); ``slimtune.gguf.ggml.quantize`` runs them."""

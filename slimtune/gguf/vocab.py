@@ -32,7 +32,7 @@ from gguf import GGUFValueType, Keys, TokenType
 
 from slimtune.errors import SlimtuneError, first_line
 from slimtune.fileio import atomic_file
-from slimtune.formats.gguf_pretokenizers import CHECK_TEXT, PRE_TOKENIZER_BY_HASH
+from slimtune.gguf.pretokenizers import CHECK_TEXT, PRE_TOKENIZER_BY_HASH
 from slimtune.formats.strict_json import json_kind, load_json
 from slimtune.formats.tokenizer_files import check_chat_template, check_tokenizer_json
 

@@ -127,7 +127,7 @@ def _traced() -> PhaseMemory:
     memory.wrap(step, "token_loss_sum", "train_step/loss")
     memory.wrap(step, "apply_gradients", "train_step/clip + AdamW")
     memory.wrap(steps, "training_state", "save/training-state snapshot")
-    memory.wrap(docs.CheckpointDocs, "files", "save/model card")
+    memory.wrap(extras.CheckpointDocs, "files", "save/model card")
     memory.wrap(save, "write_planned", "save/merged + adapter stream")
     memory.wrap(manager, "save_train_state", "save/training state (DCP)")
     return memory

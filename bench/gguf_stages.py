@@ -22,11 +22,11 @@ import torch
 
 from bench.common import synthetic_base_and_adapter
 from bench.gguf_export import _default_gguf_tokenizer, _tokenizer_vocab
-from slimtune.gguf.arch import gguf_arch
 from slimtune.formats.hf import load_config
+from slimtune.gguf import ggml
+from slimtune.gguf.arch import gguf_arch
 from slimtune.gguf.export import GGUFOptions, _with_norm_eps, gguf_tensors, open_source
 from slimtune.merge import BaseCheckpoint
-from slimtune.gguf import ggml
 from slimtune.tensors import all_finite, row_chunks
 
 

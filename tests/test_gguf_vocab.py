@@ -19,7 +19,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from slimtune.data import FALLBACK_CHAT_TEMPLATE
 from slimtune.errors import SlimtuneError
-from slimtune.gguf import pretokenizers as gguf_pretokenizers, vocab as gguf_vocab
+from slimtune.gguf import pretokenizers as gguf_pretokenizers
+from slimtune.gguf import vocab as gguf_vocab
 from slimtune.gguf.vocab import pre_tokenizer_name, vocab_fields, write_modelfile
 from slimtune.tiny import byte_tokenizer
 

@@ -33,13 +33,13 @@ import gguf
 import torch
 
 from slimtune.errors import SlimtuneError
-from slimtune.gguf.arch import gguf_arch
-from slimtune.gguf.vocab import modelfile_path, write_modelfile
 from slimtune.formats.layout import CheckpointLayout
 from slimtune.formats.manifest import checks_done, read_check
 from slimtune.formats.peft import Adapter, read_adapter, resolve
 from slimtune.formats.strict_json import safe_name
+from slimtune.gguf.arch import gguf_arch
 from slimtune.gguf.export import TYPES, GGUFOptions, GGUFResult, format_record, plan_slots, planned_size, write_gguf
+from slimtune.gguf.vocab import modelfile_path, write_modelfile
 from slimtune.merge import BaseCheckpoint, check_fits
 from slimtune.tensors import StreamTensor
 

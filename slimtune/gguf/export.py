@@ -37,15 +37,15 @@ import torch
 from slimtune.checkpoint.writer import DEFAULT_CHUNK_BYTES, DEFAULT_INFLIGHT_BYTES, DirectAppend, pipelined_write
 from slimtune.errors import SlimtuneError
 from slimtune.fileio import atomic_file, check_free_space, os_errors
-from slimtune.gguf.arch import GGUFArch, gguf_arch
-from slimtune.gguf.mix import MIXES, MixModel, mix_types
-from slimtune.gguf.vocab import vocab_fields, write_modelfile
 from slimtune.formats.hf import export_config_dict, load_config
 from slimtune.formats.layout import CheckpointLayout
 from slimtune.formats.manifest import ReadCheck, checks_done, read_check
 from slimtune.generate import read_format_record
-from slimtune.merge import BaseCheckpoint, MergeBase, merged_file_stream
 from slimtune.gguf import ggml
+from slimtune.gguf.arch import GGUFArch, gguf_arch
+from slimtune.gguf.mix import MIXES, MixModel, mix_types
+from slimtune.gguf.vocab import vocab_fields, write_modelfile
+from slimtune.merge import BaseCheckpoint, MergeBase, merged_file_stream
 from slimtune.tensors import StreamTensor, all_finite, dtype_size, row_chunks, scalar_source
 
 Q = gguf.GGMLQuantizationType

@@ -32,9 +32,9 @@ from gguf import GGUFValueType, Keys, TokenType
 
 from slimtune.errors import SlimtuneError, first_line
 from slimtune.fileio import atomic_file
-from slimtune.gguf.pretokenizers import CHECK_TEXT, PRE_TOKENIZER_BY_HASH
 from slimtune.formats.strict_json import json_kind, load_json
 from slimtune.formats.tokenizer_files import check_chat_template, check_tokenizer_json
+from slimtune.gguf.pretokenizers import CHECK_TEXT, PRE_TOKENIZER_BY_HASH
 
 Field = tuple[str, object, "GGUFValueType | None"]
 

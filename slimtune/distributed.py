@@ -154,7 +154,7 @@ def join_group(**kwargs: Any) -> None:
     group exists (torch's dynamo pulls it in through FSDP on first use), those defaults keep the gloo
     group alive after ``destroy_process_group``. Its worker threads then still hold their last work at
     interpreter exit, and freeing its tensors there aborts the process ("terminate called without an
-    active exception": 5 of 20 two-rank merges on a loaded 2-core machine). Imported first, the defaults are
+    active exception", now and then under load). Imported first, the defaults are
     None and ``shutdown`` ends the group's threads.
 
     Example: ``join_group(backend="gloo", store=store, rank=0, world_size=2)``"""

@@ -109,8 +109,7 @@ class PeakMemory:
 
 REFAULT_S_PER_MB = 0.5e-3
 """System time to fault a megabyte of given-back memory in again (first touch: the kernel maps and zeroes
-the pages): measured 0.46 ms/MB on the 2-core machine (a SmolLM2 step re-faulting ~370 MB after each trim:
-~94,000 faults, 0.17 s of system time, ~0.1 s of its ~0.7 s)."""
+the pages), a little under this constant where it was measured (docs/benchmarks.md, "Training step")."""
 
 
 class HeapTrim:

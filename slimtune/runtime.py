@@ -3,14 +3,13 @@ activation checkpointing.
 
 Threads: torch sizes its intra-op pool from the machine's cores, not from the cores this process may
 run on, and under torchrun every rank does so. When processes share the cores their spinning pools
-oversubscribe them (a 20x collapse was seen: 7-14 tokens/s). ``choose_num_threads`` takes the cores
+oversubscribe them (the step slows many times over). ``choose_num_threads`` takes the cores
 this process may use (``os.sched_getaffinity``), divided among the ranks on this machine
 (``LOCAL_WORLD_SIZE``), unless ``training.num_threads`` says otherwise. The count is a function of the
 affinity mask and the launch only, never of the machine's momentary load: the thread count can change
 the order of floating-point reductions, and a resumed run must compute what the uninterrupted one did.
-Where other processes share the cores, set ``training.num_threads`` (measured on the shared 2-core
-machine with ~12 runnable processes: a bf16 matmul + elementwise loop took 1.9-2.3 s with 2 threads and
-0.4-0.6 s with 1).
+Where other processes share the cores, set ``training.num_threads``: a pool that spins at every barrier
+while its threads wait for a core is many times slower than one thread (docs/benchmarks.md).
 
 Compilation: ``compile_decoder_layers`` calls ``torch.compile`` on each decoder layer, in place
 (``nn.Module.compile``: names, parameters and state-dict keys unchanged), as torchtune's regional
@@ -37,7 +36,7 @@ def choose_num_threads(override: int | None = None) -> int:
     """Set torch's intra-op thread count and return it: ``override``, else the usable cores divided among
     the ranks on this machine (``LOCAL_WORLD_SIZE``; at least 1).
 
-    Example: ``choose_num_threads(None)`` -> 2 on an idle 2-core machine, 1 per rank under torchrun with 2"""
+    Example: ``choose_num_threads(None)`` -> 2 where the process may use 2 cores, 1 per rank under torchrun with 2"""
     if override is None:
         local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
         override = max(1, usable_cores() // local_ranks)

@@ -170,11 +170,8 @@ _TYPES: dict[str, tuple[Callable[[torch.Tensor, bool], torch.Tensor], int, int]]
     "Q6_K": (QUANTIZERS["Q6_K"], kquants.QK_K, 256),
 }
 """Blocks per piece: cache-sized temporaries (Q6_K's 19 candidate scales over 256 values per superblock)
-with few enough torch calls per value, measured fastest on this 2-core machine with two workers. With two
-threads (before ``slimtune.gguf.pool``) the GIL they share made bigger pieces pay: Q4_K 512 / 1024 / 2048
-blocks 72.9 / 108.0 / 112.7 MB/s of float32, Q6_K 128 / 256 / 512 blocks 94.0 / 128.9 / 126.0. With two
-worker processes the cores' shared cache does: Q4_K 128 / 256 / 512 / 1024 / 2048 blocks 59.2 / 96.0 /
-118.1 / 144.9 / 94.2 MB/s (one run; the 4 MB chunks of the export, two in flight)."""
+with few enough torch calls per value: smaller pieces pay more calls per value, larger ones spill the
+cores' shared cache (the measured sizes: docs/benchmarks.md, "GGUF quantizers")."""
 BLOCK_VALUES = {name: values for name, (_, values, _) in _TYPES.items()}
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, **kquants.BLOCK_BYTES}
 

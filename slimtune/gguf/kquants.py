@@ -133,7 +133,7 @@ def _over(c: float, t: torch.Tensor) -> torch.Tensor:
 
 def _sqrtf(t: torch.Tensor) -> torch.Tensor:
     """C's ``sqrtf``: the correctly rounded float32 square root. torch's float32 ``sqrt`` is not (1 ulp off on
-    0.66% of random inputs with this machine's AVX-512 torch); the float64 root rounded to float32 is (the
+    a fraction of a percent of random inputs on an AVX-512 build); the float64 root rounded to float32 is (the
     double rounding is harmless for sqrt: 53 >= 2 * 24 + 2 bits)."""
     return t.double().sqrt().float()
 

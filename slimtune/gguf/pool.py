@@ -3,8 +3,8 @@
 
 Why processes: the quantizers are hundreds of small torch ops a piece. Each op releases the GIL for its
 kernel and takes it back after, so two quantizer threads in one process hand the GIL to each other
-hundreds of times a piece and wait at every handoff: on this 2-core machine two threads gave Q4_K 1.3x
-one thread's speed, two processes 1.5-1.9x (the same rows, measured). ggml's C gets 1.96x from two threads.
+hundreds of times a piece and wait at every handoff, so two threads gain little over one; two processes
+share nothing but the cores and their cache (figures: docs/benchmarks.md, "GGUF quantizers").
 
 How it works, all on Linux's ``fork`` (no pickling, no imports in the child; elsewhere the caller quantizes
 in its own thread): the pool maps ``slots`` pairs of shared anonymous buffers (rows in, bytes out) and forks

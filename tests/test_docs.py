@@ -150,30 +150,42 @@ def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
 
 
 def test_diary_and_commit_checks_flag_notebook_text(tmp_path):
-    root = _tree(tmp_path, {
-        "docs/benchmarks.md": "## This session (2026-12-03, fourth): the merge (issue 29 item 4), at a008316\n"
-        "sha256 `832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e`, 16,074,231,603 bytes, deadbeef\n",
-        "slimtune/x.py": '"""Issue 25: faster."""\n',
-    })
+    root = _tree(
+        tmp_path,
+        {
+            "docs/benchmarks.md": "## This session (2026-12-03, fourth): the merge (issue 29 item 4), at a008316\n"
+            "sha256 `832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e`, 16,074,231,603 bytes, deadbeef\n",
+            "slimtune/x.py": '"""Issue 25: faster."""\n',
+        },
+    )
     assert len(diary_hits(root)) == 3
     assert [hit.split(": ")[-1] for hit in commit_hits(root)] == ["'a008316'"]
 
 
 def test_machine_figure_check_flags_a_docstring_measured_on_one_machine(tmp_path):
-    root = _tree(tmp_path, {
-        "slimtune/pool.py": '"""On this 2-core machine two threads gave Q4_K 1.3x."""\n',
-        "slimtune/runtime.py": '"""Threads divided among the ranks on this machine (LOCAL_WORLD_SIZE)."""\n',
-    })
+    root = _tree(
+        tmp_path,
+        {
+            "slimtune/pool.py": '"""On this 2-core machine two threads gave Q4_K 1.3x."""\n',
+            "slimtune/runtime.py": '"""Threads divided among the ranks on this machine (LOCAL_WORLD_SIZE)."""\n',
+        },
+    )
     assert [hit.split(":")[0] for hit in machine_figure_hits(root)] == ["slimtune/pool.py"]
 
 
 def test_link_check_flags_missing_files_and_headings(tmp_path):
-    root = _tree(tmp_path, {
-        "README.md": "[ok](docs/a.md#two-words) [gone](docs/b.md) [no heading](docs/a.md#gpu-issue-17) [web](https://x.org/y)\n",
-        "docs/a.md": "# A\n\n## Two words\n\n```\n# not a heading\n```\n[self](#a) [code](#not-a-heading)\n",
-    })
-    assert [hit.split(": ")[1] for hit in broken_links(root)] == ["docs/b.md (no such file)", "docs/a.md#gpu-issue-17 (no such heading)",
-                                                                  "#not-a-heading (no such heading)"]
+    root = _tree(
+        tmp_path,
+        {
+            "README.md": "[ok](docs/a.md#two-words) [gone](docs/b.md) [no heading](docs/a.md#gpu-issue-17) [web](https://x.org/y)\n",
+            "docs/a.md": "# A\n\n## Two words\n\n```\n# not a heading\n```\n[self](#a) [code](#not-a-heading)\n",
+        },
+    )
+    assert [hit.split(": ")[1] for hit in broken_links(root)] == [
+        "docs/b.md (no such file)",
+        "docs/a.md#gpu-issue-17 (no such heading)",
+        "#not-a-heading (no such heading)",
+    ]
 
 
 def test_cited_path_check_flags_a_renamed_module(tmp_path):

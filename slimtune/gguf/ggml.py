@@ -105,7 +105,7 @@ def _q8_0(b: torch.Tensor, check: bool = False) -> torch.Tensor:
 def _fp16_bytes(d: torch.Tensor) -> torch.Tensor:
     """``le16(_fp16(d))`` of finite scales (no NaN to give ggml's bits for): torch's cast is ggml's
     rounding (``kquants.fp16_bits``), its bytes as the file stores them on a little-endian host; two
-    ops where the bit arithmetic takes eight (a piece's fifth of Q8_0's time, measured)."""
+    ops where the bit arithmetic takes eight."""
     half = d.half()
     if bool(torch.isinf(half).any()):
         raise FloatingPointError("float16 overflow")

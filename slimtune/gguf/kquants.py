@@ -105,7 +105,7 @@ def _scratch(name: str, shape: tuple[int, ...]) -> torch.Tensor:
     """A float32 buffer of ``shape`` kept by this thread for ``name`` and reused by its next piece of the
     same shape (uninitialised). A fresh multi-MB tensor per piece costs page faults: glibc maps every
     same-sized large allocation anew (its mmap threshold rises to the freed size, never above it), and
-    the kernel zeroes the pages: 59 MB faulted per MB of Q6_K input, measured."""
+    the kernel zeroes the pages: page faults many times the input's size."""
     held = getattr(_SCRATCH, name, None)
     if held is None or tuple(held.shape) != tuple(shape):
         held = torch.empty(shape)
@@ -116,9 +116,8 @@ def _scratch(name: str, shape: tuple[int, ...]) -> torch.Tensor:
 def _select(mask: torch.Tensor, new: torch.Tensor, old: torch.Tensor, in_place: bool = False) -> torch.Tensor:
     """``torch.where(mask, new, old)`` for float32 or int32 ``new`` and ``old`` of one dtype, by their bits
     (``old ^ ((old ^ new) & -mask)``: every bit kept, NaN payloads and signed zeros too); ``in_place``: into
-    ``old`` (its shape the result's). torch's ``where`` on a bool mask is the scalar kernel here: 318 us for a
-    (6, 32768) float32 select where these three integer passes take 78 us (measured, one thread), and the
-    search state moves by it 21 times a piece."""
+    ``old`` (its shape the result's). torch's ``where`` on a bool mask runs a scalar kernel on the CPU,
+    several times slower than these three integer passes, and the search state moves by it 21 times a piece."""
     bits = torch.int32
     o = old.view(bits) if old.dtype != bits else old
     n = new.view(bits) if new.dtype != bits else new

@@ -154,7 +154,7 @@ _LITTLE_ENDIAN = sys.byteorder == "little"
 DEQUANT_PIECE = 1 << 18
 """Values a 16-bit weight is dequantized in at a time (``dequantize_nf4_rows``): the piece's index (256 KB),
 gathered values and their scaling stay in the core's cache instead of three passes over the whole weight in
-memory (measured, 4096 x 4096 bf16, 2 threads: 1.5-2.5x faster; SmolLM2's small weights are one piece)."""
+memory (SmolLM2's small weights are one piece)."""
 
 
 def _scalers(w: NF4Tensor, b0: int, b1: int) -> torch.Tensor:

@@ -3,12 +3,12 @@ C compiler and loaded with ctypes; ``quant.nf4.dequantize_nf4_rows`` uses torch'
 
 Why hand-written: a QLoRA step dequantizes every frozen weight twice (forward, backward), and in torch that
 is a gather, an index conversion and a multiply over every value (``dequantize_nf4_rows``): on short rows
-it was 14-22% of the CPU step and kept it below PEFT's bf16 step (docs/benchmarks.md). Each 64-value block
+it kept the CPU step below PEFT's bf16 step (figures: docs/benchmarks.md). Each 64-value block
 has only 16 possible values, so the C makes them (torchao's float32 arithmetic, rounded to bf16 as torch
 rounds) and looks the codes up in a register: a shuffle of a 16-entry table (AVX-512 BW ``vpermw``,
 SSE4.1 ``pshufb``). No library does this for torchao's layout with torchao's bits: bitsandbytes' CPU
 kernel looks up float32 NF4 levels (other bits than torchao's bf16 table), and ``torch.compile`` of the
-same gather was slower than torch's eager ops here (0.30 vs 0.25 ms for a 1536 x 576 weight).
+same gather was slower than torch's eager ops.
 
 Built with ``$CC`` (else ``cc``, ``gcc``, ``clang`` on PATH) into ``$XDG_CACHE_HOME/slimtune`` (else
 ``~/.cache/slimtune``), named by the hash of the source, the compiler and the flags, written to a

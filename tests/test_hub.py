@@ -379,10 +379,13 @@ def test_hub_dataset_failures_are_one_line_exit_2_nothing_written(hub_env, tmp_p
             hub_env.offline(False)
             hub_env.point_at(server.endpoint)
         code = main(_dataset_run(out, f"dataset.path={name}"))
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and err[-1].startswith(f"slimtune finetune: error: {needle.format(cache=hub_env.cache)}"), err
-    assert not out.exists() and not (tmp_path / "org").exists()
-    assert sorted(p.name for p in hub_env.cache.iterdir()) == ["datasets--org--chat"]  # nothing fetched for the others
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and err[-1].startswith(f"slimtune finetune: error: {needle.format(cache=hub_env.cache)}"), err
+        assert not out.exists() and not (tmp_path / "org").exists()
+        assert sorted(p.name for p in hub_env.cache.iterdir()) == ["datasets--org--chat"]  # nothing fetched for the others
+        if name == "org/gated":  # with the token from the environment it is read
+            hub_env.mp.setenv("HF_TOKEN", "s3cret")
+            assert hub.resolve_dataset(name).revision == ONE
 
 
 def test_a_hub_dataset_is_fetched_once_into_the_cache_then_read_offline(hub_env, tmp_path):

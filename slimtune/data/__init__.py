@@ -187,9 +187,11 @@ def _source(path: str, rows: dict[str, list[dict]], hub: list[dict]) -> tuple[It
     if Path(path).is_file() or not is_dataset_id(path):
         return read_rows(path), path, sha256_file(path)
     source = resolve_dataset(path)
-    if source.hub_id is not None:
-        hub.append(source.record())
-    return read_dataset(source), source.label, sha256_bytes(source.label)
+    if source.hub_id is None:  # a local dataset directory: its files' contents identify it
+        files = sorted(p for p in source.path.rglob("*") if p.is_file())
+        return read_dataset(source), source.label, sha256_bytes(";".join(f"{p.relative_to(source.path)}:{sha256_file(p)}" for p in files))
+    hub.append(source.record())
+    return read_dataset(source), source.label, sha256_bytes(source.label)  # the commit identifies the content
 
 
 def _tokenize_all(

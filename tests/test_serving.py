@@ -47,7 +47,8 @@ BROKEN = [
     ),
     ("sglang dora", {"use_dora": True}, "SGLang", "SGLang will not load it: DoRA (use_dora is set)"),
     ("sglang modules_to_save", {"modules_to_save": ["lm_head"]}, "SGLang", "SGLang loads it: modules_to_save ['lm_head'] dropped"),
-    ("sglang bias", {"bias": "lora_only"}, "SGLang", "SGLang loads it: bias='lora_only' ignored"),
+    ("sglang bias", {"bias": "lora_only"}, "SGLang", "SGLang loads it: biases ignored (bias='lora_only', lora_bias=False)"),
+    ("sglang lora_bias", {"lora_bias": True}, "SGLang", "SGLang loads it: biases ignored (bias='none', lora_bias=True)"),
     ("sglang rslora", {"use_rslora": True}, "SGLang", "SGLang loads it: use_rslora ignored (scales by lora_alpha / r, not / sqrt(r))"),
 ]
 
@@ -100,3 +101,18 @@ def test_serving_report_reads_the_checkpoints_adapter(tmp_path):
     commands, problems = serving_report(step, "org/base")
     assert commands[0] == f"vllm serve org/base --enable-lora --max-lora-rank 32 --lora-modules step-000004={step / 'adapter'}"
     assert problems == ["SGLang will not load it: q_proj without v_proj (its loader stacks q, k, v and fails on the missing v_proj)"]
+
+
+def test_fuzzed_configs_give_lines_never_exceptions():
+    """serving_problems on hostile adapter_config.json values (any JSON type for any field the rules read):
+    a list of one-line strings, never an exception; serve_commands likewise."""
+    import random
+
+    rng = random.Random(2024)
+    values = [None, True, False, 0, -3, 7, 2**40, 1.5, "", "x", "pissa", "all-linear", [], ["q_proj"], ["lm_head", 3], {}, {"q": 600}]
+    keys = [*OK, "rank_pattern", "modules_to_save", "use_dora", "lora_bias", "init_lora_weights", "use_rslora", "use_qalora"]
+    for _ in range(500):
+        config = {k: rng.choice(values) for k in rng.sample(keys, rng.randint(0, len(keys)))}
+        lines = serving_problems(config)
+        assert all(isinstance(line, str) and line and "\n" not in line for line in lines), config
+        assert len(serve_commands(config, "org/base", "ckpt/adapter")) == 2

@@ -58,7 +58,7 @@ def _ranks(config: dict) -> list[int]:
     return [r for r in (config.get("r"), *pattern.values()) if type(r) is int]
 
 
-def _vllm_missing(c: dict) -> str | None:
+def _missing_fields(c: dict) -> str | None:
     # PEFTHelper.from_dict: r, lora_alpha and target_modules are its fields without defaults ("Missing required
     # configuration fields")
     missing = [k for k in ("r", "lora_alpha", "target_modules") if k not in c]
@@ -73,7 +73,8 @@ def _vllm_rank(c: dict) -> str | None:
 
 def _vllm_modules_to_save(c: dict) -> str | None:
     # PEFTHelper._validate_features: modules_to_save other than "classifier" / "score" (classification heads)
-    other = [m for m in c.get("modules_to_save") or [] if m not in ("classifier", "score")]
+    saved = c.get("modules_to_save")
+    other = [m for m in saved if m not in ("classifier", "score")] if isinstance(saved, list) else [saved] if saved else []
     return f"modules_to_save {other} (only classifier/score are loaded)" if other else None
 
 
@@ -88,7 +89,7 @@ def _flag(key: str, what: str) -> Callable[[dict], str | None]:
 
 
 VLLM_RULES = (
-    Rule("vLLM", True, _vllm_missing),
+    Rule("vLLM", True, _missing_fields),
     # PEFTHelper.__post_init__: "LoRA rank `r` must be a positive integer"
     Rule("vLLM", True, lambda c: f"r={c['r']!r} (a positive rank)" if isinstance(c.get("r"), int) and c["r"] <= 0 else None),
     Rule("vLLM", True, _vllm_rank),
@@ -120,7 +121,7 @@ def _sglang_qkv(c: dict) -> str | None:
 
 SGLANG_RULES = (
     # lora_config.LoRAConfig.__init__: hf_config["target_modules"], ["r"], ["lora_alpha"] (a KeyError without them)
-    Rule("SGLang", True, lambda c: _vllm_missing(c)),
+    Rule("SGLang", True, _missing_fields),
     # lora.LoRAAdapter.__init__: assert peft_type == "lora"
     Rule(
         "SGLang",
@@ -133,7 +134,15 @@ SGLANG_RULES = (
     # lora.LoRAAdapter._process_weight keeps layer weights and embed_tokens/lm_head only: modules_to_save are dropped
     Rule("SGLang", False, lambda c: f"modules_to_save {c['modules_to_save']} dropped" if c.get("modules_to_save") else None),
     # lora_config.LoRAConfig reads r, lora_alpha, target_modules, the patterns and use_dora: bias is ignored
-    Rule("SGLang", False, lambda c: f"bias={c['bias']!r} ignored" if c.get("bias", "none") != "none" or c.get("lora_bias") else None),
+    Rule(
+        "SGLang",
+        False,
+        lambda c: (
+            f"biases ignored (bias={c.get('bias', 'none')!r}, lora_bias={bool(c.get('lora_bias'))})"
+            if c.get("bias", "none") != "none" or c.get("lora_bias")
+            else None
+        ),
+    ),
     # lora.LoRAAdapter.__init__: scaling = lora_alpha / r, whatever use_rslora says
     Rule("SGLang", False, lambda c: "use_rslora ignored (scales by lora_alpha / r, not / sqrt(r))" if c.get("use_rslora") else None),
 )

@@ -2,11 +2,12 @@
 (``fill_cache``), and a local HTTP server on 127.0.0.1 that answers the endpoints ``snapshot_download`` and
 ``model_info`` call (``HubServer``), pointed at with HF_ENDPOINT. No network is ever used.
 
-Endpoints served (huggingface_hub 1.x/2.x):
+Endpoints served (huggingface_hub 1.x/2.x), for model repos and, under ``datasets/`` (keys
+``datasets/org/name`` in ``repos``), dataset repos:
 
-- ``GET /api/models/{repo}[/revision/{rev}]``: the repo's info (``sha``, ``siblings``);
-- ``GET /api/models/{repo}/tree/{commit}``: its files (``path``, ``size``, ``oid``, ``lfs``);
-- ``HEAD|GET /{repo}/resolve/{rev}/{file}``: a file, with ``X-Repo-Commit`` and ``ETag``.
+- ``GET /api/models/{repo}[/revision/{rev}]`` (``/api/datasets/...``): the repo's info (``sha``, ``siblings``);
+- ``GET /api/models/{repo}/tree/{commit}`` (``/api/datasets/...``): its files (``path``, ``size``, ``oid``, ``lfs``);
+- ``HEAD|GET /{repo}/resolve/{rev}/{file}`` (``/datasets/{repo}/...``): a file, with ``X-Repo-Commit`` and ``ETag``.
 
 Errors as the hub sends them: ``X-Error-Code: RepoNotFound`` (404), ``GatedRepo`` (401 without the token),
 ``RevisionNotFound`` (404), ``EntryNotFound`` (404)."""
@@ -46,11 +47,11 @@ def commit_hash(text: str) -> str:
     return hashlib.sha1(text.encode()).hexdigest()
 
 
-def fill_cache(cache: Path, repo_id: str, repo: Repo) -> Path:
-    """``repo`` in the hub cache layout huggingface_hub reads: ``models--org--name/blobs/<sha256>``,
-    ``snapshots/<commit>/<file>`` (a relative symlink to its blob) and ``refs/<branch>`` (the commit).
-    Returns the repo's folder."""
-    folder = Path(cache) / ("models--" + repo_id.replace("/", "--"))
+def fill_cache(cache: Path, repo_id: str, repo: Repo, kind: str = "models") -> Path:
+    """``repo`` in the hub cache layout huggingface_hub reads: ``models--org--name/blobs/<sha256>``
+    (``datasets--org--name`` with ``kind="datasets"``), ``snapshots/<commit>/<file>`` (a relative symlink to
+    its blob) and ``refs/<branch>`` (the commit). Returns the repo's folder."""
+    folder = Path(cache) / (f"{kind}--" + repo_id.replace("/", "--"))
     for commit, files in repo.commits.items():
         for name, data in files.items():
             blob = folder / "blobs" / hashlib.sha256(data).hexdigest()
@@ -112,9 +113,11 @@ def _handler(server: HubServer):
         def _answer(self, body: bool) -> None:
             path = unquote(urlparse(self.path).path)
             server.requests.append((self.command, path))
-            api = path.startswith("/api/models/")
-            parts = path.removeprefix("/api/models/" if api else "/").split("/")
-            repo_id, rest = "/".join(parts[:2]), parts[2:]
+            api = path.startswith(("/api/models/", "/api/datasets/"))
+            kind = "datasets/" if path.startswith(("/api/datasets/", "/datasets/")) else ""
+            prefix = f"/api/{kind or 'models/'}" if api else f"/{kind}"
+            parts = path.removeprefix(prefix).split("/")
+            repo_id, rest = kind + "/".join(parts[:2]), parts[2:]
             repo = server.repos.get(repo_id)
             if repo is None:
                 return self._error(404 if api or not rest else 401, "RepoNotFound", body)
@@ -152,7 +155,7 @@ def _handler(server: HubServer):
                     for name, data in files.items()
                 ]
                 return self._send(200, json.dumps(listing).encode(), {"Content-Type": "application/json"}, body)
-            info = {"id": repo_id, "sha": commit, "private": False, "siblings": [{"rfilename": n} for n in files]}
+            info = {"id": repo_id.removeprefix("datasets/"), "sha": commit, "private": False, "siblings": [{"rfilename": n} for n in files]}
             self._send(200, json.dumps(info).encode(), {"Content-Type": "application/json"}, body)
 
     return Handler

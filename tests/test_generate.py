@@ -148,3 +148,22 @@ def test_read_format_record_from_a_checkpoint_or_its_adapter(tmp_path):
     (step / "slimtune_format.json").write_text("{")
     with pytest.raises(SlimtuneError, match="slimtune_format.json"):
         read_format_record(step)
+
+
+@pytest.mark.parametrize(
+    "shapes, expected",
+    [
+        ({"chat": 4}, "chat"),
+        ({"sharegpt": 1, "text": 9}, "chat"),
+        ({"conversational": 300}, "chat"),  # DPO/IPO/SimPO pairs of messages
+        ({"standard": 300}, "text"),  # pairs of strings
+        ({"alpaca": 5, "text": 5}, "alpaca"),
+        ({"text": 3}, "text"),
+        ({"chat": 0, "alpaca": 2}, "alpaca"),
+        ({}, "text"),
+    ],
+)
+def test_the_prompt_format_follows_the_rows_of_every_objective(shapes, expected):
+    from slimtune.checkpoint.extras import format_record, prompt_format_of
+
+    assert prompt_format_of(shapes) == expected == format_record(shapes, None)["prompt_format"]

@@ -270,3 +270,163 @@ def test_fuzzed_hub_ids_resolve_or_refuse_in_one_line(hub_env, tiny_base, tmp_pa
         counts["resolved"] += 1
     assert list(work.iterdir()) == [], "nothing may be created at a path that looks like a hub id"
     assert counts["resolved"] >= 3 and counts["refused"] >= 100, counts  # the three good seeds resolve at least
+
+
+# ---------------------------------------------------------------------------------------------------
+# Datasets by hub id: org/name[@revision][:split] or [:subset:split], in the hub cache's datasets--org--name
+
+README_CONFIGS = """---
+configs:
+- config_name: default
+  data_files:
+  - split: train
+    path: data/train.jsonl
+  - split: test
+    path: data/test.jsonl
+- config_name: alpaca
+  data_files:
+  - split: train
+    path: alpaca/train.jsonl
+---
+# A chat dataset with an Alpaca subset
+"""
+
+
+def _jsonl(rows: list[dict]) -> bytes:
+    return "".join(json.dumps(r) + "\n" for r in rows).encode()
+
+
+def chat_dataset(token: str | None = None) -> Repo:
+    """A dataset repo as the hub holds one: README configs naming two subsets (default: train and test
+    splits of chat rows; alpaca: a train split), data files in subfolders."""
+    chats = [
+        {"messages": [{"role": "user", "content": f"Is {w} a colour?"}, {"role": "assistant", "content": f"{w}: yes."}]}
+        for w in "red green blue cyan".split()
+    ]
+    alpaca = [{"question": f"Name {w}.", "answer": w} for w in "one two three".split()]  # mapped by dataset.columns
+    files = {"README.md": README_CONFIGS.encode(), "data/train.jsonl": _jsonl(chats), "data/test.jsonl": _jsonl(chats[:2])}
+    files["alpaca/train.jsonl"] = _jsonl(alpaca)
+    return Repo({ONE: files}, {"main": ONE}, token)
+
+
+def test_dataset_ids_are_told_from_paths():
+    assert hub.parse_dataset_id("yahma/alpaca-cleaned") == ("yahma/alpaca-cleaned", None, None, "train")
+    assert hub.parse_dataset_id("org/name@v1:test") == ("org/name", "v1", None, "test")
+    assert hub.parse_dataset_id("org/name@refs/pr/1:default:train_sft") == ("org/name", "refs/pr/1", "default", "train_sft")
+    for path in ("data/train.jsonl", "data/x.parquet", "./org/name", "/abs/org/name", "org/name:a:b:c", "org/name:", "org/name:x y"):
+        assert hub.parse_dataset_id(path) is None, path
+    cfg = load_config("tiny", values={"dataset.path": "org/name:test", "dataset.mix": ["data/more.jsonl"], "dataset.eval_path": "o/n"})
+    assert cfg.dataset.path == "org/name:test" and cfg.dataset.eval_path == "o/n"  # kept as written
+    assert Path(cfg.dataset.mix[0]).is_absolute()  # a path, resolved
+
+
+def _dataset_run(out: Path, *extra: str) -> list[str]:
+    return ["finetune", "--config", "tiny", f"output_dir={out}", "training.max_steps=2", *FAST, *extra]
+
+
+def test_a_hub_dataset_trains_offline_and_the_checkpoint_and_card_record_it(hub_env, tmp_path, monkeypatch, capsys):
+    fill_cache(hub_env.cache, "org/chat", chat_dataset(), kind="datasets")
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    out = tmp_path / "run"
+    extra = ["dataset.path=org/chat", "dataset.mix=[org/chat:alpaca:train]", "dataset.eval_path=org/chat:test"]
+    extra += ["dataset.columns={instruction: question, output: answer}"]  # the same column mapping as for files
+    assert main(_dataset_run(out, *extra)) == 0, capsys.readouterr().err
+    assert list(work.iterdir()) == []  # nothing at ./org/chat (the tiny config's dataset.create_builtin is true)
+    ckpt = out / "step-000002"
+    record = json.loads((ckpt / "slimtune_format.json").read_text())
+    assert record["datasets"] == [
+        {"name": "org/chat", "revision": ONE, "subset": None, "split": "train"},
+        {"name": "org/chat", "revision": ONE, "subset": "alpaca", "split": "train"},
+        {"name": "org/chat", "revision": ONE, "subset": None, "split": "test"},
+    ]
+    assert record["shapes"] == {"chat": 4, "alpaca": 3}
+    card = (ckpt / "README.md").read_text()
+    assert "\ndatasets:\n- org/chat\n" in card.split("\n---\n")[0] + "\n"  # the front matter the hub reads
+    assert f"| `org/chat@{ONE}:alpaca:train` |" in card and f"| `org/chat@{ONE}:test` |" in card
+    assert any("eval_loss" in m for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()))
+
+    # a local directory of the repo's name wins, with one warning line
+    (work / "org" / "chat").mkdir(parents=True)
+    (work / "org" / "chat" / "train.jsonl").write_bytes(_jsonl([{"text": "a local row"}] * 3))
+    hub_env.mp.setattr(hub, "_RESOLVED", {})
+    capsys.readouterr()
+    assert main(_dataset_run(tmp_path / "run2", "dataset.path=org/chat")) == 0
+    assert "org/chat: the local directory" in capsys.readouterr().err
+    local = json.loads((tmp_path / "run2" / "step-000002" / "slimtune_format.json").read_text())
+    assert local["shapes"] == {"text": 3} and local["datasets"] == []
+
+
+@pytest.mark.parametrize(
+    "name, needle",
+    [
+        ("org/absent", "hub dataset org/absent: not in the hub cache ({cache}) and HF_HUB_OFFLINE is set"),
+        ("org/chat:validation", f"org/chat@{ONE}:validation: no split 'validation'; the dataset has test, train"),
+        ("org/chat:nope:train", f"org/chat@{ONE}:nope:train: no such subset (ValueError: BuilderConfig 'nope' not found."),
+        ("server org/unknown", "hub dataset org/unknown: no such repo on the hub, or it is private (set HF_TOKEN for private repos)"),
+        ("server org/gated", "hub dataset org/gated: the repo is gated; accept its terms on the hub and set HF_TOKEN"),
+        ("server org/chat@v9", "hub dataset org/chat@v9: the repo has no such revision"),
+    ],
+)
+def test_hub_dataset_failures_are_one_line_exit_2_nothing_written(hub_env, tmp_path, monkeypatch, capsys, name, needle):
+    fill_cache(hub_env.cache, "org/chat", chat_dataset(), kind="datasets")
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "run"
+    online, name = name.startswith("server "), name.removeprefix("server ")
+    with HubServer({"datasets/org/chat": chat_dataset(), "datasets/org/gated": chat_dataset(token="s3cret")}) as server:
+        if online:
+            hub_env.offline(False)
+            hub_env.point_at(server.endpoint)
+        code = main(_dataset_run(out, f"dataset.path={name}"))
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and err[-1].startswith(f"slimtune finetune: error: {needle.format(cache=hub_env.cache)}"), err
+        assert not out.exists() and not (tmp_path / "org").exists()
+        assert sorted(p.name for p in hub_env.cache.iterdir()) == ["datasets--org--chat"]  # nothing fetched for the others
+        if name == "org/gated":  # with the token from the environment it is read
+            hub_env.mp.setenv("HF_TOKEN", "s3cret")
+            assert hub.resolve_dataset(name).revision == ONE
+
+
+def test_a_hub_dataset_is_fetched_once_into_the_cache_then_read_offline(hub_env, tmp_path):
+    with HubServer({"datasets/org/chat": chat_dataset()}) as server:
+        hub_env.offline(False)
+        hub_env.point_at(server.endpoint)
+        source = hub.resolve_dataset("org/chat:alpaca:train")
+        assert source.revision == ONE and hub_env.cache / "datasets--org--chat" in source.path.parents
+        assert any(path.startswith("/api/datasets/org/chat") for _, path in server.requests)
+    hub_env.offline(True)
+    hub_env.point_at(CLOSED)
+    hub_env.mp.setattr(hub, "_RESOLVED", {})
+    from slimtune.data import read_dataset
+
+    rows = [r.data for r in read_dataset(hub.resolve_dataset("org/chat:alpaca:train"))]
+    assert rows[0] == {"question": "Name one.", "answer": "one"} and len(rows) == 3
+
+
+def test_fuzzed_dataset_ids_resolve_or_refuse_in_one_line(hub_env, tmp_path, monkeypatch):
+    # the reader of dataset ids (parse_dataset_id + resolve_dataset + read_dataset through the offline cache):
+    # 300 seeded hostile names; each reads rows from the cache's snapshot or is one SlimtuneError line, and
+    # nothing is created outside the hub cache
+    import random
+
+    from slimtune.data import read_dataset
+
+    fill_cache(hub_env.cache, "org/chat", chat_dataset(), kind="datasets")
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    seeds = ["org/chat", "org/chat:test", "org/chat:alpaca:train", f"org/chat@{ONE}:test", "org/absent:train", "a/b:c:d:e"]
+    counts = {"read": 0, "refused": 0}
+    for name in seeds + _mutated_ids(random.Random(4321), seeds, 300):
+        hub._RESOLVED.clear()
+        try:
+            rows = list(read_dataset(hub.resolve_dataset(name)))
+        except SlimtuneError as e:
+            assert "\n" not in str(e) and str(e).strip(), repr(name)
+            counts["refused"] += 1
+            continue
+        assert rows and all(isinstance(r.data, dict) for r in rows), repr(name)
+        counts["read"] += 1
+    assert list(work.iterdir()) == [], "nothing may be created at a path that looks like a hub id"
+    assert counts["read"] >= 4 and counts["refused"] >= 100, counts

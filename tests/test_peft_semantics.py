@@ -236,34 +236,21 @@ def test_tensor_faults_are_refused_naming_the_tensor(base_model, tiny_base, tmp_
     ],
 )
 def test_written_adapter_configs_pass_vllms_loading_rules(lora, tiny_base, tmp_path):
-    """The adapter_config.json slimtune writes, against vLLM's PEFTHelper rules (vLLM itself, CUDA-only, is
-    not installed: the rules are the ones serving_problems spells out, asserted here field by field too)."""
+    """The adapter_config.json slimtune writes, against vLLM's and SGLang's loader rules (neither server, CUDA-only,
+    is installed: the rules are the ones formats/serving.py spells out, asserted here field by field too).
+    SGLang loads an rsLoRA adapter but scales it by alpha / r: said, not refused."""
     from slimtune.checkpoint.save import save_checkpoint
-    from slimtune.formats.peft_config import VLLM_MAX_LORA_RANKS, serving_problems, vllm_max_lora_rank
+    from slimtune.formats.serving import VLLM_MAX_LORA_RANKS, serving_problems, vllm_max_lora_rank
     from slimtune.lora import LoRAConfig
     from slimtune.model import load_qlora_model
 
     model = load_qlora_model(tiny_base, LoRAConfig(**lora), progress=False)
     save_checkpoint(model, tmp_path / "ckpt", WriteOptions(progress=False, adapter_only=True))
     config = json.loads((tmp_path / "ckpt" / "adapter" / "adapter_config.json").read_text())
-    assert serving_problems(config) == []
+    assert serving_problems(config, "vLLM") == []
+    rslora = ["SGLang loads it: use_rslora ignored (scales by lora_alpha / r, not / sqrt(r))"]
+    assert serving_problems(config, "SGLang") == (rslora if lora.get("use_rslora") else [])
     assert {"r", "lora_alpha", "target_modules"} <= config.keys() and config["modules_to_save"] is None
     assert not config["use_dora"] and config["bias"] == "none"
     assert not {"lm_head", "embed_tokens"} & set(config["target_modules"])
     assert vllm_max_lora_rank(config["r"]) in VLLM_MAX_LORA_RANKS and config["r"] <= VLLM_MAX_LORA_RANKS[-1]
-
-
-def test_adapters_vllm_would_refuse_are_named():
-    from slimtune.formats.peft_config import serving_problems, vllm_max_lora_rank
-
-    ok = {"r": 16, "lora_alpha": 32, "target_modules": ["q_proj"]}
-    assert serving_problems(ok) == [] and vllm_max_lora_rank(16) == 16 and vllm_max_lora_rank(513) is None
-    assert serving_problems({**ok, "r": 1024}) == ["rank 1024: vLLM's LoRA kernels take ranks up to 512 (--max-lora-rank)"]
-    assert serving_problems({**ok, "target_modules": ["q_proj", "lm_head", "embed_tokens"]}) == [
-        "LoRA on lm_head, embed_tokens (vLLM adapts neither the output head nor the embeddings)"
-    ]
-    assert serving_problems({"r": 8}) == ["lora_alpha, target_modules missing (vLLM requires r, lora_alpha and target_modules)"]
-    assert serving_problems({**ok, "modules_to_save": ["lm_head"], "use_dora": True}) == [
-        "modules_to_save is set (vLLM only loads adapters without it)",
-        "DoRA (vLLM does not load DoRA adapters)",
-    ]

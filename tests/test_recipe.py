@@ -505,11 +505,19 @@ def test_a_save_point_reached_during_a_save_waits_and_counts_as_stall(settings, 
     assert "checkpoint_final_wait_s" in third and sorted(p.name for p in out.glob("step-*")) == [f"step-00000{i}" for i in (1, 2, 3)]
 
 
-def test_targets_vllm_would_refuse_warn_in_one_line_at_start(tmp_path, capsys):
+def test_serving_refusals_warn_in_one_line_at_start_and_the_end_prints_the_serve_commands(tmp_path, capsys):
+    """LoRA on lm_head is no refusal (vLLM expects it on Llama-family models): no warning; q_proj without v_proj
+    is SGLang's (formats/serving.py). The end of the run prints the commands that serve the adapter, the vLLM
+    one with the --max-lora-rank a rank-32 adapter needs."""
     run = ["training.max_steps=1", "checkpoint.merged=never", "checkpoint.async=false", "logging.progress_bar=false"]
-    code, out, err = run_main(capsys, f"output_dir={tmp_path / 'run'}", "lora.target_modules=[q_proj,lm_head]", *run)
+    code, out, err = run_main(capsys, f"output_dir={tmp_path / 'run'}", "lora.target_modules=[q_proj,lm_head]", "lora.rank=32", *run)
     assert code == 0, err
-    assert [line for line in err.splitlines() if "vLLM" in line] == [
-        "warning: vLLM will not load this run's adapter: LoRA on lm_head (vLLM adapts neither the output head nor the embeddings) "
-        "(docs/checkpoints.md: serving)"
+    refusal = "SGLang will not load it: q_proj without v_proj (its loader stacks q, k, v and fails on the missing v_proj)"
+    assert [line for line in err.splitlines() if "will not load" in line or "loads it" in line] == [
+        f"warning: serving this run's adapter: {refusal} (docs/checkpoints.md: serving)",
+        f"warning: {refusal}",
     ]
+    adapter = tmp_path / "run" / "step-000001" / "adapter"
+    vllm = [line for line in out.splitlines() if line.startswith("serve the adapter: vllm serve ")]
+    assert len(vllm) == 1 and vllm[0].endswith(f" --enable-lora --max-lora-rank 32 --lora-modules step-000001={adapter}"), out
+    assert any(line.startswith("serve the adapter: python -m sglang.launch_server --model-path ") for line in out.splitlines())

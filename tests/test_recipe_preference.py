@@ -185,3 +185,45 @@ def test_real_model_dpo_learns_held_out_preferences_and_the_merge_keeps_them(smo
     assert len(accuracy) == REAL_STEPS // 4 and accuracy[-1] > accuracy[0], accuracy  # it rises
     assert accuracy[-1] >= 0.9, accuracy
     assert abs(records[-1]["eval_rewards/accuracies_merged"] - accuracy[-1]) <= 0.02, records[-1]
+
+
+@pytest.fixture(scope="module")
+def conversational_run(tiny_base, tmp_path_factory) -> Path:
+    """DPO on 8 pairs in TRL's conversational form: 4 steps, the merged model at the end."""
+    data = tmp_path_factory.mktemp("conversational") / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in pair_rows(8, "conversational")))
+    out = tmp_path_factory.mktemp("conversational") / "run"
+    values = [f"model.path={tiny_base}", "model.create_tiny=false", f"dataset.path={data}", "dataset.create_builtin=false"]
+    values += ["dataset.max_seq_len=40", "training.objective=dpo", "training.batch_size=2", "training.max_steps=4"]
+    values += ["checkpoint.merged=final", "optimizer.lr=5e-3", "logging.progress_bar=false"]
+    assert main(["finetune", "--config", "tiny", f"output_dir={out}", *values]) == 0
+    return out / "step-000004"
+
+
+def test_dpo_on_conversational_pairs_records_and_chats_in_the_chat_format(conversational_run, capsys, monkeypatch):
+    """The checkpoint records the chat format; `slimtune chat` says so, and greedy `slimtune generate` is what
+    transformers gives on the merged model for the prompt rendered with the checkpoint's chat template."""
+    import io
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from slimtune.generate import load_for_generation
+
+    record = json.loads((conversational_run / "slimtune_format.json").read_text())
+    assert record["prompt_format"] == "chat" and record["shapes"] == {"conversational": 8}
+    monkeypatch.setattr("sys.stdin", io.StringIO("Say red\n/exit\n"))
+    assert main(["chat", str(conversational_run), "--temperature", "0", "--max-new-tokens", "8"]) == 0
+    assert "chat with merged model (chat format)" in capsys.readouterr().out
+    prompt = "Say red"
+    assert main(["generate", str(conversational_run), "--prompt", prompt, "--temperature", "0", "--max-new-tokens", "12"]) == 0
+    out = capsys.readouterr()
+    assert "[merged model, chat format]" in out.err
+    tok = AutoTokenizer.from_pretrained(str(conversational_run), local_files_only=True)
+    ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert ids != tok.encode(tok.bos_token + prompt, add_special_tokens=False)  # the template changes the prompt
+    dtype = load_for_generation(conversational_run, device="cpu").model.dtype
+    model = AutoModelForCausalLM.from_pretrained(str(conversational_run), dtype=dtype, local_files_only=True).eval()
+    with torch.no_grad():
+        ends = dict(pad_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
+        gen = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=12, **ends)
+    assert out.out == tok.decode(gen[0, len(ids) :].tolist(), skip_special_tokens=True) + "\n"

@@ -48,6 +48,7 @@ class CardFacts:
     settings: dict = field(default_factory=dict)  # a few more config values worth stating
     nf4: dict | None = None  # slimtune.model.nf4_report: NF4 count, scaler blocks, what kept its dtype
     base_revision: str | None = None  # the hub commit the base was resolved to (None: a local directory)
+    datasets: list[str] = field(default_factory=list)  # hub dataset ids trained or evaluated on (the card's `datasets:`)
     versions: dict = field(default_factory=software_versions)
 
 
@@ -69,7 +70,7 @@ def model_card(f: CardFacts) -> str:
     quantized = "a bitsandbytes 4-bit" if _prequantized(f) else "an NF4-quantized"
     return f"""---
 base_model: {f.base}
-library_name: peft
+{_datasets_field(f.datasets)}library_name: peft
 tags: [slimtune, qlora, lora]
 ---
 
@@ -94,6 +95,8 @@ Fine-tuned with slimtune (QLoRA) on {quantized} `{f.model_type}` base: step {f.s
 
 ## Data files
 
+Hub datasets are named `org/name@<commit>:split` (`:subset:split` with a subset); their sha256 is that name's.
+
 | file | sha256 |
 | --- | --- |
 {files}
@@ -105,6 +108,11 @@ Training rendered conversations with the chat template stored in this checkpoint
 `bos + text + eos`. `slimtune_format.json` records which one a plain prompt should use ({f.prompt_format}).
 
 {_how_to_load(f, scaling)}"""
+
+
+def _datasets_field(names: list[str]) -> str:
+    """The front matter's ``datasets:`` list (hub dataset ids, as the hub links them), or nothing."""
+    return "datasets:\n" + "".join(f"- {name}\n" for name in names) if names else ""
 
 
 def _prequantized(f: CardFacts) -> bool:

@@ -29,14 +29,29 @@ from slimtune.formats.layout import ADAPTER_DIR, FORMAT_NAME
 from slimtune.model import load_tokenizer
 from slimtune.prompts import FALLBACK_CHAT_TEMPLATE, alpaca_prompt
 
+# The prompt format each row shape trains (SFT shapes: data/shapes.py; preference pairs: data/pairs.py):
+# conversations train the chat template, so a plain prompt is rendered with it at generation.
+SHAPE_FORMATS = {
+    "chat": "chat",
+    "sharegpt": "chat",
+    "completion": "chat",
+    "conversational": "chat",  # preference pairs of messages (TRL's conversational form)
+    "alpaca": "alpaca",
+    "text": "text",
+    "standard": "text",  # preference pairs of strings
+}
+_FORMAT_ORDER = ("chat", "alpaca", "text")  # several shapes in one run: the first of these any row trained
+
 
 def prompt_format_of(shapes: dict[str, int]) -> str:
-    """The prompt format that matches training data of these row shapes (counts per shape).
+    """The prompt format that matches training data of these row shapes (counts per shape), for every
+    objective: chat when any row was a conversation (SFT messages, ShareGPT, TRL completions, preference
+    pairs in conversational form), else alpaca when any row was Alpaca, else text. What
+    ``slimtune_format.json`` records and ``generate``, ``chat``, the training samples and the Modelfile follow.
 
-    Example: ``prompt_format_of({"alpaca": 10}) == "alpaca"``"""
-    if any(shapes.get(s) for s in ("chat", "sharegpt", "completion")):
-        return "chat"
-    return "alpaca" if shapes.get("alpaca") else "text"
+    Example: ``prompt_format_of({"alpaca": 10}) == "alpaca"``; ``prompt_format_of({"conversational": 300}) == "chat"``"""
+    trained = {SHAPE_FORMATS.get(shape, "text") for shape, n in shapes.items() if n}
+    return next((f for f in _FORMAT_ORDER if f in trained), "text")
 
 
 def format_record(shapes: dict[str, int], chat_template: str | None) -> dict:
@@ -74,7 +89,8 @@ class CheckpointDocs:
             if generation.is_file():
                 shutil.copyfile(generation, self.tokenizer_dir / generation.name)
         template = getattr(tokenizer, "chat_template", None) or FALLBACK_CHAT_TEMPLATE
-        self.record = {**format_record(data.shapes, template), "nf4": nf4, "base": base.record()}
+        hub_data = list(getattr(data, "datasets", []))  # the hub datasets read: name, revision (commit), subset, split
+        self.record = {**format_record(data.shapes, template), "nf4": nf4, "base": base.record(), "datasets": hub_data}
         self.common = dict(
             base=base.name,
             base_revision=base.revision,
@@ -87,6 +103,7 @@ class CheckpointDocs:
                 target_modules=list(cfg.lora.target_modules),
             ),
             files=data.files,
+            datasets=sorted({d["name"] for d in hub_data}),
             shapes=dict(data.shapes),
             prompt_format=self.record["prompt_format"],
             merged_dtype=str(merged_dtype).removeprefix("torch."),

@@ -7,7 +7,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from slimtune.config.schema import PLACEHOLDER, REQUIRED, ConfigPath, Key, ModelPath, RunDir, Size, setting, walk
+from slimtune.config.schema import PLACEHOLDER, REQUIRED, ConfigPath, DataPath, Key, ModelPath, RunDir, Size, setting, walk
 from slimtune.lora import DEFAULT_TARGETS
 from slimtune.memory import DEFAULT_SHARD_SIZE
 
@@ -60,14 +60,16 @@ class LoraSection:
 class DatasetSection:
     """dataset.*: the data files, their shapes and how examples are cut."""
 
-    path: ConfigPath = setting(
+    path: DataPath = setting(
         REQUIRED,
         "Local data file: JSONL (one object per line), a JSON array, Parquet, Arrow or CSV, with rows of one of the shapes of "
-        f"dataset.format; '{PLACEHOLDER}' is replaced by output_dir.",
+        f"dataset.format; '{PLACEHOLDER}' is replaced by output_dir. Or a hub dataset, org/name[@revision][:split] or "
+        "org/name[@revision][:subset:split] (split train by default), through datasets.load_dataset and the hub cache; a "
+        "local file of that name wins.",
         fixed=True,
     )
-    mix: list[ConfigPath] | None = setting(
-        None, "More data files trained on together with dataset.path (same types and shapes).", fixed=True
+    mix: list[DataPath] | None = setting(
+        None, "More data files (or hub datasets) trained on together with dataset.path (same types and shapes).", fixed=True
     )
     weights: list[float] | None = setting(
         None,
@@ -94,8 +96,10 @@ class DatasetSection:
         "Pack examples into rows of max_seq_len tokens; attention never crosses a document boundary (position ids restart).",
         fixed=True,
     )
-    eval_path: ConfigPath | None = setting(
-        None, f"Held-out data file for evaluation (any supported type); '{PLACEHOLDER}' is replaced by output_dir."
+    eval_path: DataPath | None = setting(
+        None,
+        f"Held-out data file for evaluation (any supported type, or a hub dataset as dataset.path: org/name:test); '{PLACEHOLDER}' "
+        "is replaced by output_dir.",
     )
     eval_fraction: float = setting(
         0.0,

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from slimtune.errors import SlimtuneError
-from slimtune.formats.hub import is_hub_id
+from slimtune.formats.hub import is_dataset_id, is_hub_id
 from slimtune.memory import parse_size
 
 PLACEHOLDER = "{output_dir}"
@@ -144,6 +144,12 @@ def _resolve_model(name: str, output_dir: Path) -> str:
     return name if is_hub_id(name) else _resolve(name, output_dir)
 
 
+def _resolve_data(name: str, output_dir: Path) -> str:
+    """A dataset hub id (org/name[@revision][:split]) stays as written: the data reader decides between it
+    and a local file of that name. Any other value is a path."""
+    return name if is_dataset_id(name) else _resolve(name, output_dir)
+
+
 BOOL = Kind("bool", "true or false", _bool)
 INT = Kind("int", "an integer", _int)
 FLOAT = Kind("float", "a number", _float)
@@ -152,7 +158,9 @@ SIZE = Kind("size", "a string", _size)
 RUN_DIR = Kind("path", "a string", _run_dir)
 PATH = Kind("path", "a string", _str, _resolve)
 MODEL = Kind("model", "a string", _str, _resolve_model)  # a path or a hub id
+DATA = Kind("data", "a string", _str, _resolve_data)  # a data file or a dataset hub id
 STR_LIST = Kind("list[str]", "a list of strings", _str_list)
+DATA_LIST = Kind("list[data]", "a list of strings", _str_list, lambda names, root: [_resolve_data(n, root) for n in names])
 PATH_LIST = Kind("list[path]", "a list of strings", _str_list, lambda paths, root: [_resolve(p, root) for p in paths])
 FLOAT_LIST = Kind("list[float]", "a list of numbers", _float_list)
 MAP = Kind("map", "a mapping", _map)
@@ -160,6 +168,7 @@ MAP = Kind("map", "a mapping", _map)
 # Field types that name a kind beyond Python's own (a path is a str to its reader, but resolved and checked)
 ConfigPath = Annotated[str, PATH]
 ModelPath = Annotated[str, MODEL]
+DataPath = Annotated[str, DATA]
 RunDir = Annotated[str, RUN_DIR]
 Size = Annotated[str, SIZE]
 _KINDS: dict[Any, Kind] = {
@@ -169,6 +178,7 @@ _KINDS: dict[Any, Kind] = {
     str: STR,
     list[str]: STR_LIST,
     list[ConfigPath]: PATH_LIST,
+    list[DataPath]: DATA_LIST,
     list[float]: FLOAT_LIST,
     dict[str, str]: MAP,
 }

@@ -26,6 +26,7 @@ from slimtune.data.readers import (
     jsonl_text,
     parse_json,
     parse_json_object,
+    read_dataset,
     read_jsonl,
     read_rows,
     write_jsonl,
@@ -41,6 +42,7 @@ from slimtune.data.shapes import (
     tokenize,
 )
 from slimtune.errors import SlimtuneError
+from slimtune.formats.hub import is_dataset_id, resolve_dataset
 from slimtune.formats.manifest import sha256_bytes, sha256_file
 from slimtune.prompts import ALPACA_PROMPT, ALPACA_PROMPT_WITH_INPUT, FALLBACK_CHAT_TEMPLATE, alpaca_prompt
 
@@ -75,6 +77,7 @@ __all__ = [
     "rank_pairs",
     "parse_json",
     "parse_json_object",
+    "read_dataset",
     "read_jsonl",
     "read_rows",
     "segments",
@@ -126,10 +129,11 @@ class Data:
     train: list[Example]  # PreferencePair with spec.pairs
     eval: list[Example]
     dropped: int  # examples with no trained token (SFT), bad pairs dropped (preference.bad_rows=drop)
-    files: list[tuple[str, str]]  # (path, sha256) of every file read, eval file included
+    files: list[tuple[str, str]]  # (path, sha256) of every file read, eval file included; hub: (org/name@commit:split, its sha256)
     sha256: str  # identifies the training data (files, weights, split, packing) for resume checks
     shapes: Counter  # rows per shape
     documents: int = 0  # training documents before packing
+    datasets: list[dict] = field(default_factory=list)  # hub datasets read: DatasetSource.record() (name, revision, subset, split)
 
 
 def load_data(spec: DataSpec, tokenizer, rows: dict[str, list[dict]] | None = None, vocab_size: int | None = None) -> Data:
@@ -145,21 +149,21 @@ def load_data(spec: DataSpec, tokenizer, rows: dict[str, list[dict]] | None = No
         raise SlimtuneError(f"dataset.weights has {len(weights)} value(s) for {len(spec.paths)} file(s) (dataset.path and dataset.mix)")
     train: list[Example] = []
     held_out: list[Example] = []
-    dropped, shapes, files, identity = 0, Counter(), [], []
+    dropped, shapes, files, identity, hub = 0, Counter(), [], [], []
     for index, (path, weight) in enumerate(zip(spec.paths, weights, strict=True)):
-        records, sha = _source(path, rows)
+        records, label, sha = _source(path, rows, hub)
         examples, n_dropped = _tokenize_all(records, tokenizer, spec, shapes, vocab_size)
         dropped += n_dropped
-        files.append((path, sha))
+        files.append((label, sha))
         identity.append(f"{sha}:{weight!r}")
         if spec.eval_fraction and spec.eval_path is None:
             examples, split = _split(examples, spec.eval_fraction, spec.seed + index)
             held_out += split
         train += _weighted(examples, weight, spec.seed + index)
     if spec.eval_path is not None:
-        records, sha = _source(spec.eval_path, rows)
+        records, label, sha = _source(spec.eval_path, rows, hub)
         held_out, n_dropped = _tokenize_all(records, tokenizer, spec, Counter(), vocab_size)
-        files.append((spec.eval_path, sha))
+        files.append((label, sha))
     if not train:
         raise SlimtuneError(
             f"{', '.join(spec.paths)}: no training example has a trained token within dataset.max_seq_len={spec.max_seq_len} "
@@ -171,13 +175,23 @@ def load_data(spec: DataSpec, tokenizer, rows: dict[str, list[dict]] | None = No
     extra = f"|fraction={spec.eval_fraction!r}|packed={spec.packed}|inputs={spec.train_on_inputs}|columns={sorted(spec.columns.items())}"
     extra += f"|pairs={spec.pairs!r}" if spec.pairs is not None else ""
     sha = sha256_bytes(";".join(identity) + extra)
-    return Data(train, held_out, dropped, files, sha, shapes, documents)
+    return Data(train, held_out, dropped, files, sha, shapes, documents, hub)
 
 
-def _source(path: str, rows: dict[str, list[dict]]) -> tuple[Iterable[Record], str]:
+def _source(path: str, rows: dict[str, list[dict]], hub: list[dict]) -> tuple[Iterable[Record], str, str]:
+    """The rows of ``path``, what the checkpoint calls it and its sha256: the built-in rows, a local file
+    (which wins over a hub dataset of the same name), or a hub dataset's split (identified by its commit,
+    subset and split; its record appended to ``hub``)."""
     if path in rows and not Path(path).is_file():
-        return (Record(r, f"built-in dataset:{i + 1}") for i, r in enumerate(rows[path])), sha256_bytes(jsonl_text(rows[path]))
-    return read_rows(path), sha256_file(path)
+        return (Record(r, f"built-in dataset:{i + 1}") for i, r in enumerate(rows[path])), path, sha256_bytes(jsonl_text(rows[path]))
+    if Path(path).is_file() or not is_dataset_id(path):
+        return read_rows(path), path, sha256_file(path)
+    source = resolve_dataset(path)
+    if source.hub_id is None:  # a local dataset directory: its files' contents identify it
+        files = sorted(p for p in source.path.rglob("*") if p.is_file())
+        return read_dataset(source), source.label, sha256_bytes(";".join(f"{p.relative_to(source.path)}:{sha256_file(p)}" for p in files))
+    hub.append(source.record())
+    return read_dataset(source), source.label, sha256_bytes(source.label)  # the commit identifies the content
 
 
 def _tokenize_all(

@@ -1,7 +1,8 @@
 """Local data files read row by row: JSONL strictly, line by line, and JSON arrays with the same rules;
-Parquet, Arrow and CSV through Hugging Face ``datasets`` in streaming mode (no cache written). Each row
-is a ``Record`` (its values and where it came from); the built-in tiny dataset and the JSONL writer live
-here too.
+Parquet, Arrow and CSV through Hugging Face ``datasets`` in streaming mode (no cache written); a dataset
+directory's split (a hub dataset's snapshot, ``formats.hub.resolve_dataset``) through
+``datasets.load_dataset`` the same way. Each row is a ``Record`` (its values and where it came from); the
+built-in tiny dataset and the JSONL writer live here too.
 
 Example: ``for record in read_rows("data/train.jsonl"): print(record.where, record.data)``
 """
@@ -16,6 +17,7 @@ from typing import Any
 
 from slimtune.errors import SlimtuneError
 from slimtune.fileio import write_atomic
+from slimtune.formats.hub import DatasetSource
 from slimtune.formats.strict_json import loads_json
 from slimtune.tiny import DEMO_TEXTS
 
@@ -135,6 +137,36 @@ def _read_with_datasets(path: Path, kind: str) -> Iterator[Record]:
         raise SlimtuneError(f"{path}: cannot read as {kind} ({type(e).__name__}: {message})") from None
     if count == 0:
         raise SlimtuneError(f"{path}: no examples (the file is empty)")
+
+
+def read_dataset(source: DatasetSource) -> Iterator[Record]:
+    """The rows of ``source.split`` (of ``source.subset``) of a dataset directory, one at a time, through
+    ``datasets.load_dataset`` in streaming mode (nothing written beside the hub's cache): the subsets and
+    data files its README's ``configs`` name, else ``datasets``' file-name conventions (``train-*``,
+    ``test-*``, ...). An unknown split or subset, or a directory ``datasets`` cannot read, is one line.
+
+    Example: ``for record in read_dataset(resolve_dataset("org/name:train")): ...``"""
+    import datasets  # optional and heavy: only for hub datasets and parquet, arrow and csv files
+
+    label = source.label
+    try:
+        builder = datasets.load_dataset_builder(str(source.path), name=source.subset)
+        splits = sorted((builder.config.data_files or {}).keys())
+        if source.split not in splits:
+            named = f" of subset {source.subset!r}" if source.subset else ""
+            raise SlimtuneError(f"{label}: no split {source.split!r}{named}; the dataset has {', '.join(splits) or 'none'}")
+        stream = builder.as_streaming_dataset(split=source.split)
+        count = 0
+        for count, row in enumerate(stream, start=1):  # noqa: B007
+            yield Record(dict(row), f"{label}: row {count}")
+    except SlimtuneError:
+        raise
+    except Exception as e:  # datasets/pyarrow errors: an unknown subset, malformed files
+        message = " ".join(str(e).split())[:300]
+        what = "no such subset" if "config" in message.lower() and source.subset else "cannot read it"
+        raise SlimtuneError(f"{label}: {what} ({type(e).__name__}: {message})") from None
+    if count == 0:
+        raise SlimtuneError(f"{label}: no examples (the split is empty)")
 
 
 def builtin_tiny_records() -> list[dict[str, Any]]:

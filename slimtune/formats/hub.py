@@ -13,6 +13,12 @@ Every failure (no network, a gated repo without a token, an unknown repo, a miss
 safetensors, a malformed id) is one ``SlimtuneError`` line. Nothing is ever created at a path that looks
 like a hub id; the hub's own cache is the only place anything is written.
 
+Datasets by hub id (``dataset.path``, ``dataset.mix``, ``dataset.eval_path``) are
+``org/name[@revision][:split]`` or ``org/name[@revision][:subset:split]`` (split ``train`` when none is
+named): ``resolve_dataset`` fetches the dataset repo's snapshot the same way (every file of it, the same
+cache, switches and errors; ``HF_DATASETS_OFFLINE`` counts as offline too) and ``data.readers`` reads the
+split through ``datasets.load_dataset``. A local file or directory of the same name wins.
+
 Example::
 
     source = resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct@main")
@@ -114,6 +120,114 @@ def resolve_model(model: str | os.PathLike) -> ModelSource:
     return _RESOLVED[key]
 
 
+# org/name[@revision] then :split or :subset:split (git refs hold no colon; subset and split names are
+# the hub's config and split names: letters, digits, - _ .).
+_SPLIT = re.compile(r"[\w][\w.-]{0,99}")
+_DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".csv")  # a missing local data file, not a repo
+
+
+@dataclass(frozen=True)
+class DatasetSource:
+    """A dataset split and where it came from: ``path`` the snapshot (or local) directory ``datasets`` reads,
+    ``hub_id`` and ``revision`` (the commit) for a hub dataset, ``subset`` (the config name) and ``split``."""
+
+    path: Path
+    split: str = "train"
+    subset: str | None = None
+    hub_id: str | None = None
+    revision: str | None = None
+
+    @property
+    def label(self) -> str:
+        """``org/name@<commit>:split`` (``:subset:split`` with a subset), or the directory: for log lines and
+        the data files a checkpoint records."""
+        where = f"{self.hub_id}@{self.revision}" if self.hub_id else str(self.path)
+        return ":".join([where, *([self.subset] if self.subset else []), self.split])
+
+    def record(self) -> dict:
+        """What slimtune_format.json records: ``{"name", "revision", "subset", "split"}``."""
+        return {"name": self.hub_id or str(self.path), "revision": self.revision, "subset": self.subset, "split": self.split}
+
+
+def parse_dataset_id(text: str) -> tuple[str, str | None, str | None, str] | None:
+    """``(repo_id, revision, subset, split)`` when ``text`` has the shape of a dataset hub id
+    (``org/name[@revision][:split]`` or ``org/name[@revision][:subset:split]``), else None: a path, or a
+    name ending in a data file suffix (``data/train.jsonl`` is a missing file, never a repo).
+
+    Example: ``parse_dataset_id("org/name@v1:default:test") == ("org/name", "v1", "default", "test")``"""
+    if not isinstance(text, str) or text.count(":") > 2:
+        return None
+    head, *tail = text.split(":")
+    hub = parse_hub_id(head)
+    if hub is None or hub[0].lower().endswith(_DATA_SUFFIXES) or not all(_SPLIT.fullmatch(t) for t in tail):
+        return None
+    subset, split = (None, tail[0]) if len(tail) == 1 else (tail[0], tail[1]) if tail else (None, "train")
+    return hub[0], hub[1], subset, split
+
+
+def is_dataset_id(text: object) -> bool:
+    """Whether ``text`` would be looked up on the hub as a dataset when no local file has its name."""
+    return isinstance(text, str) and parse_dataset_id(text) is not None
+
+
+def resolve_dataset(text: str) -> DatasetSource:
+    """The local directory holding the dataset named ``text`` (``parse_dataset_id``): a local directory of
+    the repo's name wins (one warning line), else the hub snapshot at the revision, fetched into the hub
+    cache when needed (offline: from the cache only). The split and subset are checked when read.
+
+    Example: ``resolve_dataset("org/name:test").label``  # org/name@<commit>:test"""
+    parsed = parse_dataset_id(text)
+    if parsed is None:
+        raise SlimtuneError(f"{safe_name(text)}: no such dataset file, and not a hub dataset id (org/name[@revision][:split])")
+    repo, revision, subset, split = parsed
+    local = Path(repo).expanduser()
+    if local.is_dir():
+        log.warning("%s: the local directory %s is used, not the hub dataset of that name", text, local.resolve())
+        return DatasetSource(local.resolve(), split, subset)
+    from huggingface_hub import constants  # only where a hub id is resolved
+
+    key = ("dataset", repo, revision, os.getcwd(), constants.HF_HUB_CACHE, constants.ENDPOINT, _datasets_offline())
+    if key not in _RESOLVED:
+        _RESOLVED[key] = _dataset_from_hub(repo, revision)
+        log.info("%s: hub revision %s (%s)", text, _RESOLVED[key].revision, _RESOLVED[key].path)
+    found = _RESOLVED[key]
+    return DatasetSource(found.path, split, subset, repo, found.revision)
+
+
+def _datasets_offline() -> bool:
+    """HF_HUB_OFFLINE, or HF_DATASETS_OFFLINE (the datasets library's own switch)."""
+    from huggingface_hub import constants
+
+    return constants.is_offline_mode() or os.environ.get("HF_DATASETS_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+
+
+def _dataset_from_hub(repo: str, revision: str | None) -> ModelSource:
+    from huggingface_hub import HfApi, snapshot_download
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo)
+    except HFValidationError as e:
+        raise SlimtuneError(f"{repo}: not a valid hub id ({safe_name(first_line(e))})") from None
+    where = safe_name(f"hub dataset {repo}" + (f"@{revision}" if revision else ""))
+    offline = _datasets_offline()
+    if not offline:
+        try:  # the repo's answer first: unknown, gated or a missing revision is one line before anything is fetched
+            HfApi().dataset_info(repo, revision=revision)
+        except Exception as e:  # noqa: BLE001 - sorted by _hub_error; unreachable: try the cache below
+            problem = _hub_error(e, where)
+            if problem is not None:
+                raise problem from None
+            offline = True
+            log.warning("%s: the hub cannot be reached (%s); looking in the cache", where, safe_name(first_line(e)))
+    try:
+        folder = snapshot_download(repo, repo_type="dataset", revision=revision, local_files_only=offline)
+    except Exception as e:  # noqa: BLE001 - every hub failure is one line
+        raise (_hub_error(e, where) or _cache_miss(e, where, offline)) from None
+    path = Path(folder)
+    return ModelSource(path, repo, path.name if _COMMIT.fullmatch(path.name) else None)
+
+
 def hub_files() -> tuple[str, ...]:
     """What slimtune reads of a model repo (``formats.hf``), as snapshot_download patterns; fetched at the
     repo's top level only."""
@@ -182,6 +296,12 @@ def _cache_miss(e: Exception, where: str, offline: bool) -> SlimtuneError:
     if isinstance(e, IncompleteSnapshotError):
         return SlimtuneError(f"{where}: the cached snapshot in {cache} is incomplete and the hub cannot be reached to complete it")
     if isinstance(e, FileNotFoundError | ConnectionError) or offline:
-        why = "HF_HUB_OFFLINE is set" if constants.is_offline_mode() else f"the hub ({constants.ENDPOINT}) cannot be reached"
+        why = (
+            "HF_HUB_OFFLINE is set"
+            if constants.is_offline_mode()
+            else "HF_DATASETS_OFFLINE is set"
+            if _datasets_offline()
+            else f"the hub ({constants.ENDPOINT}) cannot be reached"
+        )
         return SlimtuneError(f"{where}: not in the hub cache ({cache}) and {why}")
     return SlimtuneError(f"{where}: {type(e).__name__}: {safe_name(first_line(e))}")

@@ -1,8 +1,8 @@
 """adapter_config.json, the one reader and writer of PEFT's LoraConfig: every field either means here what
 it means to PEFT's ``merge_and_unload()`` (peft/tuners/tuners_utils.py ``check_target_module_exists``,
 peft/utils/other.py ``get_pattern_key``, peft/tuners/lora/layer.py) or is refused with one line naming it;
-the config slimtune writes for its own adapters; and the rules vLLM's loader applies to it (serving).
-The adapter's tensors are read by ``slimtune.formats.peft``."""
+and the config slimtune writes for its own adapters. The adapter's tensors are read by
+``slimtune.formats.peft``; what vLLM's and SGLang's loaders make of the config, by ``slimtune.formats.serving``."""
 
 from __future__ import annotations
 
@@ -57,49 +57,6 @@ _NO_MERGE_EFFECT = {
     "qalora_group_size": (int,),
     "runtime_config": (dict, type(None)),
 }
-
-
-# vLLM's --max-lora-rank choices (vllm.config.lora MaxLoRARanks): its kernels take an adapter of rank r with
-# a max_lora_rank >= r among these (its default is 16); above 512 no setting loads it.
-VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-# Module names vLLM's LoRA loader does not adapt (no LoRA on embeddings or the output head).
-_UNSERVED_TARGETS = ("lm_head", "embed_out", "embed_tokens", "wte", "word_embeddings", "tok_embeddings", "embed_in")
-
-
-def serving_problems(config: dict) -> list[str]:
-    """Why vLLM's loader (``PEFTHelper.from_dict`` and ``validate_legal``, and its LoRA model's module
-    check) would not load ``adapter_config.json`` as it is; ``[]`` when it would. Its rules: ``r``,
-    ``lora_alpha`` and ``target_modules`` present; no ``modules_to_save``, no DoRA, ``bias`` none; no LoRA on
-    ``lm_head`` or the embeddings; ``r`` at most the largest ``--max-lora-rank`` (512). SGLang's loader
-    follows the same rules.
-
-    Example: ``serving_problems({"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}) == []``"""
-    problems = []
-    missing = [k for k in ("r", "lora_alpha", "target_modules") if config.get(k) is None]
-    if missing:
-        problems.append(f"{', '.join(missing)} missing (vLLM requires r, lora_alpha and target_modules)")
-    r = config.get("r")
-    if _is_pos_int(r) and r > VLLM_MAX_LORA_RANKS[-1]:
-        problems.append(f"rank {r}: vLLM's LoRA kernels take ranks up to {VLLM_MAX_LORA_RANKS[-1]} (--max-lora-rank)")
-    if config.get("modules_to_save"):
-        problems.append("modules_to_save is set (vLLM only loads adapters without it)")
-    if config.get("use_dora"):
-        problems.append("DoRA (vLLM does not load DoRA adapters)")
-    if config.get("bias", "none") != "none":
-        problems.append(f"bias {config.get('bias')!r} (vLLM only loads bias 'none')")
-    targets = config.get("target_modules")
-    named = [targets] if isinstance(targets, str) else targets if isinstance(targets, list) else []
-    unserved = [t for t in named if isinstance(t, str) and t.rsplit(".", 1)[-1] in _UNSERVED_TARGETS]
-    if unserved:
-        problems.append(f"LoRA on {', '.join(unserved)} (vLLM adapts neither the output head nor the embeddings)")
-    return problems
-
-
-def vllm_max_lora_rank(r: int) -> int | None:
-    """The smallest ``--max-lora-rank`` vLLM must be started with to load a rank-``r`` adapter (None: none can).
-
-    Example: ``vllm_max_lora_rank(12) == 16``"""
-    return next((m for m in VLLM_MAX_LORA_RANKS if m >= r), None)
 
 
 def adapter_config_dict(adapters: dict[str, nn.Module], base_model_name_or_path: str = "") -> dict:

@@ -49,9 +49,9 @@ from slimtune.errors import SlimtuneError
 from slimtune.facts import facts_of
 from slimtune.fileio import os_errors
 from slimtune.formats.hf import load_config as load_hf_config
-from slimtune.formats.hub import ModelSource, is_hub_id, resolve_model
+from slimtune.formats.hub import ModelSource, is_dataset_id, is_hub_id, resolve_model
 from slimtune.formats.peft import read_adapter
-from slimtune.formats.peft_config import serving_problems
+from slimtune.formats.serving import serving_problems, serving_report
 from slimtune.generate import Loaded, SamplingOptions, generate, prompt_ids
 from slimtune.gguf.export import export_checkpoint_gguf
 from slimtune.lora import LoRAConfig, lora_modules, lora_parameters
@@ -128,12 +128,12 @@ def resolve_base(cfg: Config, ranks: Ranks, resume: ResumePoint | None) -> Model
 
 
 def warn_unservable(cfg: Config) -> None:
-    """One warning line once the model is loaded (before training) when lora.rank or the targets make an adapter vLLM will not load (it is
-    trained and saved all the same: PEFT and slimtune load it)."""
+    """One warning line once the model is loaded (before training) when lora.* make an adapter vLLM or SGLang will not load, or
+    loads differently (formats/serving.py; it is trained and saved all the same: PEFT and slimtune load it)."""
     lora = lora_config(cfg)
-    serving = serving_problems({"r": lora.rank, "lora_alpha": lora.alpha, "target_modules": lora.target_modules})
-    if serving:
-        log.warning(f"warning: vLLM will not load this run's adapter: {'; '.join(serving)} (docs/checkpoints.md: serving)")
+    config = {"r": lora.rank, "lora_alpha": lora.alpha, "target_modules": lora.target_modules, "use_rslora": lora.use_rslora}
+    if serving := serving_problems(config):
+        log.warning(f"warning: serving this run's adapter: {'; '.join(serving)} (docs/checkpoints.md: serving)")
 
 
 def write_tiny_base(cfg: Config, ranks: Ranks) -> object:
@@ -162,7 +162,7 @@ def read_data(cfg: Config, resume: ResumePoint | None, base: ModelSource) -> Inp
     Example: ``inputs = read_data(cfg, None, resolve_base(cfg, SINGLE, None))``"""
     dataset_path = Path(cfg.dataset.path)
     builtin_rows = None
-    if not dataset_path.is_file():
+    if not dataset_path.is_file() and not is_dataset_id(cfg.dataset.path):  # a hub dataset is read by load_data
         if not cfg.dataset.create_builtin:
             raise SlimtuneError(f"{dataset_path}: no such dataset file (dataset.path)")
         builtin_rows = builtin_tiny_records()
@@ -442,6 +442,11 @@ def finish(run: Run) -> FinetuneResult:
     log.info(f"metrics: {run.manager.metrics_path}" + (f"; loss curve: {result.plot_path}" if result.plot_path else ""))
     if result.checkpoint is not None:
         log.info(f"newest checkpoint: {result.checkpoint}")
+        commands, problems = serving_report(result.checkpoint, run.inputs.base.name) if run.where.ranks.is_coordinator else ([], [])
+        for line in commands:
+            log.info(f"serve the adapter: {line}")
+        for line in problems:
+            log.warning(f"warning: {line}")
     if run.cfg.checkpoint.gguf and result.checkpoint is not None and step == total and run.where.ranks.is_coordinator:
         g = export_checkpoint_gguf(result.checkpoint, run.cfg.checkpoint.gguf, run.inputs.base.path, run.cfg.checkpoint.gguf_verify)
         log.info(f"wrote {g.path} ({g.type}, {g.tensors} tensors, {g.bytes:,} bytes, {g.seconds:.1f} s) and {g.modelfile}")

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from slimtune.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_OK, EXIT_PROBLEMS, REPORT_HINT, SlimtuneError
 from slimtune.formats.strict_json import safe_text
+from slimtune.gguf.types import ADAPTER_TYPES, types_help
 from slimtune.logs import configure_logging
 from slimtune.memory import DEFAULT_SHARD_SIZE, parse_size
 
@@ -273,8 +274,7 @@ def _add_export(sub) -> None:
     export.add_argument(
         "--type",
         default="f16",
-        help="f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1 (every 2-D weight), or llama.cpp's mixes q4_k_m, q4_k_s, q5_k_m, "
-        "q5_k_s, q6_k, q3_k_s, q3_k_m, q3_k_l, q2_k (default: f16)",
+        help=f"{types_help()} (default: f16)",
     )
     export.add_argument("--out", type=Path, default=None, help="output file (default: model-TYPE.gguf beside SRC)")
     export.add_argument("--base", type=Path, default=None, help="base model (a directory or hub id), to merge an adapter on the fly")
@@ -285,7 +285,8 @@ def _add_export(sub) -> None:
     export.add_argument(
         "--adapter-only",
         action="store_true",
-        help="write the adapter alone as a GGUF LoRA adapter (llama.cpp's lora_path, Ollama's ADAPTER; --type f32, f16, bf16 or q8_0; "
+        help="write the adapter alone as a GGUF LoRA adapter (llama.cpp's lora_path, Ollama's ADAPTER; --type "
+        f"{', '.join(ADAPTER_TYPES)}; "
         "needs --base for its config and names)",
     )
     export.add_argument(

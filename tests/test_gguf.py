@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from slimtune.cli import main as slimtune_main
 from slimtune.families import family_of, tiny_config
 from slimtune.gguf.arch import ARCHS, gguf_arch
-from slimtune.gguf.export import TYPES, gguf_tensors, open_source, tensor_type
+from slimtune.gguf.export import TYPES, GGUFOptions, export_gguf, gguf_tensors, open_source, tensor_type
 from slimtune.tiny import byte_tokenizer
 from tests.conftest import llama_cpp_oracle
 
@@ -349,6 +349,30 @@ def test_file_is_the_same_with_or_without_o_direct(family_dirs, tmp_path, monkey
         pytest.skip(f"{tmp_path}'s filesystem refuses O_DIRECT: both files went through the page cache")
     data_start = gguf.GGUFReader(tmp_path / "direct.gguf").data_offset
     assert sum(direct) > len(with_direct) - data_start - 4096  # all the data but its tail after the last whole block
+
+
+def test_file_is_the_same_with_the_headers_fast_path_or_the_public_writer(family_dirs, tmp_path, monkeypatch):
+    """The head's arrays (a 49,152-token vocabulary, its types and merges) packed whole by the one fast
+    path on the ``gguf`` series it was checked against, or item by item by the package's public writer
+    (any other series, forced here): the same file, and the plan's size is the file's either way."""
+    import importlib.metadata
+
+    from slimtune.gguf import header
+
+    src = family_dirs("llama")
+    version = importlib.metadata.version("gguf")
+    if not header.fast_packing():
+        pytest.skip(f"gguf {version} is not of a series in header._FAST_SERIES: every export already takes the public writer")
+    packed = []
+    real = header._PackedWriter._pack_val
+    monkeypatch.setattr(header._PackedWriter, "_pack_val", lambda self, *a, **k: (packed.append(1), real(self, *a, **k))[1])
+    fast = export(src, "q8_0", tmp_path / "fast.gguf").read_bytes()
+    assert packed
+    monkeypatch.setattr(header, "_FAST_SERIES", ())
+    calls = len(packed)
+    assert export(src, "q8_0", tmp_path / "public.gguf").read_bytes() == fast
+    assert len(packed) == calls  # the public writer wrote the second head
+    assert export_gguf(tmp_path / "plan.gguf", GGUFOptions("q8_0", dry_run=True), src=src).bytes == len(fast)
 
 
 def test_adapter_merged_on_the_fly_equals_export_of_the_merged_model(family_dirs, tmp_path):

@@ -8,14 +8,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from slimtune.config.schema import PLACEHOLDER, REQUIRED, ConfigPath, DataPath, Key, ModelPath, RunDir, Size, setting, walk
+from slimtune.gguf.types import GgufType
 from slimtune.lora import DEFAULT_TARGETS
 from slimtune.memory import DEFAULT_SHARD_SIZE
-
-# checkpoint.gguf's names: `slimtune export --type`'s (the plain types, then llama-quantize's K-quant mixes)
-_GgufType = Literal[
-    "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1",
-    "q4_k_m", "q4_k_s", "q5_k_m", "q5_k_s", "q6_k", "q3_k_s", "q3_k_m", "q3_k_l", "q2_k",
-]  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -235,7 +230,7 @@ class CheckpointSection:
         "the run's last step.",
         name="async",
     )
-    gguf: _GgufType | None = setting(  # fmt: skip
+    gguf: GgufType | None = setting(  # the names of `slimtune export --type` (slimtune.gguf.types)
         None,
         "Also write model-TYPE.gguf (+ an Ollama Modelfile) beside the run's final checkpoint, for llama.cpp/Ollama (docs/gguf.md).",
     )

@@ -39,13 +39,12 @@ from slimtune.formats.peft import Adapter, read_adapter, resolve
 from slimtune.formats.strict_json import safe_name
 from slimtune.gguf.arch import gguf_arch
 from slimtune.gguf.export import TYPES, GGUFOptions, GGUFResult, format_record, plan_slots, planned_size, write_gguf
+from slimtune.gguf.types import ADAPTER_TYPES
 from slimtune.gguf.vocab import modelfile_path, write_modelfile
 from slimtune.merge import BaseCheckpoint, check_fits
 from slimtune.tensors import StreamTensor
 
 Q = gguf.GGMLQuantizationType
-ADAPTER_TYPES = ("f32", "f16", "bf16", "q8_0")
-"""The types convert_lora_to_gguf.py writes (--outtype); a row q8_0's blocks do not divide falls back to F16, as there."""
 T = gguf.GGUFValueType
 
 

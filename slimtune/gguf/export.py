@@ -21,7 +21,6 @@ from __future__ import annotations
 import gc
 import math
 import os
-import struct
 import tempfile
 import time
 from collections import deque
@@ -31,7 +30,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
-import numpy as np
 import torch
 
 from slimtune.checkpoint.writer import DEFAULT_CHUNK_BYTES, DEFAULT_INFLIGHT_BYTES, DirectAppend, pipelined_write
@@ -43,26 +41,21 @@ from slimtune.formats.manifest import ReadCheck, checks_done, read_check
 from slimtune.generate import read_format_record
 from slimtune.gguf import ggml
 from slimtune.gguf.arch import GGUFArch, gguf_arch
+from slimtune.gguf.header import TensorInfo, write_head
 from slimtune.gguf.mix import MIXES, MixModel, mix_types
+from slimtune.gguf.types import PLAIN_TYPES, TYPE_NAMES
 from slimtune.gguf.vocab import vocab_fields, write_modelfile
 from slimtune.merge import BaseCheckpoint, MergeBase, merged_file_stream
 from slimtune.tensors import StreamTensor, all_finite, dtype_size, row_chunks, scalar_source
 
 Q = gguf.GGMLQuantizationType
-TYPES = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q5_0": Q.Q5_0, "q5_1": Q.Q5_1}
+TYPES = {name: Q[name.upper()] for name in PLAIN_TYPES}
+"""Plain type name (``slimtune.gguf.types``) -> the GGML type every 2-D weight takes: ``q8_0`` is Q8_0."""
 _FILE_TYPES = {
-    "f32": gguf.LlamaFileType.ALL_F32,
-    "f16": gguf.LlamaFileType.MOSTLY_F16,
-    "bf16": gguf.LlamaFileType.MOSTLY_BF16,
-    "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
-    "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
-    "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
-    "q5_0": gguf.LlamaFileType.MOSTLY_Q5_0,
-    "q5_1": gguf.LlamaFileType.MOSTLY_Q5_1,
+    **{name: gguf.LlamaFileType.ALL_F32 if name == "f32" else gguf.LlamaFileType[f"MOSTLY_{name.upper()}"] for name in PLAIN_TYPES},
+    **{name: ftype for name, (_, ftype) in MIXES.items()},
 }
-TYPE_NAMES = (*TYPES, *MIXES)
-"""Every ``--type``: the plain types (every 2-D weight takes it) and llama.cpp's K-quant mixes."""
-_FILE_TYPES.update({name: ftype for name, (_, ftype) in MIXES.items()})
+"""Every type name -> the general.file_type llama.cpp's converter (or llama-quantize) writes."""
 _TORCH = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 _F32_TENSORS = (gguf.MODEL_TENSOR.POS_EMBD, gguf.MODEL_TENSOR.ROPE_FREQS)  # kept F32 by llama.cpp's converter
 
@@ -72,10 +65,9 @@ class GGUFOptions:
     """How a GGUF file is written. Example: ``GGUFOptions("q8_0", merge_base="quantized")``."""
 
     type: str = "f16"
-    """f32, f16, bf16, q8_0, q4_0, q4_1, q5_0 or q5_1: the type of every 2-D weight (norms, biases and
-    position embeddings stay f32, as llama.cpp's converter keeps them); or a K-quant mix, q4_k_m, q4_k_s,
-    q5_k_m, q5_k_s, q6_k, q3_k_s, q3_k_m, q3_k_l or q2_k: each tensor's type as llama-quantize chooses it
-    (``slimtune.gguf.mix``)."""
+    """One of ``slimtune.gguf.types.TYPE_NAMES``: a plain type (``PLAIN_TYPES``), the type of every 2-D
+    weight (norms, biases and position embeddings stay f32, as llama.cpp's converter keeps them); or a
+    K-quant mix (``MIX_TYPES``): each tensor's type as llama-quantize chooses it (``slimtune.gguf.mix``)."""
     merge_base: str = "original"
     """Merge an adapter into W itself (original) or into dequant(NF4(W)) (quantized), as ``slimtune merge``."""
     overwrite: bool = False
@@ -230,22 +222,17 @@ def _data_chunks(plan: GGUFPlan, chunk_bytes: int, start: int, quantizer: ggml.Q
 
 
 def write_gguf(path: Path, arch: GGUFArch, kv: list[tuple], plan: GGUFPlan, options: GGUFOptions, before_rename=None) -> int:
-    """Header, metadata and tensor infos through ``gguf.GGUFWriter``, then the data by row chunks, into a
-    temporary sibling renamed onto ``path`` once complete (and ``before_rename()`` returned: the sources'
-    hash checks). Returns the bytes written (the file size)."""
-    with _collector_paused():
-        writer = _writer(arch, kv, plan)
+    """Header, metadata and tensor infos through ``gguf.GGUFWriter`` (``slimtune.gguf.header``), then the
+    data by row chunks appended through a descriptor of its own, into a temporary sibling renamed onto
+    ``path`` once complete (and ``before_rename()`` returned: the sources' hash checks). Returns the
+    bytes written (the file size)."""
     check_free_space(path.parent, plan.data_bytes)
     with atomic_file(path) as tmp, os_errors("write", path, plan.data_bytes):
+        with _collector_paused():
+            start = write_head(tmp, arch.name, kv, _tensor_infos(plan))
+        fd = os.open(tmp, os.O_WRONLY)
         try:
-            with _collector_paused():
-                writer.write_header_to_file(path=tmp)
-                writer.write_kv_data_to_file()
-                writer.write_ti_data_to_file()
-            f = writer.fout[0]
-            start = f.tell()
-            f.flush()
-            sink = DirectAppend(tmp, f.fileno(), start)  # the data bypass the page cache: nothing reads them back
+            sink = DirectAppend(tmp, fd, start)  # the data bypass the page cache: nothing reads them back
             try:
                 with ggml.Quantizer() as quantizer:
                     pipelined_write(sink, _data_chunks(plan, options.chunk_bytes, start, quantizer), DEFAULT_INFLIGHT_BYTES)
@@ -254,7 +241,7 @@ def write_gguf(path: Path, arch: GGUFArch, kv: list[tuple], plan: GGUFPlan, opti
                 raise
             size = sink.close()
         finally:
-            writer.close()
+            os.close(fd)
         if size != _pad(start, plan.alignment) + plan.data_bytes or os.path.getsize(tmp) != size:
             raise SlimtuneError(f"{path}: wrote {size:,} bytes, the plan says {_pad(start, plan.alignment) + plan.data_bytes:,}")
         if before_rename is not None:
@@ -277,68 +264,17 @@ def _collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-class _Writer(gguf.GGUFWriter):
-    """``gguf.GGUFWriter`` whose arrays of strings and of numbers are packed in one go, not item by item
-    (the vocabulary's ~3x10^5 tokens, types and merges: ~0.5 s of the export's serial set-up): the same
-    bytes; anything else (another byte order, bool or nested arrays, mixed items) is the package's."""
-
-    def _pack_val(self, val, vtype, add_vtype: bool, sub_type=None) -> bytes:
-        V = gguf.GGUFValueType
-        if vtype != V.ARRAY or self.endianess != gguf.GGUFEndian.LITTLE or not isinstance(val, (list, tuple)) or not val:
-            return super()._pack_val(val, vtype, add_vtype, sub_type)
-        ltype = sub_type
-        if ltype is None:  # the package's inference, for items all of one plain type (``type(True)`` is not int)
-            first = type(val[0])
-            if first not in (str, int, float) or not all(type(v) is first for v in val):
-                return super()._pack_val(val, vtype, add_vtype, sub_type)
-            ltype = V.get_type(val[0])
-        fmt = self._simple_value_packing.get(ltype)
-        if ltype == V.STRING and all(type(v) is str for v in val):
-            encoded = [v.encode("utf-8") for v in val]
-            body = b"".join(struct.pack("<Q", len(e)) + e for e in encoded)
-        elif fmt is not None and ltype != V.BOOL:
-            body = struct.pack(f"<{len(val)}{fmt}", *val)
-        else:
-            return super()._pack_val(val, vtype, add_vtype, sub_type)
-        return (struct.pack("<I", vtype) if add_vtype else b"") + struct.pack("<IQ", ltype, len(val)) + body
-
-
-def _writer(arch: GGUFArch, kv: list[tuple], plan: GGUFPlan) -> gguf.GGUFWriter:
-    """A ``gguf.GGUFWriter`` holding the metadata and every tensor's info, no file yet."""
-    writer = _Writer(None, arch.name)
-    for key, value, vtype in kv:
-        _add_kv(writer, key, value, vtype)
-    for slot in plan.slots:
-        t = slot.source
-        writer.add_tensor_info(
-            t.name, getattr(t, "file_shape", None) or t.shape or (1,), np.dtype(np.float32), slot.nbytes, raw_dtype=slot.qtype
-        )
-    return writer
+def _tensor_infos(plan: GGUFPlan) -> list[TensorInfo]:
+    """Every tensor's info in the file's order: its GGUF name, shape as the file lists it, bytes and type."""
+    return [(s.source.name, getattr(s.source, "file_shape", None) or s.source.shape or (1,), s.nbytes, s.qtype) for s in plan.slots]
 
 
 def planned_size(arch: GGUFArch, kv: list[tuple], plan: GGUFPlan) -> int:
     """The size of the file ``write_gguf`` would write: the header, metadata and tensor infos (serialized
     by the gguf package into a scratch file, a few MB at most), padded, then the planned data."""
-    writer = _writer(arch, kv, plan)
     with tempfile.TemporaryDirectory(prefix="slimtune-gguf-plan-") as scratch:
-        try:
-            writer.write_header_to_file(path=Path(scratch) / "header.gguf")
-            writer.write_kv_data_to_file()
-            writer.write_ti_data_to_file()
-            start = writer.fout[0].tell()
-        finally:
-            writer.close()
+        start = write_head(Path(scratch) / "header.gguf", arch.name, kv, _tensor_infos(plan))
     return _pad(start, plan.alignment) + plan.data_bytes
-
-
-def _add_kv(writer: gguf.GGUFWriter, key: str, value, vtype) -> None:
-    """One metadata pair; a list with an element type is an array of that type."""
-    if vtype is None:
-        vtype = gguf.GGUFValueType.get_type(value)
-    if isinstance(value, (list, tuple)) and vtype != gguf.GGUFValueType.ARRAY:
-        writer.add_key_value(key, list(value), gguf.GGUFValueType.ARRAY, sub_type=vtype)
-    else:
-        writer.add_key_value(key, value, vtype)
 
 
 # --- sources ---------------------------------------------------------------------------------------------

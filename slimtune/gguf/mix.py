@@ -35,19 +35,14 @@ from dataclasses import dataclass
 
 import gguf
 
+from slimtune.gguf.types import MIX_TYPES
+
 Q = gguf.GGMLQuantizationType
 FT = gguf.LlamaFileType
 
 MIXES: dict[str, tuple[gguf.GGMLQuantizationType, gguf.LlamaFileType]] = {
-    "q4_k_m": (Q.Q4_K, FT.MOSTLY_Q4_K_M),
-    "q4_k_s": (Q.Q4_K, FT.MOSTLY_Q4_K_S),
-    "q5_k_m": (Q.Q5_K, FT.MOSTLY_Q5_K_M),
-    "q5_k_s": (Q.Q5_K, FT.MOSTLY_Q5_K_S),
-    "q6_k": (Q.Q6_K, FT.MOSTLY_Q6_K),
-    "q3_k_s": (Q.Q3_K, FT.MOSTLY_Q3_K_S),
-    "q3_k_m": (Q.Q3_K, FT.MOSTLY_Q3_K_M),
-    "q3_k_l": (Q.Q3_K, FT.MOSTLY_Q3_K_L),
-    "q2_k": (Q.Q2_K, FT.MOSTLY_Q2_K),
+    name: (Q[name[:4].upper()], FT[f"MOSTLY_{name.upper()}"])
+    for name in MIX_TYPES  # q4_k_m: Q4_K, MOSTLY_Q4_K_M
 }
 """Mix name -> (its default tensor type, the general.file_type llama-quantize writes)."""
 

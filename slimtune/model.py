@@ -33,6 +33,7 @@ from slimtune.facts import ModelFacts, facts_of, remember
 from slimtune.families import (
     NF4Experts,
     Placement,
+    adaptable_linear,
     check_supported,
     checkpoint_layout,
     family_name,
@@ -75,14 +76,14 @@ def build_qlora_skeleton(config: PretrainedConfig, lora: LoRAConfig) -> nn.Modul
     layout = checkpoint_layout(model)  # from the pristine transformers model, before any replacement
     rename = forward_renamings(model)
     materialise_buffers(model)
-    targets = resolve_targets(model, lora.target_modules)
-    wanted = set(targets) | set(resolve_targets(model, lora.quantize_modules))
+    targets = resolve_targets(model, lora.target_modules, lora.vision)
+    wanted = set(targets) | set(resolve_targets(model, lora.quantize_modules, lora.vision))
     head = output_head(model) if ALL_LINEAR in list(lora.target_modules) + list(lora.quantize_modules) else None
     linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if is_linear(m)})
     found = set()
     for name, module in list(model.named_modules()):
         leaf = name.rsplit(".", 1)[-1]
-        if leaf in wanted and is_linear(module) and module is not head:
+        if leaf in wanted and is_linear(module) and module is not head and adaptable_linear(model, name, lora.vision):
             found.add(leaf)
             conv = isinstance(module, Conv1D)
             in_f, out_f = (module.weight.shape[0], module.nf) if conv else (module.in_features, module.out_features)

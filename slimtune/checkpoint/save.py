@@ -24,6 +24,7 @@ from slimtune.checkpoint.writer import WriteOptions, create_files, write_json, w
 from slimtune.distributed import SINGLE, Ranks
 from slimtune.errors import SlimtuneError
 from slimtune.facts import facts_of
+from slimtune.families import peft_exclude_modules
 from slimtune.fileio import check_free_space, os_errors
 from slimtune.formats.hf import INDEX_NAME, export_config_dict, index_dict, read_config_dict, tokenizer_files
 from slimtune.formats.layout import ADAPTER_CONFIG, ADAPTER_DIR
@@ -204,7 +205,7 @@ def save_checkpoint(
         config=config,
         tokenizer_dir=options.tokenizer_dir or source_dir,
         adapter=adapter_tensor_stream(model),
-        adapter_config=adapter_config_dict(lora_modules(model), _base_name(model)),
+        adapter_config=adapter_config_dict(lora_modules(model), _base_name(model), peft_exclude_modules(model, lora_modules(model))),
         extra_files=options.extra_files,
         manifest_extra={"kind": "adapter" if write.adapter_only else "adapter+merged"},
         shared_write=shared_write,

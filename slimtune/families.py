@@ -81,6 +81,12 @@ VISION_FAMILIES: tuple[Family, ...] = (
         notes="`Qwen2_5_VLForConditionalGeneration`; vision tower and merger frozen in the base dtype (`LoRAConfig.vision`: "
         "LoRA on the tower's linears too); image data, recipe and GGUF mmproj not yet",
     ),
+    Family(
+        "SmolVLM / Idefics3",
+        "idefics3",
+        notes="`Idefics3ForConditionalGeneration`; vision encoder and connector frozen in the base dtype (`LoRAConfig.vision`: "
+        "LoRA on the encoder's linears too); image data, recipe and GGUF mmproj not yet",
+    ),
 )
 
 

@@ -48,6 +48,9 @@ _TEXT_TEST = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, n
 
 VISION: dict[str, VisionParts] = {
     "qwen2_5_vl": VisionParts(tower=("model.visual.blocks",), projector=("model.visual.merger",), frozen=("model.visual",)),
+    "idefics3": VisionParts(
+        tower=("model.vision_model.encoder",), projector=("model.connector",), frozen=("model.vision_model", "model.connector")
+    ),
 }
 
 # Test widths: every language-model projection divides into NF4 blocks; the vision tower as small as
@@ -69,6 +72,12 @@ TINY: dict[str, dict] = {
         ),
         tie_word_embeddings=False,
     ),
+    "idefics3": dict(
+        text_config=_TEXT_TEST,
+        vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, image_size=64, patch_size=16),
+        scale_factor=2,
+        tie_word_embeddings=False,
+    ),
 }
 
 # The tokens a test tokenizer adds after the text ones, in order, and the config keys that name their ids.
@@ -79,6 +88,7 @@ IMAGE_TOKENS: dict[str, tuple[tuple[str, str], ...]] = {
         ("<|vision_end|>", "vision_end_token_id"),
         ("<|video_pad|>", "video_token_id"),
     ),
+    "idefics3": (("<image>", "image_token_id"), ("<fake_token_around_image>", "")),  # "": no config key
 }
 
 
@@ -98,7 +108,7 @@ def tiny_values(model_type: str, text_values: dict) -> dict:
     first = text_values["vocab_size"]
     text_values["vocab_size"] = first + len(tokens)
     values["text_config"] = dict(tiny["text_config"], **text_values)
-    values.update({key: first + i for i, (_, key) in enumerate(tokens)})
+    values.update({key: first + i for i, (_, key) in enumerate(tokens) if key})
     if dtype is not None:
         values["dtype"] = dtype
     return values

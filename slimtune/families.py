@@ -21,7 +21,7 @@ from torch import nn
 from slimtune.errors import SlimtuneError, first_line
 from slimtune.formats.peft_config import ALL_LINEAR
 from slimtune.quant import base_rows, is_nf4
-from slimtune.vision_families import exclude_pattern, tiny_values, vision_parts
+from slimtune.vision_families import tiny_values, vision_parts
 
 log = logging.getLogger(__name__)
 
@@ -154,19 +154,6 @@ def adaptable_linear(model: nn.Module, name: str, vision: bool = False) -> bool:
     family the language model's, and the vision tower's with ``vision`` (never the projector's)."""
     parts = vision_parts(getattr(model.config, "model_type", ""))
     return parts is None or parts.adaptable(name, vision)
-
-
-def peft_exclude_modules(model: nn.Module, adapters: dict[str, nn.Module]) -> str | None:
-    """PEFT's ``exclude_modules`` for the ``adapters`` (module name -> LoRA linear) of a vision-language
-    model: the vision modules (linear or not) named like a target but without an adapter, which PEFT's
-    name matching would otherwise adapt; None for a text family or when there are none."""
-    parts = vision_parts(getattr(getattr(model, "config", None), "model_type", ""))
-    if parts is None or not adapters:
-        return None
-    leaves = {n.rsplit(".", 1)[-1] for n in adapters}
-    named = model.named_modules()
-    unadapted = [n for n, m in named if n.rsplit(".", 1)[-1] in leaves and n not in adapters and parts.in_vision(n)]
-    return exclude_pattern(parts, any(parts.in_tower(n) for n in adapters), unadapted)
 
 
 def expert_leaf_names(model: nn.Module) -> set[str]:

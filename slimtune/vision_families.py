@@ -5,7 +5,7 @@ checkpoint layout and stream like any other), unless ``LoRAConfig.vision`` puts 
 tower's linears too. The projector is never adapted.
 
 PEFT selects modules by name over the whole model (``all-linear`` takes the vision tower as well), so
-an adapter that leaves the tower frozen records the tower in ``exclude_modules`` (``exclude_pattern``):
+an adapter that leaves the tower frozen records the tower in ``exclude_modules`` (``peft_exclude_modules``):
 ``PeftModel.from_pretrained`` then adapts exactly the modules slimtune trained.
 
 Example::
@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+
+from torch import nn
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,7 @@ def tiny_values(model_type: str, text_values: dict) -> dict:
     return values
 
 
-def exclude_pattern(parts: VisionParts, vision: bool, unadapted: list[str]) -> str | None:
+def _exclude_pattern(parts: VisionParts, vision: bool, unadapted: list[str]) -> str | None:
     """``exclude_modules`` for PEFT (a regex it full-matches) naming ``unadapted``, the vision modules named
     like a target but left without an adapter: the frozen vision prefixes that hold them (the projector's
     with ``vision``), and any others by their exact name (Qwen2.5-VL's ``patch_embed.proj``, a Conv3d,
@@ -125,3 +127,15 @@ def exclude_pattern(parts: VisionParts, vision: bool, unadapted: list[str]) -> s
     if not hit and not exact:
         return None
     return "^(?:" + "|".join([*(re.escape(p) + r"\..*" for p in hit), *(re.escape(n) for n in exact)]) + ")$"
+
+
+def peft_exclude_modules(model: nn.Module, adapters: dict[str, nn.Module]) -> str | None:
+    """PEFT's ``exclude_modules`` for the ``adapters`` (module name -> LoRA linear) of a vision-language
+    model: the vision modules (linear or not) named like a target but without an adapter, which PEFT's
+    name matching would otherwise adapt; None for a text family or when there are none."""
+    parts = vision_parts(getattr(getattr(model, "config", None), "model_type", ""))
+    if parts is None or not adapters:
+        return None
+    leaves = {n.rsplit(".", 1)[-1] for n in adapters}
+    unadapted = [n for n, _ in model.named_modules() if n.rsplit(".", 1)[-1] in leaves and n not in adapters and parts.in_vision(n)]
+    return _exclude_pattern(parts, any(parts.in_tower(n) for n in adapters), unadapted)

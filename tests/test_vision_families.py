@@ -70,10 +70,10 @@ CASES = {
 FAMILY_IDS = [f.model_type for f in VISION_FAMILIES]
 
 
-def write_base(family, path):
+def write_base(family, path, **overrides):
     """What a user brings: transformers' from_config + save_pretrained (bf16) and a tokenizer with the image tokens."""
     torch.manual_seed(0)
-    AutoModelForImageTextToText.from_config(tiny_config(family)).to(torch.bfloat16).save_pretrained(path)
+    AutoModelForImageTextToText.from_config(tiny_config(family, **overrides)).to(torch.bfloat16).save_pretrained(path)
     tok = byte_tokenizer()
     tok.add_tokens([name for name, _ in IMAGE_TOKENS[family.model_type]], special_tokens=True)
     tok.save_pretrained(path)
@@ -229,6 +229,21 @@ def test_lora_vision_adapts_the_tower_and_loads_in_peft(model_type, tmp_path):
     assert {n.removeprefix("base_model.model.") for n, m in peft_model.named_modules() if hasattr(m, "lora_A")} == set(adapters)
     gap = bf16_ulps(logits(peft_model, batch), logits(model, batch))
     print(f"{model.config.model_type}: {gap:.2f} bf16 ulps of the largest logit")
+    assert gap <= TOLERANCE_ULPS, gap
+
+
+@pytest.mark.parametrize("model_type", FAMILY_IDS)
+def test_tied_embeddings_stay_tied_and_the_merged_save_reloads(model_type, tmp_path):
+    """The smaller published checkpoints (Qwen2.5-VL-3B, SmolVLM) tie the head to the embeddings."""
+    tok = write_base(family_of(model_type), tmp_path / "base", tie_word_embeddings=True)
+    batch = image_batch(model_type, tok, ANSWER)
+    model = load_qlora_model(tmp_path / "base", LoRAConfig(rank=8, alpha=16), seed=0, progress=False)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    train(model, batch)
+    save_checkpoint(model, tmp_path / "ckpt", WriteOptions(progress=False))
+    assert tensor_keys(tmp_path / "ckpt") == tensor_keys(tmp_path / "base")
+    merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "ckpt", dtype=torch.bfloat16).eval()
+    gap = bf16_ulps(logits(merged, batch), logits(model, batch))
     assert gap <= TOLERANCE_ULPS, gap
 
 

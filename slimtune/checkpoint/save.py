@@ -24,7 +24,6 @@ from slimtune.checkpoint.writer import WriteOptions, create_files, write_json, w
 from slimtune.distributed import SINGLE, Ranks
 from slimtune.errors import SlimtuneError
 from slimtune.facts import facts_of
-from slimtune.families import peft_exclude_modules
 from slimtune.fileio import check_free_space, os_errors
 from slimtune.formats.hf import INDEX_NAME, export_config_dict, index_dict, read_config_dict, tokenizer_files
 from slimtune.formats.layout import ADAPTER_CONFIG, ADAPTER_DIR
@@ -32,6 +31,7 @@ from slimtune.formats.manifest import FileRecord, sha256_file, write_manifest
 from slimtune.formats.peft_config import adapter_config_dict
 from slimtune.lora import lora_modules
 from slimtune.tensors import StreamTensor
+from slimtune.vision_families import peft_exclude_modules
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

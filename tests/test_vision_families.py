@@ -19,10 +19,11 @@ from transformers import AutoModelForImageTextToText
 
 from slimtune.checkpoint.save import save_checkpoint
 from slimtune.checkpoint.writer import WriteOptions
+from slimtune.errors import SlimtuneError
 from slimtune.facts import facts_of
 from slimtune.families import VISION_FAMILIES, checkpoint_layout, default_targets, family_of, meta_model, resolve_targets, tiny_config
 from slimtune.lora import LoRAConfig, lora_modules, lora_parameters, qlora_linears
-from slimtune.model import load_qlora_model
+from slimtune.model import build_qlora_skeleton, load_qlora_model
 from slimtune.quant import is_nf4
 from slimtune.tiny import byte_tokenizer
 from slimtune.vision_families import IMAGE_TOKENS, vision_parts
@@ -245,6 +246,19 @@ def test_tied_embeddings_stay_tied_and_the_merged_save_reloads(model_type, tmp_p
     merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "ckpt", dtype=torch.bfloat16).eval()
     gap = bf16_ulps(logits(merged, batch), logits(model, batch))
     assert gap <= TOLERANCE_ULPS, gap
+
+
+def test_explicit_vision_targets(tmp_path):
+    """A target only the frozen vision tower has is one error naming LoRAConfig.vision; with it, only the tower's layers."""
+    (tmp_path / "base").mkdir()
+    tiny_config(family_of("qwen2_5_vl")).save_pretrained(tmp_path / "base")
+    with pytest.raises(SlimtuneError, match=r"\['qkv'\] not found in Qwen2.5-VL .*\['qkv'\] are vision linears, frozen; LoRAConfig.vision"):
+        load_qlora_model(tmp_path / "base", LoRAConfig(target_modules=["q_proj", "qkv"]), progress=False)
+    model = build_qlora_skeleton(tiny_config(family_of("qwen2_5_vl")), LoRAConfig(target_modules=["qkv", "gate_proj"], vision=True))
+    assert sorted(lora_modules(model)) == sorted(
+        [f"model.visual.blocks.{i}.attn.qkv" for i in range(2)]
+        + [f"model.{part}.{i}.mlp.gate_proj" for part in ("visual.blocks", "language_model.layers") for i in range(2)]
+    )
 
 
 def test_targets_and_layout_by_name():

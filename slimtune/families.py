@@ -21,6 +21,7 @@ from torch import nn
 from slimtune.errors import SlimtuneError, first_line
 from slimtune.formats.peft_config import ALL_LINEAR
 from slimtune.quant import base_rows, is_nf4
+from slimtune.vision_families import tiny_values, vision_parts
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +72,26 @@ FAMILIES: tuple[Family, ...] = (
 )
 
 
+# Vision-language families (slimtune.vision_families): transformers' image-text-to-text class; the
+# language model as a text family, the vision tower and projector frozen in the base dtype.
+VISION_FAMILIES: tuple[Family, ...] = (
+    Family(
+        "Qwen2.5-VL",
+        "qwen2_5_vl",
+        notes="`Qwen2_5_VLForConditionalGeneration`; vision tower and merger frozen in the base dtype (`LoRAConfig.vision`: "
+        "LoRA on the tower's linears too); image data, recipe and GGUF mmproj not yet",
+    ),
+    Family(
+        "SmolVLM / Idefics3",
+        "idefics3",
+        notes="`Idefics3ForConditionalGeneration`; vision encoder and connector frozen in the base dtype (`LoRAConfig.vision`: "
+        "LoRA on the encoder's linears too); image data, recipe and GGUF mmproj not yet",
+    ),
+)
+
+
 def family_of(model_type: str) -> Family | None:
-    return next((f for f in FAMILIES if f.model_type == model_type), None)
+    return next((f for f in FAMILIES + VISION_FAMILIES if f.model_type == model_type), None)
 
 
 def family_name(config) -> str:
@@ -81,7 +100,7 @@ def family_name(config) -> str:
 
 
 def supported_names() -> str:
-    return ", ".join(f.name for f in FAMILIES)
+    return ", ".join(f.name for f in FAMILIES + VISION_FAMILIES)
 
 
 # --- Targets -------------------------------------------------------------------------------------------
@@ -99,12 +118,13 @@ def output_head(model: nn.Module) -> nn.Module | None:
     return get() if get is not None else None
 
 
-def resolve_targets(model: nn.Module, targets: list[str] | str) -> list[str]:
+def resolve_targets(model: nn.Module, targets: list[str] | str, vision: bool = False) -> list[str]:
     """The leaf names of the layers that get an adapter. ``all-linear`` (PEFT's convention): every
-    nn.Linear / Conv1D except the output head. On a mixture-of-experts model, names that the published
-    layout gives the experts (Qwen3-MoE's gate_proj/up_proj/down_proj, Mixtral's w1/w2/w3) are left out:
-    PEFT maps those names to the fused experts, so an adapter on a dense layer of that name would not load
-    in PEFT. Example: ``resolve_targets(model, "all-linear")``."""
+    nn.Linear / Conv1D except the output head; in a vision-language family only the language model's
+    (and the vision tower's with ``vision``: ``adaptable_linear``). On a mixture-of-experts model, names
+    that the published layout gives the experts (Qwen3-MoE's gate_proj/up_proj/down_proj, Mixtral's
+    w1/w2/w3) are left out: PEFT maps those names to the fused experts, so an adapter on a dense layer of
+    that name would not load in PEFT. Example: ``resolve_targets(model, "all-linear")``."""
     if isinstance(targets, str):
         targets = [targets]
     reserved = expert_leaf_names(model)
@@ -117,7 +137,8 @@ def resolve_targets(model: nn.Module, targets: list[str] | str) -> list[str]:
     if ALL_LINEAR not in targets:
         return list(targets)
     head = output_head(model)
-    leaves = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if is_linear(m) and m is not head}
+    named = model.named_modules()
+    leaves = {n.rsplit(".", 1)[-1] for n, m in named if is_linear(m) and m is not head and adaptable_linear(model, n, vision)}
     if leaves & reserved:
         names = sorted(leaves & reserved)
         log.debug("%s: layers named %s stay frozen: PEFT maps these names to the experts", family_name(model.config), names)
@@ -126,6 +147,13 @@ def resolve_targets(model: nn.Module, targets: list[str] | str) -> list[str]:
     if not leaves:
         raise SlimtuneError(f"{family_name(model.config)}: has no linear layers for all-linear; list lora.target_modules explicitly")
     return sorted(leaves | set(extra))
+
+
+def adaptable_linear(model: nn.Module, name: str, vision: bool = False) -> bool:
+    """Whether linear ``name`` may be NF4 with an adapter: every one of a text family; in a vision-language
+    family the language model's, and the vision tower's with ``vision`` (never the projector's)."""
+    parts = vision_parts(getattr(model.config, "model_type", ""))
+    return parts is None or parts.adaptable(name, vision)
 
 
 def expert_leaf_names(model: nn.Module) -> set[str]:
@@ -137,22 +165,25 @@ def expert_leaf_names(model: nn.Module) -> set[str]:
     return {p.key.rsplit(".", 2)[-2] for p in checkpoint_layout(model) if p.param.startswith(prefixes)}
 
 
-def default_targets(model_type: str) -> list[str]:
+def default_targets(model_type: str, vision: bool = False) -> list[str]:
     """all-linear resolved for a family (README table)."""
     fam = family_of(model_type)
-    return resolve_targets(meta_model(tiny_config(fam)), ALL_LINEAR)
+    return resolve_targets(meta_model(tiny_config(fam)), ALL_LINEAR, vision)
 
 
 # --- Building ------------------------------------------------------------------------------------------
 
 
 def meta_model(config, dtype: torch.dtype | None = None) -> nn.Module:
-    """The transformers model for ``config`` with every tensor on the meta device (no memory)."""
-    from transformers import AutoModelForCausalLM  # lazy: the merge path imports this module, never transformers
+    """The transformers model for ``config`` with every tensor on the meta device (no memory): the
+    causal-LM class, or the image-text-to-text class of a vision-language family."""
+    # lazy: the merge path imports this module, never transformers
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    auto = AutoModelForImageTextToText if vision_parts(getattr(config, "model_type", "")) else AutoModelForCausalLM
     try:
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config, dtype=dtype)
+            return auto.from_config(config, dtype=dtype)
     except ValueError as e:
         raise SlimtuneError(
             f"model type {getattr(config, 'model_type', '?')!r} has no causal-LM class in transformers ({first_line(e)}); "
@@ -165,8 +196,11 @@ def check_supported(model: nn.Module) -> None:
     name = family_name(model.config)
     if family_of(getattr(model.config, "model_type", "")) is None:
         log.warning("%s is not among the tested families (%s); trying it as a generic causal LM", name, supported_names())
+    parts = vision_parts(getattr(model.config, "model_type", ""))
     for mod_name, module in model.named_modules():
         params = dict(module.named_parameters(recurse=False))
+        if parts is not None and parts.in_vision(mod_name):  # frozen in the base dtype: any layer type streams
+            continue
         if _is_fused_experts(module, params):
             bad = [a for a in ("has_bias", "is_transposed", "has_post_expert_norm") if getattr(module, a, False)]
             if bad or not getattr(module, "is_concatenated", True) or not getattr(module, "has_gate", True):
@@ -415,13 +449,16 @@ def frozen_nf4_keys(config) -> set[str]:
 
 
 def tiny_config(family: Family, vocab_size: int = 259, **overrides):
-    """The family's config at test widths (every projection divides into NF4 blocks), bf16."""
+    """The family's config at test widths (every projection divides into NF4 blocks), bf16. A
+    vision-language family's vocabulary is ``vocab_size`` text tokens and its image tokens after them."""
     from transformers import AutoConfig  # lazy: the merge path imports this module, never transformers
 
     special = dict(pad_token_id=vocab_size - 3, bos_token_id=vocab_size - 2, eos_token_id=vocab_size - 1)
     values = dict(family.tiny, vocab_size=vocab_size, dtype="bfloat16", **special)
     if family.model_type != "gpt2":
         values["max_position_embeddings"] = 256
+    if vision_parts(family.model_type):  # vision-language: the image tokens come after the text vocabulary
+        values = tiny_values(family.model_type, values)
     values.update(overrides)
     return AutoConfig.for_model(family.model_type, **values)
 
@@ -429,7 +466,7 @@ def tiny_config(family: Family, vocab_size: int = 259, **overrides):
 def family_table() -> str:
     """The README's table of supported families (``python -m slimtune.families`` prints it)."""
     rows = ["| family | `model_type` | default targets (`all-linear`) | notes |", "| --- | --- | --- | --- |"]
-    for f in FAMILIES:
+    for f in FAMILIES + VISION_FAMILIES:
         targets = " ".join(f"`{t}`" for t in default_targets(f.model_type))
         rows.append(f"| {f.name} | `{f.model_type}` | {targets} | {f.notes} |")
     return "\n".join(rows)

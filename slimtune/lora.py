@@ -27,6 +27,9 @@ class LoRAConfig:
     target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
     # Linears whose frozen weight is held in NF4 without an adapter (beyond the targets, which always are).
     quantize_modules: list[str] = field(default_factory=list)
+    # Vision-language families: LoRA (on NF4) on the vision tower's linears too; by default the tower and
+    # projector stay frozen in the base dtype (slimtune.vision_families).
+    vision: bool = False
 
 
 class LoRALinear(nn.Module):

@@ -33,6 +33,7 @@ from slimtune.facts import ModelFacts, facts_of, remember
 from slimtune.families import (
     NF4Experts,
     Placement,
+    adaptable_linear,
     check_supported,
     checkpoint_layout,
     family_name,
@@ -75,14 +76,13 @@ def build_qlora_skeleton(config: PretrainedConfig, lora: LoRAConfig) -> nn.Modul
     layout = checkpoint_layout(model)  # from the pristine transformers model, before any replacement
     rename = forward_renamings(model)
     materialise_buffers(model)
-    targets = resolve_targets(model, lora.target_modules)
-    wanted = set(targets) | set(resolve_targets(model, lora.quantize_modules))
+    targets = resolve_targets(model, lora.target_modules, lora.vision)
+    wanted = set(targets) | set(resolve_targets(model, lora.quantize_modules, lora.vision))
     head = output_head(model) if ALL_LINEAR in list(lora.target_modules) + list(lora.quantize_modules) else None
-    linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if is_linear(m)})
     found = set()
     for name, module in list(model.named_modules()):
         leaf = name.rsplit(".", 1)[-1]
-        if leaf in wanted and is_linear(module) and module is not head:
+        if leaf in wanted and is_linear(module) and module is not head and adaptable_linear(model, name, lora.vision):
             found.add(leaf)
             conv = isinstance(module, Conv1D)
             in_f, out_f = (module.weight.shape[0], module.nf) if conv else (module.in_features, module.out_features)
@@ -101,17 +101,28 @@ def build_qlora_skeleton(config: PretrainedConfig, lora: LoRAConfig) -> nn.Modul
             model.set_submodule(name, replacement)
     missing = [t for t in sorted(wanted) if t not in found]
     if missing:
-        others = sorted({type(m).__name__ for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in missing})
-        kind = f" (they are {others}, not linear layers)" if others else ""
-        raise SlimtuneError(
-            f"target module(s) {missing} not found in {family_name(config)} ({type(model).__name__}){kind}; "
-            f"its linear layers are {linears}, or use all-linear"
-        )
+        raise _missing_targets(model, missing, lora.vision)
     for name in fused_experts(model):
         model.set_submodule(name, NF4Experts(model.get_submodule(name)))
     _check_adapter_size(model, lora)
     remember(model, ModelFacts(layout=layout, targets=targets, rename=rename))
     return model
+
+
+def _missing_targets(model: nn.Module, missing: list[str], vision: bool) -> SlimtuneError:
+    """Targets that name no linear slimtune may adapt: what they are, the linears that can be targets, and
+    (a vision-language model) whether they are the frozen vision tower's (``LoRAConfig.vision``)."""
+    adaptable = [(n, m) for n, m in model.named_modules() if adaptable_linear(model, n, vision)]
+    linears = sorted({n.rsplit(".", 1)[-1] for n, m in adaptable if is_linear(m)})
+    others = sorted({type(m).__name__ for n, m in adaptable if n.rsplit(".", 1)[-1] in missing})
+    kind = f" (they are {others}, not linear layers)" if others else ""
+    frozen = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if is_linear(m) and not adaptable_linear(model, n, vision)}
+    if set(missing) & frozen:
+        kind += f" ({sorted(set(missing) & frozen)} are vision linears, frozen; LoRAConfig.vision adapts the vision tower's)"
+    return SlimtuneError(
+        f"target module(s) {missing} not found in {family_name(model.config)} ({type(model).__name__}){kind}; "
+        f"its linear layers are {linears}, or use all-linear"
+    )
 
 
 def _check_adapter_size(model: nn.Module, lora: LoRAConfig) -> None:

@@ -31,6 +31,7 @@ from slimtune.formats.manifest import FileRecord, sha256_file, write_manifest
 from slimtune.formats.peft_config import adapter_config_dict
 from slimtune.lora import lora_modules
 from slimtune.tensors import StreamTensor
+from slimtune.vision_families import peft_exclude_modules
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -204,7 +205,7 @@ def save_checkpoint(
         config=config,
         tokenizer_dir=options.tokenizer_dir or source_dir,
         adapter=adapter_tensor_stream(model),
-        adapter_config=adapter_config_dict(lora_modules(model), _base_name(model)),
+        adapter_config=adapter_config_dict(lora_modules(model), _base_name(model), peft_exclude_modules(model, lora_modules(model))),
         extra_files=options.extra_files,
         manifest_extra={"kind": "adapter" if write.adapter_only else "adapter+merged"},
         shared_write=shared_write,

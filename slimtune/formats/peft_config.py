@@ -59,9 +59,11 @@ _NO_MERGE_EFFECT = {
 }
 
 
-def adapter_config_dict(adapters: dict[str, nn.Module], base_model_name_or_path: str = "") -> dict:
+def adapter_config_dict(adapters: dict[str, nn.Module], base_model_name_or_path: str = "", exclude_modules: str | None = None) -> dict:
     """The config PEFT's LoraConfig reads, describing ``adapters`` (module path -> a LoRA linear with
-    ``rank``, ``alpha``, ``dropout``, ``use_rslora``, ``fan_in_fan_out``: ``lora.lora_modules(model)``).
+    ``rank``, ``alpha``, ``dropout``, ``use_rslora``, ``fan_in_fan_out``: ``lora.lora_modules(model)``);
+    ``exclude_modules`` (a regex PEFT full-matches): modules named like a target that hold no adapter
+    (a vision-language model's frozen vision tower: ``families.peft_exclude_modules``).
 
     Example: ``adapter_config_dict(lora_modules(model), "meta-llama/Llama-3.2-1B")["r"]`` -> 8"""
     modules = list(adapters.values())
@@ -72,7 +74,8 @@ def adapter_config_dict(adapters: dict[str, nn.Module], base_model_name_or_path:
     fan_in_fan_out = {getattr(m, "fan_in_fan_out", False) for m in modules}
     if len(fan_in_fan_out) > 1:  # PEFT has one flag per adapter
         raise SlimtuneError(f"adapters on both Conv1D and nn.Linear layers ({targets}) cannot be one PEFT adapter; target one kind")
-    return {
+    extra = {"exclude_modules": exclude_modules} if exclude_modules else {}
+    return extra | {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model_name_or_path,

@@ -1,0 +1,89 @@
+"""ggml's K-quants (Q2_K ... Q6_K) in C (``kquant_kernel.c``), byte for byte what ggml's reference quantizers
+write, built once with the machine's C compiler and loaded with ctypes (``slimtune.native``);
+``slimtune.gguf.kquants`` quantizes in torch, with the same bytes, wherever it cannot be.
+
+Why hand-written: no Python library quantizes K-quants (the ``gguf`` package only dequantizes them), and
+ggml's own quantizer needs a C++ build of llama.cpp (``llama_model_quantize``). The torch code vectorizes
+the scale searches over blocks but stays several times slower than ggml's scalar C, whose searches are
+short loops over 16 or 32 values held in registers. This file is that algorithm written again in C, with
+ggml's float32 operations in ggml's order, compiled with ``-ffp-contract=off`` (no fused multiply-adds:
+one rounding per operation, as ggml's reference quantizers are built), so its bytes are ggml's
+(tests/test_kquants.py runs every byte-identity test on both paths). ctypes releases the GIL for the call.
+
+``SLIMTUNE_NATIVE=0``, no compiler or a failed build: torch's code runs; ``status()`` says which
+(``slimtune --version`` prints it).
+
+Example::
+
+    out = quantize(torch.randn(4, 256), "Q4_K")   # uint8 (4, 144), or None where torch's code must run
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from pathlib import Path
+
+import torch
+
+from slimtune import native
+
+__all__ = ["fp16_bits", "quantize", "status"]
+
+SOURCE = Path(__file__).with_name("kquant_kernel.c")
+FLAGS = ("-O2", "-ffp-contract=off", "-fno-math-errno")  # one rounding per float operation; sqrtf inline
+TYPES = {"Q2_K": (0, 84), "Q3_K": (1, 110), "Q4_K": (2, 144), "Q5_K": (3, 176), "Q6_K": (4, 210)}
+
+_lock = threading.Lock()
+_loaded: tuple[ctypes.CDLL | None, str] | None = None  # (library, status line), once per process
+
+
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    lib, why = native.load(SOURCE, FLAGS)
+    if lib is None:
+        return None, f"torch ({why})"
+    pointer = ctypes.c_void_p
+    lib.slimtune_kquant.restype = ctypes.c_int
+    lib.slimtune_kquant.argtypes = [ctypes.c_int, pointer, pointer, ctypes.c_int64]
+    lib.slimtune_fp16_bits.restype = None
+    lib.slimtune_fp16_bits.argtypes = [pointer, pointer, ctypes.c_int64]
+    return lib, "C"
+
+
+def _library() -> tuple[ctypes.CDLL | None, str]:
+    global _loaded
+    if _loaded is None:
+        with _lock:
+            if _loaded is None:
+                _loaded = _load()
+    return _loaded
+
+
+def status() -> str:
+    """One line: what quantizes K-quants here. Example: ``status()`` -> ``"C"`` or ``"torch (SLIMTUNE_NATIVE=0)"``"""
+    return _library()[1]
+
+
+def quantize(x: torch.Tensor, type_name: str) -> torch.Tensor | None:
+    """Superblocks ``x`` (N, 256) quantized to ``type_name``: uint8 (N, block bytes); None where the C loop
+    does not run (then ``slimtune.gguf.kquants`` does, with the same bytes).
+    Example: ``quantize(torch.zeros(1, 256), "Q6_K").shape == (1, 210)``"""
+    lib = _library()[0]
+    if lib is None or type_name not in TYPES:
+        return None
+    code, size = TYPES[type_name]
+    x = x.detach().to(torch.float32).contiguous()
+    out = torch.empty(x.shape[0], size, dtype=torch.uint8)
+    lib.slimtune_kquant(code, x.data_ptr(), out.data_ptr(), x.shape[0])
+    return out
+
+
+def fp16_bits(x: torch.Tensor) -> torch.Tensor | None:
+    """The C loop's fp32 -> fp16 bits of ``x`` (flat int32 0..65535), None without it (for the tests)."""
+    lib = _library()[0]
+    if lib is None:
+        return None
+    x = x.detach().to(torch.float32).contiguous().reshape(-1)
+    out = torch.empty(x.numel(), dtype=torch.int16)
+    lib.slimtune_fp16_bits(x.data_ptr(), out.data_ptr(), x.numel())
+    return out.to(torch.int32) & 0xFFFF

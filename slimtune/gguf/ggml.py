@@ -158,10 +158,10 @@ def _q5_1(b: torch.Tensor, check: bool = False) -> torch.Tensor:
     return torch.cat([le16(_fp16(d)), le16(_fp16(m)), _high_bits(q).to(torch.uint8), _nibbles(q).to(torch.uint8)], dim=1)
 
 
-def _kquant(type_name: str, in_torch: Callable[[torch.Tensor, bool], torch.Tensor]) -> Callable[[torch.Tensor, bool], torch.Tensor]:
-    """``type_name``'s quantizer of superblocks (N, 256): the C loop (``kquant_kernel``) where it runs, else
-    ``in_torch``; the same bytes. With ``check``, NaN and infinities are a ``NonFiniteError`` first (from the
-    blocks' maxima and minima, as the torch code finds them)."""
+def _native(type_name: str, in_torch: Callable[[torch.Tensor, bool], torch.Tensor]) -> Callable[[torch.Tensor, bool], torch.Tensor]:
+    """``type_name``'s quantizer of blocks (N, block values): the C loop (``kquant_kernel``) where it runs,
+    else ``in_torch``; the same bytes and errors. With ``check``, NaN and infinities are a
+    ``NonFiniteError`` first (from the blocks' maxima and minima, as the torch code finds them)."""
 
     def run(x: torch.Tensor, check: bool = False) -> torch.Tensor:
         if kquant_kernel.status() != "C":
@@ -172,20 +172,18 @@ def _kquant(type_name: str, in_torch: Callable[[torch.Tensor, bool], torch.Tenso
     return run
 
 
-QUANTIZERS = {
-    name: _kquant(name, fn)
-    for name, fn in (("Q2_K", _q2_k), ("Q3_K", _q3_k), ("Q4_K", kquants._q4_k), ("Q5_K", kquants._q5_k), ("Q6_K", kquants._q6_k))
-}
+_KQUANTS = (("Q2_K", _q2_k), ("Q3_K", _q3_k), ("Q4_K", kquants._q4_k), ("Q5_K", kquants._q5_k), ("Q6_K", kquants._q6_k))
+QUANTIZERS = {name: _native(name, fn) for name, fn in _KQUANTS}
 """Superblocks (N, 256), check -> their bytes (N, block bytes) (``check``: NaN or an infinity is a
 ``NonFiniteError``)."""
 
 _TYPES: dict[str, tuple[Callable[[torch.Tensor, bool], torch.Tensor], int, int]] = {
     # type: (quantizer of blocks (N, block values), check -> (N, block bytes), values per block, blocks per piece)
     "Q8_0": (_q8_0, 32, 16384),
-    "Q4_0": (_q4_0, 32, 4096),
-    "Q4_1": (_q4_1, 32, 4096),
-    "Q5_0": (_q5_0, 32, 4096),
-    "Q5_1": (_q5_1, 32, 4096),
+    "Q4_0": (_native("Q4_0", _q4_0), 32, 4096),
+    "Q4_1": (_native("Q4_1", _q4_1), 32, 4096),
+    "Q5_0": (_native("Q5_0", _q5_0), 32, 4096),
+    "Q5_1": (_native("Q5_1", _q5_1), 32, 4096),
     "Q2_K": (QUANTIZERS["Q2_K"], kquants.QK_K, 1024),
     "Q3_K": (QUANTIZERS["Q3_K"], kquants.QK_K, 1024),
     "Q4_K": (QUANTIZERS["Q4_K"], kquants.QK_K, 1024),

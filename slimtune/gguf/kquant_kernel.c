@@ -1,5 +1,5 @@
-/* ggml's K-quant block formats Q2_K, Q3_K, Q4_K, Q5_K and Q6_K, quantized as ggml's reference quantizers
- * (quantize_row_q*_K_ref, the path llama_model_quantize takes without an importance matrix) quantize them,
+/* ggml's K-quant block formats Q2_K, Q3_K, Q4_K, Q5_K and Q6_K, and the legacy Q4_0, Q4_1, Q5_0 and Q5_1, quantized as ggml's reference quantizers
+ * (quantize_row_*_ref, the path llama_model_quantize takes without an importance matrix) quantize them,
  * byte for byte (slimtune/gguf/kquant_kernel.py builds it; slimtune/gguf/kquants.py is the same in torch).
  *
  * Written from the algorithm, not from ggml's text. Byte identity rests on doing the same IEEE float32
@@ -427,16 +427,127 @@ static void q6_k(const float *x, uint8_t *y) {
     put16(y + 208, d);
 }
 
+/* The legacy 32-value blocks. (int8_t)v of a float level: C's truncation toward zero; an infinite or NaN v
+ * (a block whose scale is subnormal: 1.0f/d overflows) converts as x86-64's cvttss2si does, to 0x80000000,
+ * whose low byte is 0. Each returns whether a stored fp16 scale is inf or NaN (an overflow the caller refuses). */
+static inline int8_t to_int8(float v) {
+    if (!(fabsf(v) < 2147483648.f)) return 0;
+    return (int8_t)(int32_t)v;
+}
+
+static inline int overflows(uint16_t h) { return (h & 0x7c00u) == 0x7c00u; }
+
+/* max: the first value of largest magnitude (0 where all are 0); d = max / -levels/2. */
+static int signed_scale(const float *x, int half, float *d, float *id) {
+    float amax = 0.0f, mx = 0.0f;
+    for (int j = 0; j < 32; j++) {
+        if (amax < fabsf(x[j])) {
+            amax = fabsf(x[j]);
+            mx = x[j];
+        }
+    }
+    *d = mx / -half;
+    *id = *d ? 1.0f / *d : 0.0f;
+    return 0;
+}
+
+/* Q4_0 block: d, qs[16] (level j low nibble, level j + 16 high). */
+static int q4_0(const float *x, uint8_t *y) {
+    float d, id;
+    signed_scale(x, 8, &d, &id);
+    uint16_t h = fp16_bits(d);
+    put16(y, h);
+    for (int j = 0; j < 16; j++) {
+        int a = to_int8(x[j] * id + 8.5f), b = to_int8(x[16 + j] * id + 8.5f);
+        y[2 + j] = (uint8_t)((a < 15 ? a : 15) | ((b < 15 ? b : 15) << 4));
+    }
+    return overflows(h);
+}
+
+/* Q5_0 block: d, qh (bit j: level j's bit 4, little-endian uint32), qs[16]. */
+static int q5_0(const float *x, uint8_t *y) {
+    float d, id;
+    signed_scale(x, 16, &d, &id);
+    uint16_t h = fp16_bits(d);
+    put16(y, h);
+    uint32_t qh = 0;
+    for (int j = 0; j < 16; j++) {
+        int a = to_int8(x[j] * id + 16.5f), b = to_int8(x[16 + j] * id + 16.5f);
+        a = a < 31 ? a : 31;
+        b = b < 31 ? b : 31;
+        y[6 + j] = (uint8_t)((a & 0xF) | ((b & 0xF) << 4));
+        qh |= (((uint32_t)a & 0x10u) >> 4) << j;
+        qh |= (((uint32_t)b & 0x10u) >> 4) << (j + 16);
+    }
+    for (int k = 0; k < 4; k++) y[2 + k] = (uint8_t)(qh >> (8 * k));
+    return overflows(h);
+}
+
+/* min and max: the first of each; d = (max - min) / (levels - 1), the levels (x - min) * id + 0.5 truncated. */
+static void min_scale(const float *x, int levels, float *d, float *id, float *mn) {
+    float lo = 3.40282347e38f, hi = -3.40282347e38f;
+    for (int j = 0; j < 32; j++) {
+        if (x[j] < lo) lo = x[j];
+        if (x[j] > hi) hi = x[j];
+    }
+    *d = (hi - lo) / (levels - 1);
+    *id = *d ? 1.0f / *d : 0.0f;
+    *mn = lo;
+}
+
+/* Q4_1 block: d, m, qs[16]. */
+static int q4_1(const float *x, uint8_t *y) {
+    float d, id, mn;
+    min_scale(x, 16, &d, &id, &mn);
+    uint16_t h = fp16_bits(d), m = fp16_bits(mn);
+    put16(y, h);
+    put16(y + 2, m);
+    for (int j = 0; j < 16; j++) {
+        int a = to_int8((x[j] - mn) * id + 0.5f), b = to_int8((x[16 + j] - mn) * id + 0.5f);
+        y[4 + j] = (uint8_t)((a < 15 ? a : 15) | ((b < 15 ? b : 15) << 4));
+    }
+    return overflows(h) | overflows(m);
+}
+
+/* Q5_1 block: d, m, qh, qs[16]. */
+static int q5_1(const float *x, uint8_t *y) {
+    float d, id, mn;
+    min_scale(x, 32, &d, &id, &mn);
+    uint16_t h = fp16_bits(d), m = fp16_bits(mn);
+    put16(y, h);
+    put16(y + 2, m);
+    uint32_t qh = 0;
+    for (int j = 0; j < 16; j++) {
+        int a = to_int8((x[j] - mn) * id + 0.5f), b = to_int8((x[16 + j] - mn) * id + 0.5f);
+        a = a < 31 ? a : 31;
+        b = b < 31 ? b : 31;
+        y[8 + j] = (uint8_t)((a & 0xF) | ((b & 0xF) << 4));
+        qh |= (((uint32_t)a & 0x10u) >> 4) << j;
+        qh |= (((uint32_t)b & 0x10u) >> 4) << (j + 16);
+    }
+    for (int k = 0; k < 4; k++) y[4 + k] = (uint8_t)(qh >> (8 * k));
+    return overflows(h) | overflows(m);
+}
+
 typedef void (*block_fn)(const float *, uint8_t *);
 static const block_fn BLOCKS[5] = {q2_k, q3_k, q4_k, q5_k, q6_k};
 static const int BYTES[5] = {84, 110, 144, 176, 210};
+typedef int (*legacy_fn)(const float *, uint8_t *);
+static const legacy_fn LEGACY[4] = {q4_0, q4_1, q5_0, q5_1};
+static const int LEGACY_BYTES[4] = {18, 20, 22, 24};
 
-/* Superblocks [0, n) of x (256 float32 each) of type t (0 Q2_K .. 4 Q6_K) into out (n * its block bytes).
- * Returns 0, or -1 for an unknown type. */
-int slimtune_kquant(int t, const float *x, uint8_t *out, int64_t n) {
-    if (t < 0 || t > 4) return -1;
-    for (int64_t b = 0; b < n; b++) BLOCKS[t](x + QK_K * b, out + (int64_t)BYTES[t] * b);
-    return 0;
+/* Blocks [0, n) of x of type t into out (n * its block bytes): t 0..4 Q2_K .. Q6_K (256 values a block),
+ * 5..8 Q4_0, Q4_1, Q5_0, Q5_1 (32). Returns the blocks whose fp16 scale overflowed (legacy types;
+ * the K-quants write ggml's bytes for any input), or -1 for an unknown type. */
+int64_t slimtune_kquant(int t, const float *x, uint8_t *out, int64_t n) {
+    if (t >= 0 && t <= 4) {
+        for (int64_t b = 0; b < n; b++) BLOCKS[t](x + QK_K * b, out + (int64_t)BYTES[t] * b);
+        return 0;
+    }
+    if (t < 5 || t > 8) return -1;
+    int64_t bad = 0;
+    for (int64_t b = 0; b < n; b++) bad += LEGACY[t - 5](x + 32 * b, out + (int64_t)LEGACY_BYTES[t - 5] * b);
+    return bad;
 }
 
 /* fp32 -> fp16 bits, n values (the tests compare it with ggml's). */

@@ -1,8 +1,9 @@
-"""ggml's block types quantized in torch: ``quantize(rows, type_name)`` for every quantized type slimtune
-writes to GGUF, byte for byte what ggml's reference quantizers (``quantize_row_*_ref`` in ``ggml-quants.c``,
-the path ``llama_model_quantize`` takes without an importance matrix) write:
+"""ggml's block types: ``quantize(rows, type_name)`` for every quantized type slimtune writes to GGUF, byte
+for byte what ggml's reference quantizers (``quantize_row_*_ref`` in ``ggml-quants.c``, the path
+``llama_model_quantize`` takes without an importance matrix) write:
 
-- the legacy 32-value blocks Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (here: a few passes over the blocks each);
+- the legacy 32-value blocks Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (here in torch: a few passes over the blocks
+  each; Q4_0 ... Q5_1 in C where a compiler is, ``slimtune.gguf.kquant_kernel``);
 - the K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K: the iterative scale searches, in C where a compiler is
   (``slimtune.gguf.kquant_kernel``), else in torch (``slimtune.gguf.kquants``, ``kquants23``).
 

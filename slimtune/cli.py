@@ -197,7 +197,7 @@ class _Version(argparse.Action):
         print(f"NF4 dequantization on the CPU: {nf4_kernel.status()}")
         from slimtune.gguf import kquant_kernel  # lazy: imports torch
 
-        print(f"GGUF K-quant quantization: {kquant_kernel.status()}")
+        print(f"GGUF quantization (K-quants, Q4_0-Q5_1): {kquant_kernel.status()}")
         parser.exit()
 
 

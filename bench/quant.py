@@ -3,7 +3,9 @@ of fp32 input, on one thread and on a pool of ``--threads``, beside the ``gguf``
 (the legacy types: what the export used before) and ggml's own C (``ggml_quantize_chunk`` of the libggml
 llama-cpp-python loads: what ``llama_model_quantize`` runs, one thread). Rows: Gaussian weights (std 0.02),
 4096 wide; each figure the best of ``--rounds``, the three alternated. ``slimtune_1_thread_cpu``: the one-thread
-figure by the thread's CPU time (``time.thread_time``), the measure that holds on a loaded machine."""
+figure by the thread's CPU time (``time.thread_time``), the measure that holds on a loaded machine;
+``ggml_c_1_thread_cpu`` the same of ggml's C. slimtune's path (``slimtune.gguf.kquant_kernel.status``: C, or
+torch and why) is in ``path``."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import torch
 
 from slimtune.gguf import ggml
 
-_GGML_TYPE = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+_GGML_TYPE = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 
 
 def _ggml_c():
@@ -62,5 +64,8 @@ def bench_quant(rows: int = 256, threads: int = 2, rounds: int = 3) -> dict:
         if lib is not None:
             call = lambda n=name: lib.ggml_quantize_chunk(_GGML_TYPE[n], a.ctypes.data, dst.ctypes.data, 0, rows, 4096, None)  # noqa: E731
             figures["ggml_c_1_thread"] = mb / _best(call, rounds)
+            figures["ggml_c_1_thread_cpu"] = mb / _best(call, rounds, time.thread_time)
         out[name] = {k: round(v, 1) for k, v in figures.items()}
-    return {"rows": rows, "width": 4096, "mb_fp32": round(mb, 1), "MB_per_s": out}
+    from slimtune.gguf import kquant_kernel
+
+    return {"rows": rows, "width": 4096, "mb_fp32": round(mb, 1), "path": kquant_kernel.status(), "MB_per_s": out}

@@ -80,8 +80,10 @@ def test_version_names_slimtune_and_its_libraries(capsys):
     from slimtune.cli import main
 
     assert main(["--version"]) == 0
-    line, kernel = capsys.readouterr().out.strip().splitlines()
+    line, kernel, kquant = capsys.readouterr().out.strip().splitlines()
     assert line.startswith(f"slimtune {__version__} (torch {torch.__version__}, transformers {transformers.__version__}, "), line
+    from slimtune.gguf import kquant_kernel
     from slimtune.quant import nf4_kernel
 
     assert kernel == f"NF4 dequantization on the CPU: {nf4_kernel.status()}", kernel
+    assert kquant == f"GGUF quantization (K-quants, Q4_0-Q5_1): {kquant_kernel.status()}", kquant

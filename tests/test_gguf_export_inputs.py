@@ -141,3 +141,31 @@ def test_non_finite_weight_is_one_line_for_every_kind_of_type(merged, tmp_path, 
     out.mkdir()
     for typ in ("f16", "q8_0", "q6_k"):
         _refused(capsys, out, "export", str(src), "--type", typ, "--out", str(out / "m.gguf"), words=(key, "NaN or infinite"))
+
+
+def test_a_damaged_small_file_is_refused_before_any_parser_reads_it(merged, tmp_path):
+    """tokenizer_config.json changed after the manifest (its chat_template a number, which the ``gguf``
+    package would parse and warn about): the hash check refuses it before any library reads it, and the
+    export's whole stderr is that one line (a real process: nothing a library prints comes first)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    src = tmp_path / "src"
+    shutil.copytree(merged, src)
+    cfg = src / "tokenizer_config.json"
+    data = json.loads(cfg.read_text())
+    data["chat_template"] = 5
+    cfg.write_text(json.dumps(data))
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, "-m", "slimtune", "export", str(src), "--type", "q8_0", "--out", str(out / "m.gguf")]
+    r = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "tokenizer_config.json" in lines[0] and "the manifest says" in lines[0], lines[0]
+    assert not list(out.iterdir())

@@ -5,23 +5,40 @@ calls for every tensor; with no importance matrix it runs ``quantize_row_*_ref``
 Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) must be byte-identical: random rows of several scales, and the edge rows
 (zeros, signed zeros, constants, huge and tiny magnitudes up to 3e38, subnormals, outliers, exact ties,
 zero sub-blocks); the legacy types equal the ``gguf`` package's numpy quantizers too. The file-level
-comparison with ``llama_model_quantize`` is in test_gguf.py."""
+comparison with ``llama_model_quantize`` is in test_gguf.py.
+
+Every test runs on both paths (``path``): the C loop (``kquant_kernel``, where a compiler is) and torch's
+code (``kquants``, ``kquants23``)."""
 
 from __future__ import annotations
 
 import ctypes
+import os
 
 import numpy as np
 import pytest
 import torch
 
-from slimtune.gguf import ggml, kquants
+from slimtune import native
+from slimtune.gguf import ggml, kquant_kernel, kquants
 from tests.conftest import llama_cpp_oracle
 
 llama_cpp = llama_cpp_oracle()
 _GGML_TYPE = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 KQUANTS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 LEGACY = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
+
+
+@pytest.fixture(autouse=True, params=["C", "torch"])
+def path(request, monkeypatch):
+    """The K-quants' C loop, or torch's code with the loop switched off (forked workers inherit it)."""
+    if request.param == "torch":
+        monkeypatch.setattr(kquant_kernel, "_loaded", (None, "torch (switched off for the test)"))
+    elif kquant_kernel.status() != "C":
+        # with a compiler (every machine the suite runs on) a failed build must not pass as the fallback
+        assert native._compiler() is None or os.environ.get("SLIMTUNE_NATIVE", "1") == "0", kquant_kernel.status()
+        pytest.skip(f"no C loop here: {kquant_kernel.status()}")
+    return request.param
 
 
 def _ggml():
@@ -124,10 +141,12 @@ def test_edge_rows_byte_identical_to_ggml(type_name):
 
 
 @pytest.mark.parametrize("type_name", ["Q2_K", "Q4_K", "Q5_K"])
-def test_scale_search_falls_back_to_checked_levels_only_where_needed(type_name, monkeypatch):
+def test_scale_search_falls_back_to_checked_levels_only_where_needed(type_name, monkeypatch, path):
     """make_qkx2's candidates take the unchecked fast levels and keep their reach: random rows finish in
     that search; edge rows (spans that overflow, 3e38) leave the fast range, so the search runs again with
-    every candidate's levels checked, and both give ggml's bytes."""
+    every candidate's levels checked, and both give ggml's bytes. (torch's code only: the C has no such paths.)"""
+    if path == "C":
+        pytest.skip("torch's search only")
     runs = []
     search = kquants._qkx2_search
 
@@ -279,3 +298,30 @@ def test_bad_input():
     with pytest.raises(ValueError, match="IQ4_NL"):
         ggml.quantize(torch.zeros(2, 256), "IQ4_NL")
     assert ggml.quantize(torch.zeros(0, 256), "Q6_K").numel() == 0
+
+
+def test_the_c_loop_runs_where_it_is_built(path, monkeypatch):
+    """``ggml.quantize`` runs the C loop for the K-quants and Q4_0 ... Q5_1 where it is built (the ``path`` fixture fails
+    where a compiler is and the build is not), torch's code where it is switched off."""
+    calls = []
+    real = kquant_kernel.quantize
+    monkeypatch.setattr(kquant_kernel, "quantize", lambda *a: calls.append(a[1]) or real(*a))
+    for type_name in KQUANTS + LEGACY:
+        ggml.quantize(torch.randn(2, 512), type_name, threads=1)
+    in_c = KQUANTS + ["Q4_0", "Q4_1", "Q5_0", "Q5_1"]  # Q8_0: torch's passes keep up with ggml's C
+    assert calls == (in_c if path == "C" else [])
+    assert kquant_kernel.status() == "C" if path == "C" else kquant_kernel.status().startswith("torch (")
+
+
+def test_c_fp16_rounding_is_ggmls(path):
+    """The C loop's fp32 -> fp16 (its block scales) equals ggml_fp32_to_fp16_row on bit patterns of every
+    exponent: subnormal results, ties, overflow to inf, NaN."""
+    if path == "torch":
+        pytest.skip("the C loop's own conversion")
+    g = np.random.default_rng(2)
+    bits = g.integers(0, 2**32, 1 << 20, dtype=np.uint64).astype(np.uint32)
+    ties = (np.arange(-40, 20, dtype=np.int64)[:, None] + 127 << 23 | np.array([0x1000, 0x3000, 0x0FFF, 0x1001])).reshape(-1)
+    x = np.concatenate([bits.view(np.float32), ties.astype(np.uint32).view(np.float32), np.float32([0.0, -0.0, 65504, 65520, 1e-8])])
+    ref = np.zeros(x.size, dtype=np.uint16)
+    _ggml().ggml_fp32_to_fp16_row(x.ctypes.data, ref.ctypes.data, x.size)
+    assert np.array_equal(kquant_kernel.fp16_bits(torch.from_numpy(x)).numpy().astype(np.uint16), ref)

@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 
+from slimtune import native
 from slimtune.quant import nf4_kernel
 from slimtune.quant.nf4 import dequantize_nf4_rows, nf4_from_parts, quantize_nf4
 
@@ -46,7 +47,7 @@ def _loop_rows(w, start: int, end: int, loop: int) -> torch.Tensor:
 def test_the_c_loop_is_built_and_chosen_where_a_compiler_and_a_vector_unit_are():
     """On x86-64 with a C compiler (every machine the suite runs on) the C loop runs, not torch's ops:
     a failed build must not pass silently as the fallback."""
-    if X86 and nf4_kernel._compiler() is not None and os.environ.get("SLIMTUNE_NATIVE", "1") != "0":
+    if X86 and native._compiler() is not None and os.environ.get("SLIMTUNE_NATIVE", "1") != "0":
         assert nf4_kernel.kind() >= 1, nf4_kernel.status()
         assert nf4_kernel.status().startswith("C, "), nf4_kernel.status()
         w = quantize_nf4(torch.randn(64, 128).to(torch.bfloat16))
@@ -132,11 +133,12 @@ def test_malformed_inner_tensors_are_left_to_torchs_ops_never_read_out_of_bounds
 STATUS_SCRIPT = """
 import json, os, time
 import torch
+from slimtune import native
 from slimtune.quant import nf4_kernel
 from slimtune.quant.nf4 import dequantize_nf4_rows, quantize_nf4
 w = quantize_nf4(torch.randn(64, 128).to(torch.bfloat16))
 same = torch.equal(dequantize_nf4_rows(w, 0, 64).view(torch.int16), w.get_original_weight().view(torch.int16))
-cache = nf4_kernel._cache_dir()
+cache = native._cache_dir()
 files = sorted(p.name for p in cache.iterdir()) if cache.is_dir() else []
 print(json.dumps({"status": nf4_kernel.status(), "kind": nf4_kernel.kind(), "same": same, "files": files,
                   "mtimes": [os.stat(cache / f).st_mtime_ns for f in files]}))

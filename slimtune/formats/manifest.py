@@ -253,12 +253,14 @@ class ReadCheck:
                 self._problems = self._folded_problems()
         else:
             self._thread.join()
-        if self._problems:
-            raise SlimtuneError(
-                self._problems[0]
-                + ("" if len(self._problems) == 1 else f" (and {len(self._problems) - 1} more)")
-                + "; --no-verify reads it as it is"
-            )
+        _refuse(self._problems)
+
+
+def _refuse(problems: list[str]) -> None:
+    """The first problem (and how many more) as one ``SlimtuneError`` line; nothing where there is none."""
+    if problems:
+        more = "" if len(problems) == 1 else f" (and {len(problems) - 1} more)"
+        raise SlimtuneError(problems[0] + more + "; --no-verify reads it as it is")
 
 
 def read_check(path: str | Path, verify: bool = True, fold: bool = False) -> ReadCheck | None:
@@ -266,18 +268,32 @@ def read_check(path: str | Path, verify: bool = True, fold: bool = False) -> Rea
     ``step-N/adapter``) as the manifest of ``path`` or of its parent lists them; None when ``verify`` is
     off or neither has a manifest (a plain Hugging Face directory: nothing to check against). A manifest
     that is there but unreadable is one ``SlimtuneError`` line. ``fold``: hashed from the command's own
-    reads (``ReadCheck.tap``) instead of a pass of its own."""
+    reads (``ReadCheck.tap``) instead of a pass of its own. The small files other libraries parse are
+    checked here, before it returns (``_check_parsed_files``)."""
     path = Path(path)
     if not verify or not path.is_dir():
         return None
     for root in (path, path.parent):
         if (root / MANIFEST_NAME).exists():
             prefix = "" if root == path else path.name + "/"
-            listed = [f["path"] for f in read_manifest(root)["files"]]
-            files = [rel for rel in listed if rel.startswith(prefix) and (prefix or "/" not in rel)]
-            if files:
-                return ReadCheck(root, files, fold)
+            listed = read_manifest(root)["files"]
+            entries = [f for f in listed if f["path"].startswith(prefix) and (prefix or "/" not in f["path"])]
+            if entries:
+                _check_parsed_files(root, entries)
+                return ReadCheck(root, [f["path"] for f in entries], fold)
     return None
+
+
+_PARSED_SUFFIXES = (".json", ".jinja", ".txt", ".model", ".yaml", ".tiktoken")
+_PARSED_MAX_BYTES = 64 * 1024 * 1024
+
+
+def _check_parsed_files(root: Path, entries: list[dict]) -> None:
+    """The small files other libraries parse (config, tokenizer files, the chat template: by suffix, at most
+    64 MB each) hashed now, before anything reads them: a damaged one is this one ``SlimtuneError`` line,
+    never a parser's message first. The weights are hashed as they are read (``ReadCheck``)."""
+    small = [f["path"] for f in entries if f["path"].endswith(_PARSED_SUFFIXES) and f["size"] <= _PARSED_MAX_BYTES]
+    _refuse(manifest_problems(root, only=small, extra=False) if small else [])
 
 
 def checks_done(*checks: ReadCheck | None) -> None:

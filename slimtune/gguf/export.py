@@ -304,17 +304,16 @@ def open_source(
 ) -> Iterator[_Source]:
     """The merged model as an fp32 tensor stream: SRC's merged model, or an adapter (``--adapter``, or
     SRC's ``adapter/``) merged on the fly into ``base`` exactly as ``slimtune merge`` merges it. With
-    ``verify``, each checkpoint read that has a manifest is hashed while it is read (``_Source.checks``):
-    by a pass of its own beside the export, which also brings the files into the page cache ahead of the
-    export's reads (measured faster than hashing the export's own reads, cold and warm). Without such a
-    pass, and with ``one_pass`` (the caller reads the stream once), the files are read ahead and let go behind
-    (``BaseCheckpoint(drop_behind=True)``)."""
+    ``verify``, each checkpoint read that has a manifest is checked (``_Source.checks``): its small files
+    before anything parses them, its weights, with ``one_pass`` (the caller reads the stream once), hashed
+    from the bytes the export reads (no second read), else by a pass of their own. With ``one_pass`` the
+    files are read ahead and let go behind (``BaseCheckpoint(drop_behind=True)``)."""
     resolved = MergeBase.named(merge_base)  # the one check of the name, and the row reader it means
     if src is not None and not Path(src).is_dir():
         raise SlimtuneError(f"{src}: no such checkpoint directory")
     if src is not None and adapter is None and base is None and CheckpointLayout(src).has_merged:
-        check = read_check(src, verify)
-        reader = BaseCheckpoint(src, drop_behind=one_pass and check is None)
+        check = read_check(src, verify, fold=one_pass)  # one pass: hashed from the export's own reads
+        reader = BaseCheckpoint(src, check=check, drop_behind=one_pass)
         try:
             stream = [_plain(reader, k) for k in reader.keys]
             yield _Source(reader.config, stream, Path(src), Path(src), format_record(Path(src)), (check,))
@@ -329,8 +328,8 @@ def open_source(
     from slimtune.formats.peft import read_adapter
 
     lora = read_adapter(adapter)
-    checks = (read_check(lora.path, verify), read_check(base, verify))
-    reader = BaseCheckpoint(base, drop_behind=one_pass and checks[1] is None)
+    checks = (read_check(lora.path, verify), read_check(base, verify, fold=one_pass))
+    reader = BaseCheckpoint(base, check=checks[1], drop_behind=one_pass)
     try:
         stream = merged_file_stream(reader, lora, torch.float32, resolved, keep_dtype=True)  # widened a piece at a time
         dirs = [d for d in (Path(adapter), Path(src) if src else None) if d is not None]

@@ -1,9 +1,11 @@
-"""ggml's block types quantized in torch: ``quantize(rows, type_name)`` for every quantized type slimtune
-writes to GGUF, byte for byte what ggml's reference quantizers (``quantize_row_*_ref`` in ``ggml-quants.c``,
-the path ``llama_model_quantize`` takes without an importance matrix) write:
+"""ggml's block types: ``quantize(rows, type_name)`` for every quantized type slimtune writes to GGUF, byte
+for byte what ggml's reference quantizers (``quantize_row_*_ref`` in ``ggml-quants.c``, the path
+``llama_model_quantize`` takes without an importance matrix) write:
 
-- the legacy 32-value blocks Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (here: a few passes over the blocks each);
-- the K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (``slimtune.gguf.kquants``: the iterative scale searches).
+- the legacy 32-value blocks Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (here in torch: a few passes over the blocks
+  each; Q4_0 ... Q5_1 in C where a compiler is, ``slimtune.gguf.kquant_kernel``);
+- the K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K: the iterative scale searches, in C where a compiler is
+  (``slimtune.gguf.kquant_kernel``), else in torch (``slimtune.gguf.kquants``, ``kquants23``).
 
 The ``gguf`` package quantizes the legacy types too, in numpy on one core; these run on every core the
 process may use (``threads``), in pieces of cache-sized blocks, and agree with both ggml and the package
@@ -29,8 +31,9 @@ from collections.abc import Callable
 
 import torch
 
-from slimtune.gguf import kquants
-from slimtune.gguf.kquants import QUANTIZERS, NonFiniteError, _scratch, finite_blocks, first_extreme, fp16_bits, le16, signed_absmax
+from slimtune.gguf import kquant_kernel, kquants
+from slimtune.gguf.kquants import NonFiniteError, _scratch, finite_blocks, first_extreme, fp16_bits, le16, signed_absmax
+from slimtune.gguf.kquants23 import _q2_k, _q3_k
 from slimtune.gguf.pool import PiecePool, can_fork, register_error
 
 __all__ = ["BLOCK_BYTES", "BLOCK_VALUES", "NonFiniteError", "Quantizer", "quantize"]
@@ -156,13 +159,32 @@ def _q5_1(b: torch.Tensor, check: bool = False) -> torch.Tensor:
     return torch.cat([le16(_fp16(d)), le16(_fp16(m)), _high_bits(q).to(torch.uint8), _nibbles(q).to(torch.uint8)], dim=1)
 
 
+def _native(type_name: str, in_torch: Callable[[torch.Tensor, bool], torch.Tensor]) -> Callable[[torch.Tensor, bool], torch.Tensor]:
+    """``type_name``'s quantizer of blocks (N, block values): the C loop (``kquant_kernel``) where it runs,
+    else ``in_torch``; the same bytes and errors. With ``check``, NaN and infinities are a
+    ``NonFiniteError`` first (from the blocks' maxima and minima, as the torch code finds them)."""
+
+    def run(x: torch.Tensor, check: bool = False) -> torch.Tensor:
+        if kquant_kernel.status() != "C":
+            return in_torch(x, check)
+        finite_blocks(check, *(torch.aminmax(x, dim=1) if check else ()))
+        return kquant_kernel.quantize(x, type_name)
+
+    return run
+
+
+_KQUANTS = (("Q2_K", _q2_k), ("Q3_K", _q3_k), ("Q4_K", kquants._q4_k), ("Q5_K", kquants._q5_k), ("Q6_K", kquants._q6_k))
+QUANTIZERS = {name: _native(name, fn) for name, fn in _KQUANTS}
+"""Superblocks (N, 256), check -> their bytes (N, block bytes) (``check``: NaN or an infinity is a
+``NonFiniteError``)."""
+
 _TYPES: dict[str, tuple[Callable[[torch.Tensor, bool], torch.Tensor], int, int]] = {
     # type: (quantizer of blocks (N, block values), check -> (N, block bytes), values per block, blocks per piece)
     "Q8_0": (_q8_0, 32, 16384),
-    "Q4_0": (_q4_0, 32, 4096),
-    "Q4_1": (_q4_1, 32, 4096),
-    "Q5_0": (_q5_0, 32, 4096),
-    "Q5_1": (_q5_1, 32, 4096),
+    "Q4_0": (_native("Q4_0", _q4_0), 32, 4096),
+    "Q4_1": (_native("Q4_1", _q4_1), 32, 4096),
+    "Q5_0": (_native("Q5_0", _q5_0), 32, 4096),
+    "Q5_1": (_native("Q5_1", _q5_1), 32, 4096),
     "Q2_K": (QUANTIZERS["Q2_K"], kquants.QK_K, 1024),
     "Q3_K": (QUANTIZERS["Q3_K"], kquants.QK_K, 1024),
     "Q4_K": (QUANTIZERS["Q4_K"], kquants.QK_K, 1024),

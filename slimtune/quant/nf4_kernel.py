@@ -10,31 +10,26 @@ SSE4.1 ``pshufb``). No library does this for torchao's layout with torchao's bit
 kernel looks up float32 NF4 levels (other bits than torchao's bf16 table), and ``torch.compile`` of the
 same gather was slower than torch's eager ops.
 
-Built with ``$CC`` (else ``cc``, ``gcc``, ``clang`` on PATH) into ``$XDG_CACHE_HOME/slimtune`` (else
-``~/.cache/slimtune``), named by the hash of the source, the compiler and the flags, written to a
-temporary sibling and renamed: a second process reuses it, two building at once each rename a whole
-file. ``SLIMTUNE_NATIVE=0`` turns it off. Without a compiler, on a CPU without SSE4.1 (not x86-64: no
+Built and loaded by ``slimtune.native`` (once, into ``~/.cache/slimtune``; ``SLIMTUNE_NATIVE=0`` turns
+it off). Without a compiler, on a CPU without SSE4.1 (not x86-64: no
 vector loop is written for it yet), or on a failed build, torch's ops run, with the same bits;
 ``status()`` says which (``slimtune --version`` prints it)."""
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
 import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 
+from slimtune import native
+
 __all__ = ["dequantize_bf16", "kind", "status"]
 
 SOURCE = Path(__file__).with_name("nf4_kernel.c")
-FLAGS = ("-O2", "-shared", "-fPIC", "-ffp-contract=off")  # no fused multiply-adds: torch's float32 operations, one rounding each
+FLAGS = ("-O2", "-ffp-contract=off")  # no fused multiply-adds: torch's float32 operations, one rounding each
 KINDS = {0: "plain C", 1: "SSE4.1", 2: "AVX-512 BW"}
 _MIN_KIND = 1  # the plain C loop is slower than torch's ops: it only stands in for the vector loops in the tests
 
@@ -42,51 +37,10 @@ _lock = threading.Lock()
 _loaded: tuple[ctypes.CDLL | None, int, str] | None = None  # (library, kind, status line), once per process
 
 
-def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and (path := shutil.which(name)):
-            return path
-    return None
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "slimtune"
-
-
-def _build(cc: str) -> Path:
-    """The library for this source, compiler and flags: from the cache, else compiled into it (temporary
-    sibling, rename). Raises OSError or CalledProcessError (its first stderr line) on failure."""
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(FLAGS).encode(), platform.machine().encode()])).hexdigest()[:16]
-    target = _cache_dir() / f"nf4_kernel-{key}.so"
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
-    os.close(fd)
-    try:
-        subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True, text=True, timeout=120)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
-
 def _load() -> tuple[ctypes.CDLL | None, int, str]:
-    if os.environ.get("SLIMTUNE_NATIVE", "1") == "0":
-        return None, -1, "torch's ops (SLIMTUNE_NATIVE=0)"
-    cc = _compiler()
-    if cc is None:
-        return None, -1, "torch's ops (no C compiler: set CC or install cc)"
-    try:
-        lib = ctypes.CDLL(str(_build(cc)))
-    except subprocess.CalledProcessError as e:
-        first = (e.stderr or "").strip().splitlines()
-        return None, -1, f"torch's ops ({cc} failed: {first[0] if first else f'exit {e.returncode}'})"
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return None, -1, f"torch's ops (the C loop could not be built or loaded: {e})"
+    lib, why = native.load(SOURCE, FLAGS)
+    if lib is None:
+        return None, -1, f"torch's ops ({why})"
     lib.slimtune_nf4_kind.restype = ctypes.c_int
     lib.slimtune_nf4_bf16.restype = None
     pointer, count = ctypes.c_void_p, ctypes.c_int64

@@ -79,6 +79,7 @@ def build_qlora_skeleton(config: PretrainedConfig, lora: LoRAConfig) -> nn.Modul
     targets = resolve_targets(model, lora.target_modules, lora.vision)
     wanted = set(targets) | set(resolve_targets(model, lora.quantize_modules, lora.vision))
     head = output_head(model) if ALL_LINEAR in list(lora.target_modules) + list(lora.quantize_modules) else None
+    linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if is_linear(m) and adaptable_linear(model, n, lora.vision)})
     found = set()
     for name, module in list(model.named_modules()):
         leaf = name.rsplit(".", 1)[-1]
@@ -101,7 +102,7 @@ def build_qlora_skeleton(config: PretrainedConfig, lora: LoRAConfig) -> nn.Modul
             model.set_submodule(name, replacement)
     missing = [t for t in sorted(wanted) if t not in found]
     if missing:
-        raise _missing_targets(model, missing, lora.vision)
+        raise _missing_targets(model, missing, lora.vision, linears)
     for name in fused_experts(model):
         model.set_submodule(name, NF4Experts(model.get_submodule(name)))
     _check_adapter_size(model, lora)
@@ -109,11 +110,11 @@ def build_qlora_skeleton(config: PretrainedConfig, lora: LoRAConfig) -> nn.Modul
     return model
 
 
-def _missing_targets(model: nn.Module, missing: list[str], vision: bool) -> SlimtuneError:
-    """Targets that name no linear slimtune may adapt: what they are, the linears that can be targets, and
-    (a vision-language model) whether they are the frozen vision tower's (``LoRAConfig.vision``)."""
+def _missing_targets(model: nn.Module, missing: list[str], vision: bool, linears: list[str]) -> SlimtuneError:
+    """Targets that name no linear slimtune may adapt: what they are, the linears that can be targets
+    (``linears``, named before any was replaced), and (a vision-language model) whether they are the frozen
+    vision tower's (``LoRAConfig.vision``)."""
     adaptable = [(n, m) for n, m in model.named_modules() if adaptable_linear(model, n, vision)]
-    linears = sorted({n.rsplit(".", 1)[-1] for n, m in adaptable if is_linear(m)})
     others = sorted({type(m).__name__ for n, m in adaptable if n.rsplit(".", 1)[-1] in missing})
     kind = f" (they are {others}, not linear layers)" if others else ""
     frozen = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if is_linear(m) and not adaptable_linear(model, n, vision)}

@@ -168,10 +168,10 @@ class DirectAppend:
     ``start`` on, bypassing the page cache (O_DIRECT): the bytes are copied into a page-aligned buffer
     (the file's block holding ``start`` read back first, so its head is rewritten as it is) and written
     a whole buffer at a time; the last partial block goes through ``fd`` at ``close()``. A buffered
-    write of the same bytes costs ~1.5-2.5 s of system CPU per GB here (page cache, reclaim, writeback)
-    and ~0.05 this way. Where the platform or filesystem refuses O_DIRECT (at open or at the first
-    write), every byte goes through ``fd`` (``WriteBack``): the same bytes either way. The caller
-    fsyncs. Example: ``w = DirectAppend(path, fd, f.tell()); w.write(view); ...; end = w.close()``"""
+    write of the same bytes spends system CPU on the page cache, its reclaim and writeback; this way
+    almost none (the figures: docs/benchmarks.md). Where the platform or filesystem refuses O_DIRECT
+    (at open or at the first write), every byte goes through ``fd`` (``WriteBack``): the same bytes
+    either way. The caller fsyncs. Example: ``w = DirectAppend(path, fd, f.tell()); w.write(view); ...; end = w.close()``"""
 
     def __init__(self, path: Path, fd: int, start: int, buffer_bytes: int = _DIRECT_BUFFER):
         self.fd, self.pos = fd, start

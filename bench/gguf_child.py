@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+from slimtune.formats.merge_source import MergeSource
 from slimtune.gguf.export import GGUFOptions, export_gguf
 from slimtune.memory import bytes_written_by_process, peak_rss_mb, private_mb, reset_peak_rss, rss_mb
 
@@ -46,7 +47,7 @@ def main(argv: list[str]) -> None:
     workers = _WorkerMemory()
     workers.start()
     w0, t0 = bytes_written_by_process(), time.perf_counter()
-    result = export_gguf(Path(out), GGUFOptions(qtype, overwrite=True, verify=verify == "True"), base=Path(base), adapter=Path(adapter))
+    result = export_gguf(Path(out), GGUFOptions(qtype, overwrite=True), MergeSource(Path(base), Path(adapter), verify=verify == "True"))
     figures = {"export_s": time.perf_counter() - t0, "bytes_written": bytes_written_by_process() - w0}
     workers.stop.set()
     workers.join()

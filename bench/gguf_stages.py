@@ -22,11 +22,12 @@ import torch
 
 from bench.common import synthetic_base_and_adapter
 from bench.gguf_export import _default_gguf_tokenizer, _tokenizer_vocab
-from slimtune.formats.hf import load_config
+from slimtune.formats.base_checkpoint import BaseCheckpoint
+from slimtune.formats.hf import read_model_config
+from slimtune.formats.merge_source import MergeSource
 from slimtune.gguf import ggml
 from slimtune.gguf.arch import gguf_arch
 from slimtune.gguf.export import GGUFOptions, _with_norm_eps, gguf_tensors, open_source
-from slimtune.merge import BaseCheckpoint
 from slimtune.tensors import all_finite, row_chunks
 
 
@@ -54,8 +55,8 @@ def bench_gguf_stages(preset: str, out: Path, layers: int | None, block_type: st
                 reader.rows(key, s, min(s + step, shape[0])).float()
         reader.close()
         figures = {"read_s": round(time.perf_counter() - t0, 2)}
-        with open_source(None, base, adapter, "original", one_pass=False) as src:  # passes from the page cache
-            arch = gguf_arch(_with_norm_eps(src.config, load_config(src.config_dir)), str(src.model_dir / "config.json"))
+        with open_source(MergeSource(base, adapter), one_pass=False) as src:  # passes from the page cache
+            arch = gguf_arch(_with_norm_eps(src.config, read_model_config(src.config_dir)), str(src.model_dir / "config.json"))
             tensors = gguf_tensors(arch, src.stream)
             figures["rows_s"] = _pass(tensors, lambda rows, cols, q: None)
             figures["rows_finite_s"] = _pass(tensors, lambda rows, cols, q: all_finite(rows))

@@ -17,6 +17,7 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 from slimtune import LoRAConfig, WriteOptions, load_qlora_model, save_checkpoint
+from slimtune.formats.merge_source import MergeSource
 from slimtune.lora import lora_parameters
 from slimtune.merge import merge_from_files
 from slimtune.tiny import DEMO_TEXTS, byte_tokenizer, make_tiny_checkpoint
@@ -48,7 +49,7 @@ def main() -> None:
         results = {"qlora_loss": model(**batch, labels=labels).loss.item()}
         for merge_base in ("original", "quantized"):
             merged_dir = out / f"merged-{merge_base}"
-            merge_from_files(base, out / "qlora", merged_dir, WriteOptions(overwrite=True, progress=False), merge_base=merge_base)
+            merge_from_files(MergeSource(base, out / "qlora", merge_base), merged_dir, WriteOptions(overwrite=True, progress=False))
             merged = AutoModelForCausalLM.from_pretrained(str(merged_dir), dtype=torch.bfloat16).eval()
             logits = merged(**batch).logits.float()
             results[f"{merge_base}_max_abs_logit_diff"] = round((logits - reference)[mask].abs().max().item(), 4)

@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 from slimtune.checkpoint.writer import WriteOptions
+from slimtune.formats.merge_source import MergeSource
 from slimtune.memory import bytes_read_by_process, bytes_written_by_process, peak_rss_mb
 from slimtune.merge import merge_from_files
 from slimtune.profiler import timing_stages
@@ -19,7 +21,9 @@ def main(argv: list[str]) -> None:
     base, adapter, out, device, check = argv
     r0, w0, t0 = bytes_read_by_process(), bytes_written_by_process(), time.perf_counter()
     with timing_stages() as profile:  # no synchronisation added: GPU work shows up where the copy to the host waits for it
-        result = merge_from_files(base, adapter, out, WriteOptions(overwrite=True, progress=True, device=device), verify=check == "verify")
+        result = merge_from_files(
+            MergeSource(base, Path(adapter), verify=check == "verify"), out, WriteOptions(overwrite=True, progress=True, device=device)
+        )
     figures = {
         "merge_s": time.perf_counter() - t0,
         "stages_s": {k: round(v, 3) for k, v in sorted(profile.seconds.items())},

@@ -40,7 +40,7 @@ from torch.profiler import record_function
 
 from slimtune.config import load_config
 from slimtune.data import DataSpec, collate, epoch_order, epoch_steps, load_data, model_inputs, write_jsonl
-from slimtune.formats.hf import load_config as load_hf_config
+from slimtune.formats.hf import read_model_config
 from slimtune.model import load_tokenizer
 from slimtune.recipes import run_finetune
 from slimtune.runtime import choose_num_threads
@@ -61,7 +61,7 @@ def bench_train_step(model_dir: Path, out: Path, shape: dict, rounds: int = 2, c
     values = {**_config_values(model_dir, data_path, out / "train-step-run", shape, compile), "training.num_threads": threads}
     cfg = load_config("tiny", values=values)
     tokenizer = load_tokenizer(model_dir)
-    examples = load_data(DataSpec.from_config(cfg), tokenizer, vocab_size=load_hf_config(model_dir).vocab_size).train
+    examples = load_data(DataSpec.from_config(cfg), tokenizer, vocab_size=read_model_config(model_dir).vocab_size).train
     ours: list[float] = []
     peer: list[float] = []
     our_s: list[float] = []
@@ -117,7 +117,7 @@ def bench_recipe_step(
     extra = {"training.max_steps": steps, "training.objective": objective}
     cfg = recipe_config(model_dir, data, out / "train-step-recipe-run", threads, extra)
     tokenizer = load_tokenizer(model_dir)
-    examples = load_data(DataSpec.from_config(cfg), tokenizer, vocab_size=load_hf_config(model_dir).vocab_size).train
+    examples = load_data(DataSpec.from_config(cfg), tokenizer, vocab_size=read_model_config(model_dir).vocab_size).train
     rows = [json.loads(line) for line in data.read_text().splitlines() if line.strip()]
     tok_s: dict[str, list[float]] = {"slimtune": [], **{p: [] for p in peers}}
     step_s: dict[str, list[float]] = {k: [] for k in tok_s}

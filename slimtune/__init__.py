@@ -3,6 +3,7 @@
 __version__ = "0.1.0"
 __all__ = [
     "LoRAConfig",
+    "MergeSource",
     "SaveOptions",
     "SaveResult",
     "WriteOptions",
@@ -14,6 +15,7 @@ __all__ = [
 
 _EXPORTS = {
     "LoRAConfig": "slimtune.lora",
+    "MergeSource": "slimtune.formats.merge_source",
     "SaveResult": "slimtune.checkpoint.save",
     "SaveOptions": "slimtune.checkpoint.save",
     "WriteOptions": "slimtune.checkpoint.writer",

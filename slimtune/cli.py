@@ -18,6 +18,7 @@ import traceback
 from pathlib import Path
 
 from slimtune.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_OK, EXIT_PROBLEMS, REPORT_HINT, SlimtuneError
+from slimtune.formats.merge_source import MERGE_BASES, MergeSource
 from slimtune.formats.strict_json import safe_text
 from slimtune.gguf.types import ADAPTER_TYPES, types_help
 from slimtune.logs import configure_logging
@@ -55,7 +56,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         raise SlimtuneError(f"--nproc {args.nproc}: expected 1 or more processes")
     cfg = load_config(args.config, args.overrides)  # every key checked before any work starts
     if args.nproc > 1 and not launched_by_torchrun():
-        return run_ranks(args.nproc, ["finetune", "--config", str(args.config), *args.overrides])
+        return run_ranks(args.nproc, args.argv)  # the command as given: every rank runs it under torchrun
     from slimtune.recipes.finetune import run_finetune  # lazy
 
     try:
@@ -80,7 +81,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     options = _sampling(args)
     messages = read_messages(args.messages) if args.messages is not None else None
-    loaded = load_for_generation(args.checkpoint, args.form, args.base, args.device, verify=args.verify)
+    loaded = load_for_generation(MergeSource.from_args(args), args.form, args.device)
     print(f"[{loaded.form} model, {args.format if args.format != 'auto' else loaded.prompt_format} format]", file=sys.stderr)
     ids = prompt_ids(loaded, prompt=args.prompt, messages=messages, fmt=None if args.format == "auto" else args.format)
     generate(loaded, ids, options, on_text=lambda text: print(text, end="", flush=True))
@@ -91,7 +92,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
     from slimtune.generate import chat_loop, load_for_generation  # lazy
 
     options = _sampling(args)
-    chat_loop(load_for_generation(args.checkpoint, args.form, args.base, args.device, verify=args.verify), options)
+    chat_loop(load_for_generation(MergeSource.from_args(args), args.form, args.device), options)
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
@@ -100,18 +101,14 @@ def cmd_merge(args: argparse.Namespace) -> int:
     if args.nproc < 1:
         raise SlimtuneError(f"--nproc {args.nproc}: expected 1 or more processes")
     if args.nproc > 1 and not launched_by_torchrun():
-        forwarded = ["merge", "--base", str(args.base), "--adapter", str(args.adapter), "--out", str(args.out)]
-        forwarded += ["--merge-base", args.merge_base, "--max-shard-size", str(args.max_shard_size), "--device", args.device]
-        forwarded += (["--dtype", args.dtype] if args.dtype else []) + (["--overwrite"] if args.overwrite else [])
-        forwarded += [] if args.verify else ["--no-verify"]
-        return run_ranks(args.nproc, forwarded)
+        return run_ranks(args.nproc, args.argv)  # the command as given: every rank runs it under torchrun
     from slimtune.checkpoint.writer import WriteOptions  # lazy
     from slimtune.merge import merge_from_files  # lazy
 
     options = WriteOptions(args.max_shard_size, args.overwrite, dtype=args.dtype, device=args.device)
     ranks = init_distributed("cpu")  # the ranks exchange only small control messages: gloo
     try:
-        result = merge_from_files(args.base, args.adapter, args.out, options, args.merge_base, ranks, args.verify)
+        result = merge_from_files(MergeSource.from_args(args), args.out, options, ranks)
     except BaseException:
         shutdown()
         raise
@@ -133,15 +130,16 @@ def cmd_export(args: argparse.Namespace) -> None:
     # beside the checkpoint, as checkpoint.gguf writes it: a file inside would not be in its manifest
     stem = "adapter" if args.adapter_only else "model"
     out = args.out or (args.src or args.adapter).resolve().parent / f"{stem}-{args.type}.gguf"
-    options = GGUFOptions(args.type, args.merge_base, args.overwrite, args.verify, dry_run=args.dry_run)
+    options = GGUFOptions(args.type, args.overwrite, dry_run=args.dry_run)
+    source = MergeSource.from_args(args)
     if args.adapter_only:
         from slimtune.gguf.adapter import export_gguf_adapter
 
-        result = export_gguf_adapter(out, options, src=args.src, base=args.base, adapter=args.adapter, base_gguf=args.base_gguf)
+        result = export_gguf_adapter(out, options, source, base_gguf=args.base_gguf)
     else:
         if args.base_gguf is not None:
             raise SlimtuneError("export: --base-gguf names the base of an --adapter-only file's Modelfile; add --adapter-only")
-        result = export_gguf(out, options, src=args.src, base=args.base, adapter=args.adapter)
+        result = export_gguf(out, options, source)
     if args.dry_run:
         for slot in result.plan.slots:
             print(f"{slot.source.name:<40} {slot.qtype.name:<5} {'x'.join(map(str, slot.source.shape)):>14} {slot.nbytes:>14,d} bytes")
@@ -158,7 +156,7 @@ def cmd_export(args: argparse.Namespace) -> None:
 def cmd_verify(args: argparse.Namespace) -> int:
     from slimtune.verify import verify_checkpoint  # lazy
 
-    report = verify_checkpoint(args.path, args.base, args.adapter, args.merge_base, args.ulps)
+    report = verify_checkpoint(args.path, MergeSource.from_args(args), args.ulps)
     if report.tensor_diffs:
         worst = sorted(report.tensor_diffs.items(), key=lambda kv: -kv[1])
         shown = worst if args.all else worst[:10]
@@ -281,9 +279,7 @@ def _add_export(sub) -> None:
         help=f"{types_help()} (default: f16)",
     )
     export.add_argument("--out", type=Path, default=None, help="output file (default: model-TYPE.gguf beside SRC)")
-    export.add_argument("--base", type=Path, default=None, help="base model (a directory or hub id), to merge an adapter on the fly")
-    export.add_argument("--adapter", type=Path, default=None, help="PEFT adapter directory (or a checkpoint holding adapter/)")
-    export.add_argument("--merge-base", choices=["original", "quantized"], default="original", help="as for merge (default: original)")
+    _source_args(export, "base model (a directory or hub id), to merge an adapter on the fly")
     export.add_argument("--overwrite", action="store_true", help="replace an existing output file (atomically, once complete)")
     export.add_argument("--dry-run", action="store_true", help="print each tensor's GGML type and the file's size; write nothing")
     export.add_argument(
@@ -296,16 +292,13 @@ def _add_export(sub) -> None:
     export.add_argument(
         "--base-gguf", default=None, help="with --adapter-only: the Modelfile's FROM (default: model-f16.gguf beside --base)"
     )
-    _no_verify(export)
     export.set_defaults(func=cmd_export)
 
 
 def _add_verify(sub) -> None:
     verify = sub.add_parser("verify", help="check a checkpoint against its manifest, the format rules and (optionally) its sources")
     verify.add_argument("path", type=Path, help="checkpoint directory")
-    verify.add_argument("--base", type=Path, default=None, help="base checkpoint (directory or hub id), to recompute each merged tensor")
-    verify.add_argument("--adapter", type=Path, default=None, help="adapter, to recompute each merged tensor")
-    verify.add_argument("--merge-base", choices=["original", "quantized"], default="original", help="as given to merge")
+    _source_args(verify, "base checkpoint (directory or hub id), to recompute each merged tensor with --adapter", verify=False)
     verify.add_argument(
         "--ulps", type=int, default=0, help="allowed difference in units of the last place (default 0: bit-identical, as slimtune writes)"
     )
@@ -322,49 +315,48 @@ def _generation_args(p: argparse.ArgumentParser, temperature: float) -> None:
         help="merged: the merged model with plain transformers; adapter: the adapter on the NF4 base it was trained on "
         "(bounded memory, as finetune loads it); auto: merged when the checkpoint has it",
     )
-    p.add_argument(
-        "--base", type=Path, default=None, help="base model for --form adapter, a directory or a hub id (default: the one training used)"
-    )
     p.add_argument("--max-new-tokens", type=int, default=128, help="default: 128")
     p.add_argument("--temperature", type=float, default=temperature, help=f"0: greedy (default: {temperature})")
     p.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling (default: 0.9)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed: the same seed gives the same text (default: 0)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: cuda when available")
-    _no_verify(p)
+    _source_args(p, "base model for --form adapter, a directory or a hub id (default: the one training used)", adapter=False)
 
 
-def _no_verify(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--no-verify",
-        dest="verify",
-        action="store_false",
-        help="do not check the sha256 of the checkpoint files read against their manifest (checked while reading by default)",
-    )
+def _source_args(p: argparse.ArgumentParser, base_help: str, required: bool = False, adapter: bool = True, verify: bool = True) -> None:
+    """The arguments ``MergeSource.from_args`` reads: --base, with ``adapter`` --adapter and --merge-base,
+    with ``verify`` --no-verify."""
+    p.add_argument("--base", type=Path, required=required, default=None, help=base_help)
+    if adapter:
+        p.add_argument(
+            "--adapter", type=Path, required=required, default=None, help="PEFT adapter directory (or a checkpoint holding adapter/)"
+        )
+        p.add_argument(
+            "--merge-base",
+            choices=MERGE_BASES,
+            default=MERGE_BASES[0],
+            help="merge into W itself (original, default) or into dequant(NF4(W)), the weights a QLoRA adapter was trained against",
+        )
+    if verify:
+        p.add_argument(
+            "--no-verify",
+            dest="verify",
+            action="store_false",
+            help="do not check the sha256 of the checkpoint files read against their manifest (checked while reading by default)",
+        )
 
 
 def _add_merge(sub) -> None:
     merge = sub.add_parser("merge", help="merge a PEFT LoRA adapter into a Hugging Face base, from files, in bounded memory")
-    merge.add_argument(
-        "--base",
-        type=Path,
-        required=True,
-        help="base checkpoint: a directory or a hub id org/name[@revision] (safetensors; bf16/fp16/fp32 or bitsandbytes NF4)",
-    )
-    merge.add_argument("--adapter", type=Path, required=True, help="PEFT adapter directory (or a slimtune checkpoint holding adapter/)")
+    base_help = "base checkpoint: a directory or a hub id org/name[@revision] (safetensors; bf16/fp16/fp32 or bitsandbytes NF4)"
+    _source_args(merge, base_help, required=True)
     merge.add_argument("--out", type=Path, required=True, help="output directory (must not exist unless --overwrite)")
-    merge.add_argument(
-        "--merge-base",
-        choices=["original", "quantized"],
-        default="original",
-        help="merge into W itself (original, default) or into dequant(NF4(W)), the weights a QLoRA adapter was trained against",
-    )
     merge.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="output dtype (default: the base's)")
     merge.add_argument(
         "--max-shard-size", default=DEFAULT_SHARD_SIZE, type=_size, help=f'largest shard (default "{DEFAULT_SHARD_SIZE}", decimal units)'
     )
     merge.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the merge math runs (default: cpu)")
     merge.add_argument("--overwrite", action="store_true", help="replace an existing output directory (atomically, once complete)")
-    _no_verify(merge)
     merge.add_argument(
         "--nproc",
         type=int,
@@ -392,7 +384,8 @@ def main(argv: list[str] | None = None) -> int:
             stream.reconfigure(errors="backslashreplace")
     command = "slimtune"
     try:
-        args = build_parser().parse_args(argv)
+        argv = list(sys.argv[1:] if argv is None else argv)
+        args = build_parser().parse_args(argv, argparse.Namespace(argv=argv))  # argv: what --nproc forwards to each rank
         command = f"slimtune {args.command}"
         configure_logging()
         quiet_library_logs()

@@ -18,6 +18,7 @@ from slimtune.config import load_config
 from slimtune.fileio import write_atomic
 from slimtune.formats.hub import resolve_model
 from slimtune.formats.layout import ADAPTER_DIR
+from slimtune.formats.merge_source import MergeSource
 from slimtune.generate import SamplingOptions, generate, load_for_generation, prompt_ids
 from slimtune.recipes.finetune import run_finetune
 from slimtune.tiny import DEMO_TEXTS
@@ -136,7 +137,7 @@ def _show_generate(out_dir: Path, ckpt: Path) -> str:
     rel = os.path.relpath(ckpt) if not os.path.relpath(ckpt).startswith("..") else str(ckpt)
     print(f"\n$ slimtune generate {rel} --prompt {prompt!r} --temperature 0 --max-new-tokens 24")
     options = SamplingOptions(max_new_tokens=24, temperature=0.0)
-    merged = load_for_generation(ckpt, form="merged", device="cpu")
+    merged = load_for_generation(MergeSource(checkpoint=ckpt), form="merged", device="cpu")
     text = generate(merged, prompt_ids(merged, prompt=prompt), options)
     ids = merged.tokenizer(text, add_special_tokens=False)["input_ids"]
     # the text as Python writes it, so spaces and newlines show (slimtune generate prints it plainly)
@@ -145,7 +146,7 @@ def _show_generate(out_dir: Path, ckpt: Path) -> str:
         "(the demo model is a random tiny Llama trained for seconds: expect noise, often spaces or repeated "
         "characters; on a real model this is its answer)"
     )
-    adapter = load_for_generation(ckpt, form="adapter", device="cpu")
+    adapter = load_for_generation(MergeSource(checkpoint=ckpt), form="adapter", device="cpu")
     same = generate(adapter, prompt_ids(adapter, prompt=prompt), options) == text
     print(
         f"(merged model, {merged.prompt_format} format; the adapter on the NF4 base (--form adapter) gives "
@@ -174,7 +175,7 @@ def _show_gguf(ckpt: Path, out: Path, transformers_text: str, prompt: str = "Can
         return
     from slimtune.generate import load_for_generation, prompt_ids
 
-    merged = load_for_generation(ckpt, form="merged", device="cpu")
+    merged = load_for_generation(MergeSource(checkpoint=ckpt), form="merged", device="cpu")
     ids = prompt_ids(merged, prompt=prompt)
     llm = llama_cpp.Llama(str(out), verbose=False, n_ctx=256)
     reply = []

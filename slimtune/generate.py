@@ -12,13 +12,12 @@ training data used (chat, Alpaca, or raw text) as recorded in the checkpoint's `
 
 Example::
 
-    loaded = load_for_generation("runs/1/step-000100")
+    loaded = load_for_generation(MergeSource(checkpoint=Path("runs/1/step-000100")))
     text = generate(loaded, prompt_ids(loaded, prompt="Name the format."), SamplingOptions(temperature=0))
 """
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,9 +30,11 @@ from transformers.generation.streamers import BaseStreamer
 
 from slimtune.data import FALLBACK_CHAT_TEMPLATE, alpaca_prompt, parse_json
 from slimtune.errors import SlimtuneError
+from slimtune.formats.format_record import read_format_record
 from slimtune.formats.hub import is_hub_id, resolve_model
 from slimtune.formats.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS, CheckpointLayout
 from slimtune.formats.manifest import checks_done, read_check
+from slimtune.formats.merge_source import MergeSource
 from slimtune.formats.peft import read_adapter
 from slimtune.lora import LoRAConfig
 from slimtune.model import load_adapter_weights, load_qlora_model, load_tokenizer, pick_device, pick_dtype
@@ -62,18 +63,16 @@ class Loaded:
     device: torch.device
 
 
-def load_for_generation(
-    path: str | Path, form: str = "auto", base: str | Path | None = None, device: str = "auto", dtype: str = "bf16", verify: bool = True
-) -> Loaded:
-    """A checkpoint (a ``step-N`` directory, a merged model directory or an adapter directory) loaded as
-    ``form``: merged, adapter (on the NF4 base), or auto (merged when there is one). With ``verify``, the
-    files read from a checkpoint with a manifest are hashed while the model loads, and a mismatch is one
-    error line before anything is generated."""
-    path = Path(path)
-    if not path.is_dir():
+def load_for_generation(source: MergeSource, form: str = "auto", device: str = "auto", dtype: str = "bf16") -> Loaded:
+    """The checkpoint of ``source`` (a ``step-N`` directory, a merged model directory or an adapter
+    directory) loaded as ``form``: merged, adapter (on the NF4 base: ``source.base``, else the one training
+    used), or auto (merged when there is one). With ``source.verify``, the files read from a checkpoint
+    with a manifest are hashed while the model loads, and a mismatch is one error line before anything
+    is generated."""
+    path, verify = source.checkpoint, source.verify
+    if path is None or not path.is_dir():
         raise SlimtuneError(f"{path}: no such checkpoint directory")
-    layout = CheckpointLayout(path)
-    adapter_dir, has_merged = layout.adapter_dir, layout.has_merged
+    adapter_dir, has_merged = source.adapter_dir, CheckpointLayout(path).has_merged
     if form == "auto":
         form = "merged" if has_merged else "adapter"
     if form == "merged" and not has_merged:
@@ -90,16 +89,15 @@ def load_for_generation(
             raise SlimtuneError(f"{path}: cannot load the merged model ({e})") from None
         tokenizer_dir = path
     else:
-        model, tokenizer_dir = _load_adapter_on_nf4(path, adapter_dir, base, compute, lambda d: checks.append(read_check(d, verify)))
+        model, tokenizer_dir = _load_adapter_on_nf4(source, compute, lambda d: checks.append(read_check(d, verify)))
     checks_done(*checks)
     model.to(dev).eval()
     tokenizer = load_tokenizer(tokenizer_dir)
     return Loaded(model, tokenizer, form, _recorded_prompt_format(path, tokenizer), dev)
 
 
-def _load_adapter_on_nf4(
-    path: Path, adapter_dir: Path, base: str | Path | None, dtype: torch.dtype, on_base: Callable[[Path], None]
-) -> tuple[nn.Module, Path]:
+def _load_adapter_on_nf4(source: MergeSource, dtype: torch.dtype, on_base: Callable[[Path], None]) -> tuple[nn.Module, Path]:
+    path, adapter_dir, base = source.checkpoint, source.adapter_dir, source.base
     config = read_adapter(adapter_dir).config
     if config.get("rank_pattern") or config.get("alpha_pattern") or config.get("use_dora"):
         raise SlimtuneError(
@@ -117,8 +115,7 @@ def _load_adapter_on_nf4(
     if not weights.is_file():
         raise SlimtuneError(f"{weights}: missing (the NF4 form reads the adapter's safetensors file)")
     load_adapter_weights(model, weights)
-    tokenizer_dir = next((d for d in (adapter_dir, path) if (d / "tokenizer_config.json").is_file()), base_dir)
-    return model, tokenizer_dir
+    return model, source.tokenizer_dir(base_dir)
 
 
 def _recorded_base(path: Path, adapter_dir: Path, config: dict) -> Path:
@@ -141,18 +138,6 @@ def _recorded_base(path: Path, adapter_dir: Path, config: dict) -> Path:
         if is_hub_id(candidate):
             return resolve_model(candidate).path
     raise SlimtuneError(f"{adapter_dir}: cannot find the base model it was trained on ({candidates}); pass --base DIR")
-
-
-def read_format_record(path: str | Path) -> dict:
-    """``slimtune_format.json`` of the checkpoint at ``path`` (or of the directory above it, for its
-    ``adapter/``); empty when there is none. The chat template training used is its ``chat_template``.
-
-    Example: ``read_format_record("runs/x/step-10").get("chat_template")``"""
-    candidate = CheckpointLayout(path).format_record
-    if candidate is None:
-        return {}
-    record = parse_json(candidate.read_bytes(), str(candidate))
-    return record if isinstance(record, dict) else {}
 
 
 def _recorded_prompt_format(path: Path, tokenizer) -> str:
@@ -285,7 +270,3 @@ def chat_loop(
         out("\n")
         if loaded.prompt_format == "chat":
             messages.append({"role": "assistant", "content": reply})
-
-
-def to_json_line(prompt: str, text: str) -> str:
-    return json.dumps({"prompt": prompt, "text": text}, ensure_ascii=False)

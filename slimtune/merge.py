@@ -13,18 +13,19 @@ from pathlib import Path
 import torch
 
 from slimtune.checkpoint.save import CheckpointParts, SaveResult, write_checkpoint
-from slimtune.checkpoint.staging import BufferPool, pool_for
+from slimtune.checkpoint.staging import pool_for
 from slimtune.checkpoint.staging import to_host as plain_to_host
-from slimtune.checkpoint.writer import DEFAULT_CHUNK_BYTES, WriteOptions
+from slimtune.checkpoint.writer import WriteOptions
+from slimtune.diskio import DEFAULT_CHUNK_BYTES
 from slimtune.distributed import SINGLE, Ranks
 from slimtune.errors import SlimtuneError
 from slimtune.families import frozen_nf4_keys
-from slimtune.formats.bnb import BnbNF4Weight, aux_owner, is_aux_key, read_4bit_weights, refuse_8bit
-from slimtune.formats.hf import checkpoint_files, export_config_dict, load_config, module_kinds, read_config_dict
-from slimtune.formats.hub import ModelSource, resolve_model
-from slimtune.formats.manifest import ReadCheck, checks_done, read_check
+from slimtune.formats.base_checkpoint import BaseCheckpoint
+from slimtune.formats.hf import export_config_dict, read_model_config
+from slimtune.formats.manifest import checks_done, read_check
+from slimtune.formats.merge_source import MERGE_BASES, MergeSource, check_merge_base
 from slimtune.formats.peft import Adapter, AdapterModule, SavedTensor, read_adapter, resolve
-from slimtune.formats.safetensors import COMPUTE_DTYPES, SafetensorsReader
+from slimtune.formats.safetensors import COMPUTE_DTYPES
 from slimtune.formats.strict_json import safe_name
 from slimtune.lora import lora_row_merge
 from slimtune.tensors import StreamTensor, ToHost, all_finite, scalar_source
@@ -34,58 +35,6 @@ log = logging.getLogger(__name__)
 # Tied checkpoints store only the input embedding (Llama, Mistral, Qwen2 names); an adapter that changes
 # lm_head unties them, and lm_head is then written from the embedding's rows.
 INPUT_EMBEDDING, OUTPUT_EMBEDDING = "model.embed_tokens.weight", "lm_head.weight"
-MERGE_BASES = ("original", "quantized")  # MergeBase(quantized=False / True)
-
-
-class BaseCheckpoint:
-    """A base checkpoint on disk (a directory, or a hub id ``resolve_model`` fetches): tensor names,
-    shapes and dtypes from the headers, rows on demand. With ``check`` (a folded ``ReadCheck`` of the
-    base), every byte read is hashed as it is read. With ``drop_behind`` (one pass that reads each byte
-    once and nothing else reading the files beside it), what was read is let go from the page cache and
-    what comes next is read ahead (``SafetensorsReader``)."""
-
-    def __init__(
-        self, model_dir: str | Path | ModelSource, pool: BufferPool | None = None, check: ReadCheck | None = None, drop_behind: bool = False
-    ):
-        self.source = resolve_model(model_dir)
-        self.dir = self.source.path
-        self.pool = pool
-        self.config = read_config_dict(self.dir)
-        refuse_8bit(self.config, str(self.dir / "config.json"))
-        self._kinds: tuple[dict[str, str], str | None] | None = None
-        taps = [(h.path, check and check.tap(h.path)) for h in checkpoint_files(self.dir)]
-        self.readers = [SafetensorsReader(path, tap and tap.seen, drop_behind) for path, tap in taps]
-        self.location = {key: r for r in self.readers for key in r.tensors}
-        for key, reader in self.location.items():  # every tensor passes through torch: refuse before writing
-            reader.torch_shape(key)
-        self.bnb: dict[str, BnbNF4Weight] = read_4bit_weights(self.location, str(self.dir))
-        self.keys = [k for k in self.location if not (is_aux_key(k) and aux_owner(k) in self.bnb)]
-
-    @property
-    def module_kinds(self) -> tuple[dict[str, str], str | None]:
-        """Each module's kind (linear, conv1d, embedding, ...) and the output embedding's name."""
-        if self._kinds is None:
-            self._kinds = module_kinds(self.config, {k: self.shape(k) for k in self.keys})
-        return self._kinds
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        return self.bnb[key].shape if key in self.bnb else self.location[key].entry(key).shape
-
-    def dtype(self, key: str) -> torch.dtype:
-        return self.bnb[key].dtype if key in self.bnb else self.location[key].entry(key).dtype
-
-    def rows(self, key: str, start: int, end: int) -> torch.Tensor:
-        if key in self.bnb:
-            return self.bnb[key].rows(start, end)
-        reader = self.location[key]
-        entry = reader.entry(key)
-        if self.pool is None or not entry.shape:
-            return reader.read(key, start, end)
-        return reader.read(key, start, end, out=self.pool.take((end - start, *entry.shape[1:]), entry.dtype))
-
-    def close(self) -> None:
-        for r in self.readers:
-            r.close()
 
 
 def _finite(rows: torch.Tensor, key: str, adapter: Adapter) -> torch.Tensor:
@@ -107,10 +56,8 @@ class MergeBase:
 
     @classmethod
     def named(cls, name: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> MergeBase:
-        """The one check of the name: ``original`` or ``quantized``."""
-        if name not in MERGE_BASES:
-            raise SlimtuneError(f"merge base {name!r}: expected 'original' or 'quantized'")
-        return cls(name == "quantized", chunk_bytes)
+        """The row reader of a merge base's name (``original`` or ``quantized``, ``check_merge_base``)."""
+        return cls(check_merge_base(name) == "quantized", chunk_bytes)
 
     @property
     def name(self) -> str:
@@ -228,7 +175,7 @@ def merged_file_stream(
     # MoE experts were NF4 in training too (slimtune.families); transformers is imported only for a base
     # that has expert tensors at all
     if merge_base.quantized and any(".experts." in k for k in base.keys):
-        frozen_nf4 = frozen_nf4_keys(load_config(base.dir))
+        frozen_nf4 = frozen_nf4_keys(read_model_config(base.dir))
     stream = []
     for key in keys:
         source_key = INPUT_EMBEDDING if key not in base.location and key not in base.bnb else key
@@ -278,27 +225,22 @@ def _checked(checks) -> list[str]:
     return []  # no files of its own
 
 
-def merge_from_files(
-    base_dir: str | Path | ModelSource,
-    adapter_dir: str | Path,
-    out_dir: str | Path,
-    options: WriteOptions = WriteOptions(),
-    merge_base: str = "original",
-    ranks: Ranks = SINGLE,
-    verify: bool = True,
-) -> SaveResult:
-    """Merge ``adapter_dir`` into ``base_dir`` (a directory or a hub id) and write ``out_dir`` as a Hugging Face checkpoint
+def merge_from_files(source: MergeSource, out_dir: str | Path, options: WriteOptions = WriteOptions(), ranks: Ranks = SINGLE) -> SaveResult:
+    """Merge ``source.adapter`` into ``source.base`` (a directory or a hub id) and write ``out_dir`` as a Hugging Face checkpoint
     (sharded safetensors, index, config without quantization_config, tokenizer files, manifest).
-    ``options`` says how (shard size, dtype, overwrite, the device of the merge math); ``merge_base``
+    ``options`` says how (shard size, dtype, overwrite, the device of the merge math); ``source.merge_base``
     which base weights the adapter is merged into (``original`` W, or ``quantized`` dequant(NF4(W))).
     With ``ranks`` of a process group (``slimtune merge --nproc N``), every rank calls this and merges
-    its row range of every tensor into the same files (see ``write_checkpoint``). With ``verify``, the
+    its row range of every tensor into the same files (see ``write_checkpoint``). With ``source.verify``, the
     adapter and the base, where they are slimtune checkpoints with a manifest, have every file hashed (on
     the coordinator; one process hashes the base's shards from the merge's own reads, so each byte is read
     once), and a mismatch leaves no output.
 
-    Example: ``merge_from_files("base", "run/step-000100/adapter", "merged", WriteOptions(dtype="bf16"))``"""
+    Example: ``merge_from_files(MergeSource("base", Path("run/step-000100/adapter")), "merged", WriteOptions(dtype="bf16"))``"""
     options.shard_bytes  # noqa: B018 - parsed (and checked) once, before anything is read
+    base_dir, merge_base, verify = source.base, source.merge_base, source.verify
+    if base_dir is None or source.adapter_dir is None:
+        raise SlimtuneError("merge: needs a base and an adapter (--base and --adapter)")
     rows_of = MergeBase.named(merge_base, options.chunk_bytes)
     dtype, device, chunk_bytes = options.torch_dtype, options.device, options.chunk_bytes
     if device == "cuda" and not torch.cuda.is_available():
@@ -323,7 +265,7 @@ def merge_from_files(
                 base.dir,
                 merge_base,
             )
-        adapter = read_adapter(adapter_dir)
+        adapter = read_adapter(source.adapter_dir)
         if ranks.is_coordinator:  # the adapter is small and read whole already: checked now
             checks_done(read_check(adapter.path, verify))
         stream = merged_file_stream(base, adapter, dtype, rows_of, device, pool.to_host)

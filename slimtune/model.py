@@ -46,7 +46,7 @@ from slimtune.families import (
     resolve_targets,
 )
 from slimtune.formats.bnb import BnbNF4Weight, aux_owner, bnb_4bit_settings, four_bit_keys, is_aux_key, read_4bit_weights
-from slimtune.formats.hf import checkpoint_files, load_config, read_config_dict
+from slimtune.formats.hf import checkpoint_files, read_config_dict, read_model_config
 from slimtune.formats.hub import ModelSource, resolve_model
 from slimtune.formats.peft import lora_key
 from slimtune.formats.peft_config import ALL_LINEAR
@@ -201,7 +201,7 @@ def load_qlora_model(
     model_dir = source.path
     lora = lora or LoRAConfig()
     prequantized = bnb_4bit_settings(read_config_dict(model_dir), str(model_dir / "config.json"))  # 8-bit refused here
-    config = load_config(model_dir)
+    config = read_model_config(model_dir)
     headers = checkpoint_files(model_dir) if prequantized else None
     four_bit = four_bit_keys([k for h in headers for k in h.tensors]) if prequantized else set()
     if four_bit:  # every linear the file holds in 4-bit stays 4-bit: frozen, with or without an adapter

@@ -27,7 +27,7 @@ from slimtune.memory import DEFAULT_SHARD_SIZE
 from slimtune.model import build_qlora_skeleton, expected_checkpoint_keys, init_lora, set_tensor
 from slimtune.quant.nf4 import BLOCK_SIZE, nf4_from_parts, scaler_block_size
 from slimtune.tensors import StreamTensor
-from slimtune.tiny import tiny_config
+from slimtune.tiny import tiny_llama_config
 
 _LLAMA3 = dict(vocab_size=128256, num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096)
 PRESETS = {
@@ -48,7 +48,7 @@ def preset_config(name: str, **overrides) -> LlamaConfig:
         raise SystemExit(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
     overrides = {"architectures": ["LlamaForCausalLM"], **overrides}  # as a real checkpoint names it (llama.cpp's converter reads it)
     if name == "tiny":
-        return tiny_config(**overrides)
+        return tiny_llama_config(**overrides)
     return LlamaConfig(
         **{**PRESETS[name], "dtype": "bfloat16", "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}, **overrides}
     )

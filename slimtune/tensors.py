@@ -23,6 +23,12 @@ ToHost = Callable[[torch.Tensor, torch.dtype], torch.Tensor]
 """(chunk on its device, dtype) -> contiguous CPU chunk in that dtype: how a stream hands rows to a writer."""
 
 
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The little-endian bytes of a contiguous CPU tensor, without a copy."""
+    t = t.contiguous()
+    return memoryview(t.view(-1).view(torch.uint8).numpy())
+
+
 def all_finite(t: torch.Tensor) -> bool:
     """No NaN or infinity in ``t``. One vectorized sum decides almost always (a NaN or an infinity makes
     the sum non-finite; a finite sum means there is none); only a non-finite sum (a bad value, or finite

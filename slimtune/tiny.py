@@ -31,7 +31,7 @@ DEMO_TEXTS = [
 ]
 
 
-def tiny_config(**overrides) -> LlamaConfig:
+def tiny_llama_config(**overrides) -> LlamaConfig:
     """The embedded tiny Llama: the Llama family's test config (``families.tiny_config``: 128 wide,
     2 layers, 4 heads, byte vocabulary + pad/bos/eos) with a 512-wide MLP, untied; every projection
     (128x128, 512x128, 128x512) divides into NF4 blocks."""
@@ -75,7 +75,7 @@ def make_tiny_checkpoint(out_dir: str | Path, seed: int = 0, **config_overrides)
     Example: ``make_tiny_checkpoint("runs/base", seed=0)``"""
     out_dir = Path(out_dir)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(tiny_config(**config_overrides)).to(torch.bfloat16)
+    model = LlamaForCausalLM(tiny_llama_config(**config_overrides)).to(torch.bfloat16)
     with os_errors("write the tiny base model", out_dir), atomic_directory(out_dir, overwrite=True) as tmp:
         try:
             model.save_pretrained(tmp)

@@ -10,13 +10,15 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from slimtune.checkpoint.writer import DEFAULT_CHUNK_BYTES
+from slimtune.diskio import DEFAULT_CHUNK_BYTES
 from slimtune.errors import SlimtuneError
+from slimtune.formats.base_checkpoint import BaseCheckpoint
 from slimtune.formats.hf import INDEX_NAME, index_problems, read_index
 from slimtune.formats.manifest import manifest_problems, read_manifest
+from slimtune.formats.merge_source import MergeSource
 from slimtune.formats.peft import ADAPTER_WEIGHTS, read_adapter
 from slimtune.formats.safetensors import COMPUTE_DTYPES, SafetensorsReader, read_header
-from slimtune.merge import BaseCheckpoint, MergeBase, merged_file_stream
+from slimtune.merge import MergeBase, merged_file_stream
 from slimtune.tensors import row_chunks
 
 
@@ -72,25 +74,17 @@ def ulp_tolerance(reference: torch.Tensor, dtype: torch.dtype, ulps: int) -> tor
     return ulps * (reference.abs() * torch.finfo(dtype).eps + torch.finfo(dtype).tiny)
 
 
-def _check_recomputed(
-    ckpt: Path,
-    location: dict[str, Path],
-    base_dir: Path,
-    adapter_dir: Path,
-    merge_base: MergeBase,
-    ulps: int,
-    report: VerifyReport,
-    progress: bool,
-) -> None:
+def _check_recomputed(ckpt: Path, location: dict[str, Path], source: MergeSource, ulps: int, report: VerifyReport, progress: bool) -> None:
     """slimtune's merge is deterministic (same stream, same chunks), so by default every element must
     match exactly; ``ulps`` allows merges made by other tools, which may round differently."""
-    base = BaseCheckpoint(base_dir)
+    base = BaseCheckpoint(source.base)
     readers: dict[Path, SafetensorsReader] = {}
     try:
         # a merge casts every float tensor to one dtype: recompute in the dtype the checkpoint holds
         stored = {e.dtype for p in set(location.values()) if p.is_file() for e in read_header(p).tensors.values()}
         floats = [d for d in COMPUTE_DTYPES if d in stored]
-        stream = merged_file_stream(base, read_adapter(adapter_dir), floats[0] if len(floats) == 1 else None, merge_base)
+        dtype = floats[0] if len(floats) == 1 else None
+        stream = merged_file_stream(base, read_adapter(source.adapter), dtype, MergeBase.named(source.merge_base))
         total = sum(t.nbytes for t in stream)
         with tqdm(total=total, unit="B", unit_scale=True, desc="recompute", disable=not progress) as bar:
             for t in stream:
@@ -130,23 +124,18 @@ def _check_recomputed(
             r.close()
 
 
-def verify_checkpoint(
-    ckpt: str | Path,
-    base_dir: str | Path | None = None,
-    adapter_dir: str | Path | None = None,
-    merge_base: str = "original",
-    ulps: int = 0,
-    progress: bool = True,
-) -> VerifyReport:
+def verify_checkpoint(ckpt: str | Path, source: MergeSource | None = None, ulps: int = 0, progress: bool = True) -> VerifyReport:
+    """Check the checkpoint ``ckpt`` against its manifest and the format rules, and with ``source`` (its
+    base and adapter, as given to merge) every merged tensor against a fresh recomputation.
+    Example: ``verify_checkpoint("merged", MergeSource(Path("base"), Path("adapter"))).ok``"""
     ckpt = Path(ckpt)
     if not ckpt.is_dir():
         raise SlimtuneError(f"{ckpt}: no such checkpoint directory")
-    if (base_dir is None) != (adapter_dir is None):
+    if source is not None and (source.base is None) != (source.adapter is None):
         raise SlimtuneError("recomputing the merge needs both --base and --adapter")
     report = VerifyReport()
     check_manifest(ckpt, report, progress)
     location = check_safetensors_and_index(ckpt, report)
-    if base_dir is not None:
-        rows_of = MergeBase.named(merge_base)
-        _check_recomputed(ckpt, location, base_dir, Path(adapter_dir), rows_of, ulps, report, progress)
+    if source is not None and source.base is not None:
+        _check_recomputed(ckpt, location, source, ulps, report, progress)
     return report

@@ -122,7 +122,7 @@ LLAMA_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "h
 
 
 def fuzz_config(run: Runner, rng: random.Random, tmp: Path, n: int) -> None:
-    from slimtune.formats.hf import load_config, read_config_dict
+    from slimtune.formats.hf import read_config_dict, read_model_config
 
     d = tmp / "cfg"
     d.mkdir()
@@ -133,7 +133,7 @@ def fuzz_config(run: Runner, rng: random.Random, tmp: Path, n: int) -> None:
         (d / "config.json").write_bytes(text)
         run.case("config.json", lambda: read_config_dict(d), len(text))
         if i % 25 == 0:  # the full path: transformers' own checks
-            run.case("config.json", lambda: load_config(d), len(text))
+            run.case("config.json", lambda: read_model_config(d), len(text))
     shutil.rmtree(d / "config.json", ignore_errors=True)
     (d / "config.json").unlink(missing_ok=True)
     (d / "config.json").mkdir()
@@ -504,12 +504,12 @@ FUZZERS = {
 
 def _warm_up(tmp: Path) -> None:
     """Import what the readers import lazily (transformers' config classes), so no case pays for it."""
-    from slimtune.formats.hf import load_config
+    from slimtune.formats.hf import read_model_config
 
     d = tmp / "warm"
     d.mkdir()
     (d / "config.json").write_text(json.dumps(LLAMA_CONFIG))
-    load_config(d)
+    read_model_config(d)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -41,7 +41,7 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 
 from slimtune.data import IGNORE_INDEX, collate, epoch_order, epoch_steps, model_inputs
-from slimtune.formats.hf import load_config, tokenizer_files
+from slimtune.formats.hf import read_model_config, tokenizer_files
 from slimtune.lora import LoRAConfig, lora_modules, qlora_linears
 from slimtune.model import build_qlora_skeleton, init_lora
 from slimtune.quant import is_nf4
@@ -245,7 +245,7 @@ def nf4_round_trip_base(base: Path, model, out: Path) -> Path:
 
 def initial_adapters(base: Path) -> dict[str, tuple]:
     """slimtune's adapter initialisation for SETTINGS (what ``load_qlora_model(seed=...)`` draws), by module name."""
-    skeleton = build_qlora_skeleton(load_config(base), LoRAConfig(SETTINGS["rank"], SETTINGS["alpha"], 0.0, False, TARGETS))
+    skeleton = build_qlora_skeleton(read_model_config(base), LoRAConfig(SETTINGS["rank"], SETTINGS["alpha"], 0.0, False, TARGETS))
     init_lora(skeleton, SETTINGS["seed"])
     return {name: (m.lora_a.weight.detach(), m.lora_b.weight.detach()) for name, m in lora_modules(skeleton).items()}
 

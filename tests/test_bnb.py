@@ -30,9 +30,11 @@ from transformers import AutoModelForCausalLM
 from slimtune.checkpoint.writer import WriteOptions
 from slimtune.cli import main as slimtune_main
 from slimtune.errors import SlimtuneError
+from slimtune.formats.base_checkpoint import BaseCheckpoint
 from slimtune.formats.bnb import four_bit_keys
+from slimtune.formats.merge_source import MergeSource
 from slimtune.lora import LoRAConfig, qlora_linears
-from slimtune.merge import BaseCheckpoint, merge_from_files
+from slimtune.merge import merge_from_files
 from slimtune.model import load_qlora_model, nf4_report
 from slimtune.quant import base_rows, is_bnb4
 from slimtune.tiny import make_tiny_checkpoint
@@ -124,7 +126,7 @@ def test_rows_of_any_shape_are_dequantize_4bit(quant_type, double):
 def test_a_merge_from_a_4bit_base_is_a_plain_16bit_model(bnb_base, tiny_base, tmp_path):
     adapter = tmp_path / "adapter"
     make_peft_adapter(tiny_base, adapter, r=4, lora_alpha=8, target_modules=["q_proj"])
-    merge_from_files(bnb_base, adapter, tmp_path / "merged", WriteOptions(progress=False))
+    merge_from_files(MergeSource(bnb_base, adapter), tmp_path / "merged", WriteOptions(progress=False))
     config = json.loads((tmp_path / "merged" / "config.json").read_text())
     assert "quantization_config" not in config
     merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.bfloat16)  # plain transformers

@@ -87,3 +87,39 @@ def test_version_names_slimtune_and_its_libraries(capsys):
 
     assert kernel == f"NF4 dequantization on the CPU: {nf4_kernel.status()}", kernel
     assert kquant == f"GGUF quantization (K-quants, Q4_0-Q5_1): {kquant_kernel.status()}", kquant
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [
+            "merge",
+            "--base",
+            "b",
+            "--adapter",
+            "a",
+            "--out",
+            "o",
+            "--nproc",
+            "2",
+            "--merge-base",
+            "quantized",
+            "--no-verify",
+            "--max-shard-size",
+            "2GB",
+        ],
+        ["finetune", "--config", "tiny", "--nproc", "3", "training.max_steps=2", "lora.rank=4"],
+    ],
+)
+def test_nproc_forwards_the_command_as_given_to_every_rank(argv, monkeypatch):
+    """``--nproc N`` runs the very arguments it was given on N ranks (under torchrun the option is inert):
+    no flag is re-spelled, so none can be dropped."""
+    from slimtune import distributed
+    from slimtune.cli import main
+
+    launched = []
+    monkeypatch.setattr(distributed, "run_ranks", lambda nproc, args: launched.append((nproc, args)) or 0)
+    for name in distributed.TORCHRUN_VARS:
+        monkeypatch.delenv(name, raising=False)
+    assert main(list(argv)) == 0
+    assert launched == [(int(argv[argv.index("--nproc") + 1]), argv)]

@@ -183,6 +183,7 @@ def test_fsdp2_sharded_export_is_bit_identical_to_single_process_save_and_to_mer
     """2 ranks, FSDP2 on every decoder layer and the root (NF4 base and fp32 adapters sharded): each rank
     writes the merged rows it holds. Same files, byte for byte, as one process saving the same weights;
     the same as `slimtune merge --merge-base quantized` of the adapter it wrote; and it verifies."""
+    from slimtune.formats.merge_source import MergeSource
     from slimtune.merge import merge_from_files
     from slimtune.tiny import make_tiny_checkpoint
     from slimtune.verify import verify_checkpoint
@@ -203,7 +204,7 @@ def test_fsdp2_sharded_export_is_bit_identical_to_single_process_save_and_to_mer
     # the offline merge of the adapter the export wrote: every file both write is the same file (one
     # canonical tensor order in plan_save, one config rule), though its stream comes in the base's order
     merge_from_files(
-        base, tmp_path / "dist", tmp_path / "merged", WriteOptions(max_shard_size="400KB", progress=False), merge_base="quantized"
+        MergeSource(base, tmp_path / "dist", "quantized"), tmp_path / "merged", WriteOptions(max_shard_size="400KB", progress=False)
     )
     merged = _manifest(tmp_path / "merged")
     assert set(merged) == {p for p in dist if not p.startswith("adapter/")}
@@ -211,7 +212,7 @@ def test_fsdp2_sharded_export_is_bit_identical_to_single_process_save_and_to_mer
     assert {p: dist[p] for p in merged} == merged
     for name in merged:
         assert (tmp_path / "merged" / name).read_bytes() == (tmp_path / "dist" / name).read_bytes()
-    report = verify_checkpoint(tmp_path / "dist", base, tmp_path / "dist", "quantized", progress=False)
+    report = verify_checkpoint(tmp_path / "dist", MergeSource(base, tmp_path / "dist", "quantized"), progress=False)
     assert report.ok, report.problems
     for rank in (0, 1):
         stats = json.loads((tmp_path / f"rank-{rank}.json").read_text())

@@ -73,9 +73,10 @@ def test_eval_at_configured_steps_and_checkpoints_and_exact_resume(tmp_path, eva
     assert again[3]["resumed_from"] == 3 and "resumed_from" not in rows[3]
 
     # an adapter-only checkpoint: generate takes the adapter on the NF4 base, with the tokenizer saved in adapter/
+    from slimtune.formats.merge_source import MergeSource
     from slimtune.generate import SamplingOptions, generate, load_for_generation, prompt_ids
 
-    loaded = load_for_generation(straight / "step-000006", device="cpu")
+    loaded = load_for_generation(MergeSource(checkpoint=straight / "step-000006"), device="cpu")
     assert loaded.form == "adapter" and loaded.prompt_format == "text"
     text = generate(loaded, prompt_ids(loaded, prompt="Checkpoints are"), SamplingOptions(max_new_tokens=4, temperature=0))
     assert text == rows[5]["samples"][0]["text"]  # what the recipe sampled in memory at that step

@@ -15,8 +15,8 @@ from transformers import AutoTokenizer
 from slimtune.cli import main
 from slimtune.config import load_config
 from slimtune.data import Record, tokenize
-from slimtune.errors import SlimtuneError
-from slimtune.generate import SamplingOptions, generate, load_for_generation, prompt_ids, read_format_record
+from slimtune.formats.merge_source import MergeSource
+from slimtune.generate import SamplingOptions, generate, load_for_generation, prompt_ids
 from slimtune.recipes.finetune import run_finetune
 from slimtune.tiny import byte_tokenizer
 
@@ -47,8 +47,8 @@ def test_greedy_is_equal_on_merged_and_adapter_on_nf4_base(demo_checkpoint):
     """The two forms differ only by the one bf16 rounding of each merged weight, so their greedy tokens are
     the same except where the top two logits are that close (a near-tie). Stepped together on the merged
     form's choices: every step agrees, or both forms rank the two tokens within 4 bf16 ulps of each other."""
-    merged = load_for_generation(demo_checkpoint, form="merged", device="cpu")
-    adapter = load_for_generation(demo_checkpoint, form="adapter", device="cpu")
+    merged = load_for_generation(MergeSource(checkpoint=demo_checkpoint), form="merged", device="cpu")
+    adapter = load_for_generation(MergeSource(checkpoint=demo_checkpoint), form="adapter", device="cpu")
     assert (merged.form, adapter.form) == ("merged", "adapter") and merged.prompt_format == "chat"
     greedy = SamplingOptions(max_new_tokens=24, temperature=0.0)
     steps, ties = 0, 0
@@ -77,7 +77,7 @@ def test_greedy_is_equal_on_merged_and_adapter_on_nf4_base(demo_checkpoint):
 
 
 def test_sampling_is_deterministic_with_a_seed(demo_checkpoint):
-    loaded = load_for_generation(demo_checkpoint, device="cpu")
+    loaded = load_for_generation(MergeSource(checkpoint=demo_checkpoint), device="cpu")
     ids = prompt_ids(loaded, prompt="Name the format.")
     first = generate(loaded, ids, SamplingOptions(max_new_tokens=16, temperature=1.0, seed=7))
     assert generate(loaded, ids, SamplingOptions(max_new_tokens=16, temperature=1.0, seed=7)) == first
@@ -120,7 +120,7 @@ def test_cli_generate_and_chat(demo_checkpoint, tmp_path, capsys, monkeypatch):
     out = capsys.readouterr()
     assert code == 0, out.err
     assert "[merged model, chat format]" in out.err
-    loaded = load_for_generation(demo_checkpoint, device="cpu")
+    loaded = load_for_generation(MergeSource(checkpoint=demo_checkpoint), device="cpu")
     expected = generate(loaded, prompt_ids(loaded, prompt="Can training resume?"), SamplingOptions(max_new_tokens=12, temperature=0))
     assert out.out == expected + "\n"
     messages = tmp_path / "m.json"
@@ -137,19 +137,6 @@ def test_cli_generate_and_chat(demo_checkpoint, tmp_path, capsys, monkeypatch):
     assert "no such checkpoint directory" in capsys.readouterr().err
 
 
-def test_read_format_record_from_a_checkpoint_or_its_adapter(tmp_path):
-    step = tmp_path / "step-3"
-    (step / "adapter").mkdir(parents=True)
-    assert read_format_record(step) == {}
-    (step / "slimtune_format.json").write_text(json.dumps({"prompt_format": "chat", "chat_template": "{{ x }}"}))
-    assert read_format_record(step)["chat_template"] == "{{ x }}" == read_format_record(step / "adapter")["chat_template"]
-    (step / "slimtune_format.json").write_text("[1]")
-    assert read_format_record(step) == {}
-    (step / "slimtune_format.json").write_text("{")
-    with pytest.raises(SlimtuneError, match="slimtune_format.json"):
-        read_format_record(step)
-
-
 @pytest.mark.parametrize(
     "shapes, expected",
     [
@@ -164,6 +151,6 @@ def test_read_format_record_from_a_checkpoint_or_its_adapter(tmp_path):
     ],
 )
 def test_the_prompt_format_follows_the_rows_of_every_objective(shapes, expected):
-    from slimtune.checkpoint.extras import format_record, prompt_format_of
+    from slimtune.formats.format_record import new_format_record, prompt_format_of
 
-    assert prompt_format_of(shapes) == expected == format_record(shapes, None)["prompt_format"]
+    assert prompt_format_of(shapes) == expected == new_format_record(shapes, None)["prompt_format"]

@@ -30,6 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from slimtune.cli import main as slimtune_main
 from slimtune.families import family_of, tiny_config
+from slimtune.formats.merge_source import MergeSource
 from slimtune.gguf.arch import ARCHS, gguf_arch
 from slimtune.gguf.export import TYPES, GGUFOptions, export_gguf, gguf_tensors, open_source, tensor_type
 from slimtune.tiny import byte_tokenizer
@@ -180,7 +181,7 @@ def check_readback(path: Path, src: Path, typ: str) -> None:
     """Every tensor of the file equals the stream's rows, encoded as the type says."""
     reader = Reader(path)
     by_name = {t.name: t for t in reader.tensors}
-    with open_source(src, None, None, "original") as source:
+    with open_source(MergeSource(checkpoint=src)) as source:
         arch = gguf_arch(source.config)
         entries = gguf_tensors(arch, source.stream)
         assert sorted(by_name) == sorted(g.name for _, g in entries)
@@ -334,14 +335,14 @@ def test_other_types_read_back_and_load(family_dirs, tmp_path, typ):
 def test_file_is_the_same_with_or_without_o_direct(family_dirs, tmp_path, monkeypatch):
     """The data section goes to the disk by O_DIRECT where the filesystem takes it (whole aligned blocks,
     ``DirectAppend``), through the page cache where it does not: the same file either way."""
-    from slimtune.checkpoint import writer
+    from slimtune import diskio
 
     src = family_dirs("llama")
     direct = []
-    real = writer._pwrite_direct
-    monkeypatch.setattr(writer, "_pwrite_direct", lambda fd, view, offset: (direct.append(len(view)), real(fd, view, offset)))
+    real = diskio._pwrite_direct
+    monkeypatch.setattr(diskio, "_pwrite_direct", lambda fd, view, offset: (direct.append(len(view)), real(fd, view, offset)))
     with_direct = export(src, "q8_0", tmp_path / "direct.gguf").read_bytes()
-    monkeypatch.setattr(writer, "_open_direct", lambda path: None)
+    monkeypatch.setattr(diskio, "_open_direct", lambda path: None)
     calls = len(direct)
     assert export(src, "q8_0", tmp_path / "buffered.gguf").read_bytes() == with_direct
     assert len(direct) == calls

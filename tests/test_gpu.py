@@ -6,7 +6,9 @@ import torch
 from safetensors.torch import load_file
 
 from slimtune import save_checkpoint
-from slimtune.checkpoint.writer import DEFAULT_CHUNK_BYTES, WriteOptions
+from slimtune.checkpoint.writer import WriteOptions
+from slimtune.diskio import DEFAULT_CHUNK_BYTES
+from slimtune.formats.merge_source import MergeSource
 from slimtune.merge import merge_from_files
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -73,8 +75,8 @@ def test_cuda_merge_matches_cpu_merge(tiny_base, tmp_path):
     from tests.test_merge import make_peft_adapter
 
     make_peft_adapter(tiny_base, tmp_path / "adapter", r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"])
-    merge_from_files(tiny_base, tmp_path / "adapter", tmp_path / "cpu", WriteOptions(progress=False))
-    merge_from_files(tiny_base, tmp_path / "adapter", tmp_path / "cuda", WriteOptions(device="cuda", progress=False))
+    merge_from_files(MergeSource(tiny_base, tmp_path / "adapter"), tmp_path / "cpu", WriteOptions(progress=False))
+    merge_from_files(MergeSource(tiny_base, tmp_path / "adapter"), tmp_path / "cuda", WriteOptions(device="cuda", progress=False))
     cpu = load_file(tmp_path / "cpu" / "model-00001-of-00001.safetensors")
     gpu = load_file(tmp_path / "cuda" / "model-00001-of-00001.safetensors")
     assert_within_one_ulp(cpu, gpu)

@@ -158,3 +158,33 @@ def test_every_module_imports_in_a_fresh_interpreter():
     done = subprocess.run([sys.executable, "-c", code, *names], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == f"imported {len(names)}"
+
+
+# Public names that collide today and are being renamed by the recipes' rework (recipes/run.py's
+# Placement beside families.py's; the objectives' setup, train_step and evaluate in recipes/); nothing else.
+_RENAMED_ELSEWHERE = {"Placement", "setup", "train_step", "evaluate"}
+
+
+def public_names(mods: dict[str, Path]) -> dict[str, list[str]]:
+    """Public (no leading ``_``) top-level class and function name -> the modules that define it."""
+    names: dict[str, list[str]] = {}
+    for name, path in mods.items():
+        for node in ast.parse(path.read_text(), str(path)).body:
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("_"):
+                names.setdefault(node.name, []).append(name)
+    return names
+
+
+def test_the_name_check_finds_a_shared_name(tmp_path):
+    (tmp_path / "a.py").write_text("def load():\n    pass\n\n\nclass Options:\n    pass\n\n\ndef _private():\n    pass\n")
+    (tmp_path / "b.py").write_text("def load():\n    pass\n\n\ndef _private():\n    pass\n")
+    names = public_names({"a": tmp_path / "a.py", "b": tmp_path / "b.py"})
+    assert names == {"load": ["a", "b"], "Options": ["a"]}
+
+
+def test_no_two_modules_define_the_same_public_name():
+    """One name, one meaning: no two slimtune modules define a public class or function of the same name."""
+    names = public_names(_modules())
+    assert names["MergeSource"] == ["slimtune.formats.merge_source"] and len(names) > 300  # the scan saw the package
+    shared = {n: mods for n, mods in sorted(names.items()) if len(mods) > 1 and n not in _RENAMED_ELSEWHERE}
+    assert not shared, f"public names defined in more than one module: {shared}"

@@ -224,24 +224,3 @@ def test_the_recipe_keeps_one_heap_trim_across_its_steps(tmp_path):
     train_step(run, [[0, 1]])
     train_step(run, [[2, 3], [4, 5]])
     assert len(calls) == 3  # one per micro-batch, both steps on the run's one trim
-
-
-def test_the_pipelined_writer_offers_a_trim_after_every_chunk(monkeypatch):
-    import torch
-
-    from slimtune.checkpoint import writer
-
-    calls, written = [], []
-
-    class CountingTrim:
-        def __call__(self):
-            calls.append(len(written))
-            return False
-
-    class Sink:
-        def write(self, chunk):
-            written.append(chunk.numel())
-
-    monkeypatch.setattr(writer, "HeapTrim", CountingTrim)
-    writer.pipelined_write(Sink(), iter([torch.zeros(4), torch.zeros(5), torch.zeros(6)]), inflight_bytes=1 << 20)
-    assert len(calls) == 3 and written == [4, 5, 6]

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, GPT2Config
 
 from slimtune.checkpoint.writer import WriteOptions
 from slimtune.errors import SlimtuneError
+from slimtune.formats.merge_source import MergeSource
 from slimtune.merge import merge_from_files
 from slimtune.quant.nf4 import quantize_nf4
 from tests.conftest import run_cli
@@ -73,7 +74,7 @@ ULPS = {"plain": 1, "rslora": 1, "dora": 2, "modules_to_save+patterns": 1}
 def test_merge_matches_peft_merge_and_unload(kind, tiny_base, tmp_path):
     adapter = tmp_path / "adapter"
     make_peft_adapter(tiny_base, adapter, **KINDS[kind])
-    merge_from_files(tiny_base, adapter, tmp_path / "merged", WriteOptions(progress=False))
+    merge_from_files(MergeSource(tiny_base, adapter), tmp_path / "merged", WriteOptions(progress=False))
     ours = read_dir(tmp_path / "merged")
     reference = peft_reference(tiny_base, adapter)
     theirs = reference.merge_and_unload().state_dict()
@@ -101,7 +102,7 @@ def test_fan_in_fan_out_gpt2(tmp_path):
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(tmp_path / "base")
     make_peft_adapter(tmp_path / "base", tmp_path / "adapter", r=4, lora_alpha=8, target_modules=["c_attn", "c_proj"], fan_in_fan_out=True)
-    merge_from_files(tmp_path / "base", tmp_path / "adapter", tmp_path / "merged", WriteOptions(progress=False))
+    merge_from_files(MergeSource(tmp_path / "base", tmp_path / "adapter"), tmp_path / "merged", WriteOptions(progress=False))
     ours = read_dir(tmp_path / "merged")
     theirs = peft_reference(tmp_path / "base", tmp_path / "adapter").merge_and_unload().state_dict()
     for name, t in ours.items():
@@ -112,7 +113,7 @@ def test_fan_in_fan_out_gpt2(tmp_path):
 def test_merge_base_quantized_is_torchao_nf4_of_the_base(tiny_base, tmp_path):
     adapter = tmp_path / "adapter"
     make_peft_adapter(tiny_base, adapter, r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"])
-    merge_from_files(tiny_base, adapter, tmp_path / "q", WriteOptions(dtype="fp32", progress=False), merge_base="quantized")
+    merge_from_files(MergeSource(tiny_base, adapter, "quantized"), tmp_path / "q", WriteOptions(dtype="fp32", progress=False))
     merged = read_dir(tmp_path / "q")
     base = load_file(tiny_base / "model.safetensors")
     lora = load_file(adapter / "adapter_model.safetensors")
@@ -179,7 +180,7 @@ def test_bitsandbytes_nf4_base_dequantizes_to_documented_values(tiny_base, tmp_p
     expected = write_bnb_base(tiny_base, tmp_path / "bnb", ["q_proj", "gate_proj", "down_proj"], nested)
     adapter = tmp_path / "adapter"
     make_peft_adapter(tiny_base, adapter, r=4, lora_alpha=8, target_modules=["q_proj"])
-    merge_from_files(tmp_path / "bnb", adapter, tmp_path / "merged", WriteOptions(progress=False))
+    merge_from_files(MergeSource(tmp_path / "bnb", adapter), tmp_path / "merged", WriteOptions(progress=False))
     merged = read_dir(tmp_path / "merged")
     lora = load_file(adapter / "adapter_model.safetensors")
     for key, values in expected.items():
@@ -279,7 +280,7 @@ def test_existing_output_needs_overwrite(tiny_base, adapter_dir, tmp_path):
 
 def test_api_rejects_unknown_merge_base(tiny_base, adapter_dir, tmp_path):
     with pytest.raises(SlimtuneError, match="merge base"):
-        merge_from_files(tiny_base, adapter_dir, tmp_path / "x", merge_base="fancy")
+        merge_from_files(MergeSource(tiny_base, adapter_dir, "fancy"), tmp_path / "x")
 
 
 # --- verify and inspect ----------------------------------------------------------------------------
@@ -337,8 +338,8 @@ def test_bin_adapter_merges_like_safetensors(tiny_base, tmp_path):
     model = make_peft_adapter(tiny_base, tmp_path / "st", r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"])
     model.save_pretrained(str(tmp_path / "bin"), safe_serialization=False)
     assert (tmp_path / "bin" / "adapter_model.bin").is_file() and not (tmp_path / "bin" / "adapter_model.safetensors").exists()
-    merge_from_files(tiny_base, tmp_path / "st", tmp_path / "m1", WriteOptions(progress=False))
-    merge_from_files(tiny_base, tmp_path / "bin", tmp_path / "m2", WriteOptions(progress=False))
+    merge_from_files(MergeSource(tiny_base, tmp_path / "st"), tmp_path / "m1", WriteOptions(progress=False))
+    merge_from_files(MergeSource(tiny_base, tmp_path / "bin"), tmp_path / "m2", WriteOptions(progress=False))
     a, b = read_dir(tmp_path / "m1"), read_dir(tmp_path / "m2")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -361,7 +362,7 @@ def test_save_and_offline_merge_of_its_adapter_write_the_same_files(qlora_model,
     save_checkpoint(qlora_model, tmp_path / "save", WriteOptions(max_shard_size="300KB", dtype=DTYPES.get(dtype), progress=False))
     adapter = tmp_path / "save" / "adapter"
     merge_from_files(
-        tiny_base, adapter, tmp_path / "merged", WriteOptions(dtype=dtype, max_shard_size="300KB", progress=False), merge_base="quantized"
+        MergeSource(tiny_base, adapter, "quantized"), tmp_path / "merged", WriteOptions(dtype=dtype, max_shard_size="300KB", progress=False)
     )
     saved, merged = _manifest_digests(tmp_path / "save"), _manifest_digests(tmp_path / "merged")
     assert set(saved) - set(merged) == {"adapter/adapter_config.json", "adapter/adapter_model.safetensors"}
@@ -393,7 +394,7 @@ def test_odd_widths_use_their_own_scaler_blocks_in_load_save_and_offline_merge(t
     assert report["scaler_blocks"] == {"225": 6, "81": 8}
     assert report["tensors"]["model.layers.0.self_attn.q_proj.weight"] == 81
     save_checkpoint(model, tmp_path / "save", WriteOptions(progress=False))
-    merge_from_files(base, tmp_path / "save" / "adapter", tmp_path / "merged", WriteOptions(progress=False), merge_base="quantized")
+    merge_from_files(MergeSource(base, tmp_path / "save" / "adapter", "quantized"), tmp_path / "merged", WriteOptions(progress=False))
     saved, merged = _manifest_digests(tmp_path / "save"), _manifest_digests(tmp_path / "merged")
     assert {p: saved[p] for p in merged} == merged
     original = {k: v for f in base.glob("*.safetensors") for k, v in load_file(f).items()}
@@ -432,7 +433,7 @@ def test_a_single_process_merge_lets_go_of_the_base_it_read(tiny_base, adapter_d
     dropped = []
     real = os.posix_fadvise
     monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: (dropped.append((off, n)), real(fd, off, n, advice)))
-    merge_from_files(tiny_base, adapter_dir, tmp_path / "merged", WriteOptions(progress=False))
+    merge_from_files(MergeSource(tiny_base, adapter_dir), tmp_path / "merged", WriteOptions(progress=False))
     headers = [read_header(p) for p in sorted(tiny_base.glob("*.safetensors"))]
     spans = {(h.data_start + e.begin, e.nbytes) for h in headers for e in h.tensors.values() if e.nbytes}
     assert spans and spans <= set(dropped)

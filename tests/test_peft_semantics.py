@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from slimtune.checkpoint.writer import WriteOptions
 from slimtune.errors import SlimtuneError
+from slimtune.formats.merge_source import MergeSource
 from slimtune.merge import merge_from_files
 
 peft = pytest.importorskip("peft")
@@ -96,7 +97,7 @@ def peft_merged(base_model, adapter) -> dict[str, torch.Tensor]:
 
 
 def slimtune_merged(tiny_base, adapter, out) -> dict[str, torch.Tensor]:
-    merge_from_files(tiny_base, adapter, out, WriteOptions(progress=False))
+    merge_from_files(MergeSource(tiny_base, adapter), out, WriteOptions(progress=False))
     tensors = {}
     for f in sorted(out.glob("model-*.safetensors")):
         tensors.update(load_file(f))
@@ -161,7 +162,7 @@ def test_config_variant_is_refused_naming_the_field(variant, base_model, tiny_ba
     adapter = _plain(base_model, tmp_path)
     edit_config(adapter, **changes)
     with pytest.raises(SlimtuneError, match=_escape(needle)) as info:
-        merge_from_files(tiny_base, adapter, tmp_path / "out", WriteOptions(progress=False))
+        merge_from_files(MergeSource(tiny_base, adapter), tmp_path / "out", WriteOptions(progress=False))
     assert "\n" not in str(info.value)
     assert not (tmp_path / "out").exists()
 
@@ -189,14 +190,14 @@ def test_malformed_adapter_config_json_is_refused(raw, needle, base_model, tiny_
     adapter = _plain(base_model, tmp_path)
     (adapter / "adapter_config.json").write_text(raw)
     with pytest.raises(SlimtuneError, match=needle):
-        merge_from_files(tiny_base, adapter, tmp_path / "out", WriteOptions(progress=False))
+        merge_from_files(MergeSource(tiny_base, adapter), tmp_path / "out", WriteOptions(progress=False))
 
 
 def test_tensor_faults_are_refused_naming_the_tensor(base_model, tiny_base, tmp_path):
     dora = make_adapter(base_model, tmp_path / "dora", r=4, lora_alpha=8, use_dora=True, target_modules=["q_proj"])
     edit_config(dora, use_dora=False)  # a magnitude vector PEFT would not apply
     with pytest.raises(SlimtuneError, match="lora_magnitude_vector but use_dora is false"):
-        merge_from_files(tiny_base, dora, tmp_path / "o1", WriteOptions(progress=False))
+        merge_from_files(MergeSource(tiny_base, dora), tmp_path / "o1", WriteOptions(progress=False))
 
     plain = _plain(base_model, tmp_path)
     state = load_file(plain / "adapter_model.safetensors")
@@ -209,13 +210,13 @@ def test_tensor_faults_are_refused_naming_the_tensor(base_model, tiny_base, tmp_
         poisoned[key][0, 0] = bad
         save_file(poisoned, broken / "adapter_model.safetensors")
         with pytest.raises(SlimtuneError, match=_escape(key) + ".*NaN or infinite"):
-            merge_from_files(tiny_base, broken, tmp_path / "o2", WriteOptions(progress=False))
+            merge_from_files(MergeSource(tiny_base, broken), tmp_path / "o2", WriteOptions(progress=False))
 
     huge = tmp_path / "huge"
     shutil.copytree(plain, huge)
     edit_config(huge, lora_alpha=1e9)  # finite, but the merged weight overflows fp16
     with pytest.raises(SlimtuneError, match="non-finite values in torch.float16"):
-        merge_from_files(tiny_base, huge, tmp_path / "o3", WriteOptions(dtype="fp16", progress=False))
+        merge_from_files(MergeSource(tiny_base, huge), tmp_path / "o3", WriteOptions(dtype="fp16", progress=False))
     assert not (tmp_path / "o3").exists()
 
     for name, obj in [("list", [1, 2]), ("intkeys", {1: torch.zeros(1)}), ("values", {"base_model.model.x.lora_A.weight": 3})]:
@@ -224,7 +225,7 @@ def test_tensor_faults_are_refused_naming_the_tensor(base_model, tiny_base, tmp_
         (binary / "adapter_model.safetensors").unlink()
         torch.save(obj, binary / "adapter_model.bin")
         with pytest.raises(SlimtuneError, match="adapter_model.bin"):
-            merge_from_files(tiny_base, binary, tmp_path / "o4", WriteOptions(progress=False))
+            merge_from_files(MergeSource(tiny_base, binary), tmp_path / "o4", WriteOptions(progress=False))
 
 
 @pytest.mark.parametrize(

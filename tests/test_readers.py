@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from slimtune.checkpoint.stream import tensor_source
 from slimtune.checkpoint.writer import WriteOptions, write_safetensors
 from slimtune.errors import SlimtuneError
+from slimtune.formats.merge_source import MergeSource
 from slimtune.formats.safetensors import SafetensorsReader, build_header, read_header
 from slimtune.formats.strict_json import MAX_DEPTH, loads_json, safe_name
 from tests.mutate import mutated_safetensors, safetensors_file
@@ -204,7 +205,7 @@ def test_merge_passes_reference_dtypes_and_empty_tensors_through(tiny_base, tmp_
         adapter / "adapter_model.safetensors",
     )
     out = tmp_path / "merged"
-    merge_from_files(base, adapter, out, WriteOptions(dtype="fp32", progress=False))
+    merge_from_files(MergeSource(base, adapter), out, WriteOptions(dtype="fp32", progress=False))
     merged = {}
     for f in sorted(out.glob("model-*.safetensors")):
         assert _verdict_reference(f.read_bytes())
@@ -214,7 +215,7 @@ def test_merge_passes_reference_dtypes_and_empty_tensors_through(tiny_base, tmp_
         assert merged[k].dtype == expected and merged[k].shape == v.shape, k
         assert torch.equal(merged[k].reshape(-1).view(torch.uint8), v.to(expected).reshape(-1).view(torch.uint8)), k
     assert merged["model.norm.weight"].dtype == torch.float32
-    report = verify_checkpoint(out, base, adapter, progress=False)
+    report = verify_checkpoint(out, MergeSource(base, adapter), progress=False)
     assert report.ok, report.problems
 
 
@@ -272,7 +273,7 @@ def test_exit_status_1_only_for_problems_found_and_3_for_internal_errors(tmp_pat
 
 
 def test_index_config_and_shard_faults_are_refused_before_anything_is_built(tmp_path):
-    from slimtune.formats.hf import checkpoint_files, load_config, read_config_dict
+    from slimtune.formats.hf import checkpoint_files, read_config_dict, read_model_config
 
     d = tmp_path / "m"
     d.mkdir()
@@ -317,10 +318,10 @@ def test_index_config_and_shard_faults_are_refused_before_anything_is_built(tmp_
     for change, needle in config_faults:
         (d / "config.json").write_text(json.dumps({**good, **change}))
         with pytest.raises(SlimtuneError, match=needle):
-            load_config(d)
+            read_model_config(d)
     (d / "config.json").write_text("[]")
     with pytest.raises(SlimtuneError, match="expected a JSON object"):
-        load_config(d)
+        read_model_config(d)
 
 
 # --- values from files that reached torch or transformers unchecked (issue 16) ---------------------------

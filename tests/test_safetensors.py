@@ -152,22 +152,3 @@ def test_buffer_pool_reuses_buffers_and_bounds_memory():
     assert big.numel() == 1025
     del b, c
     assert pool.free.qsize() == 2
-
-
-def test_pipelined_write_propagates_a_producer_error_and_stops(tmp_path):
-    from slimtune.checkpoint.writer import pipelined_write
-
-    def chunks():
-        yield torch.zeros(4)
-        raise RuntimeError("producer failed")
-
-    class Sink:
-        written: list[torch.Tensor] = []
-
-        def write(self, chunk):
-            self.written.append(chunk)
-
-    sink = Sink()
-    with pytest.raises(RuntimeError, match="producer failed"):
-        pipelined_write(sink, chunks(), inflight_bytes=1)
-    assert len(sink.written) == 1  # what came before the error was written, nothing after

@@ -1,8 +1,8 @@
 """What a fine-tuning checkpoint carries beside its weights: the tokenizer files (with the chat template
 training rendered conversations with), the model card (README.md, ``checkpoint/card.py``) at the root and
-in ``adapter/``, and ``slimtune_format.json`` (the prompt format: ``format_record``; read back by
-``generate.read_format_record``). ``CheckpointDocs`` stages them once per run and hands each save its
-files, which the save copies in under its manifest.
+in ``adapter/``, and ``slimtune_format.json`` (the prompt format; ``formats/format_record.py`` makes, writes
+and reads it). ``CheckpointDocs`` stages them once per run and hands each save its files, which the save
+copies in under its manifest.
 
 Example::
 
@@ -14,7 +14,6 @@ Example::
 
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -23,49 +22,12 @@ import torch
 
 from slimtune.checkpoint.card import CardFacts, model_card
 from slimtune.config import Config
+from slimtune.formats.format_record import new_format_record, write_format_record
 from slimtune.formats.hf import tokenizer_files
 from slimtune.formats.hub import ModelSource
 from slimtune.formats.layout import ADAPTER_DIR, FORMAT_NAME
 from slimtune.model import load_tokenizer
-from slimtune.prompts import FALLBACK_CHAT_TEMPLATE, alpaca_prompt
-
-# The prompt format each row shape trains (SFT shapes: data/shapes.py; preference pairs: data/pairs.py):
-# conversations train the chat template, so a plain prompt is rendered with it at generation.
-SHAPE_FORMATS = {
-    "chat": "chat",
-    "sharegpt": "chat",
-    "completion": "chat",
-    "conversational": "chat",  # preference pairs of messages (TRL's conversational form)
-    "alpaca": "alpaca",
-    "text": "text",
-    "standard": "text",  # preference pairs of strings
-}
-_FORMAT_ORDER = ("chat", "alpaca", "text")  # several shapes in one run: the first of these any row trained
-
-
-def prompt_format_of(shapes: dict[str, int]) -> str:
-    """The prompt format that matches training data of these row shapes (counts per shape), for every
-    objective: chat when any row was a conversation (SFT messages, ShareGPT, TRL completions, preference
-    pairs in conversational form), else alpaca when any row was Alpaca, else text. What
-    ``slimtune_format.json`` records and ``generate``, ``chat``, the training samples and the Modelfile follow.
-
-    Example: ``prompt_format_of({"alpaca": 10}) == "alpaca"``; ``prompt_format_of({"conversational": 300}) == "chat"``"""
-    trained = {SHAPE_FORMATS.get(shape, "text") for shape, n in shapes.items() if n}
-    return next((f for f in _FORMAT_ORDER if f in trained), "text")
-
-
-def format_record(shapes: dict[str, int], chat_template: str | None) -> dict:
-    """What ``slimtune_format.json`` holds: the training data's shapes, the prompt format, the chat
-    template training rendered conversations with, and the Alpaca prompt.
-
-    Example: ``format_record({"chat": 4}, None)["prompt_format"] == "chat"``"""
-    return {
-        "format": "slimtune-format/1",
-        "prompt_format": prompt_format_of(shapes),
-        "shapes": dict(shapes),
-        "chat_template": chat_template or FALLBACK_CHAT_TEMPLATE,
-        "alpaca_prompt": alpaca_prompt("{instruction}"),
-    }
+from slimtune.prompts import FALLBACK_CHAT_TEMPLATE
 
 
 class CheckpointDocs:
@@ -90,7 +52,7 @@ class CheckpointDocs:
                 shutil.copyfile(generation, self.tokenizer_dir / generation.name)
         template = getattr(tokenizer, "chat_template", None) or FALLBACK_CHAT_TEMPLATE
         hub_data = list(getattr(data, "datasets", []))  # the hub datasets read: name, revision (commit), subset, split
-        self.record = {**format_record(data.shapes, template), "nf4": nf4, "base": base.record(), "datasets": hub_data}
+        self.record = {**new_format_record(data.shapes, template), "nf4": nf4, "base": base.record(), "datasets": hub_data}
         self.common = dict(
             base=base.name,
             base_revision=base.revision,
@@ -116,7 +78,7 @@ class CheckpointDocs:
         card = self.root / "README.md"
         card.write_text(model_card(CardFacts(**self.common, **facts)))
         fmt = self.root / FORMAT_NAME
-        fmt.write_text(json.dumps(self.record, indent=2) + "\n")
+        write_format_record(fmt, self.record)
         extra = {"README.md": card, f"{ADAPTER_DIR}/README.md": card, FORMAT_NAME: fmt}
         extra.update({f"{ADAPTER_DIR}/{p.name}": p for p in tokenizer_files(self.tokenizer_dir)})
         return extra

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from slimtune.checkpoint.stream import merged_lora_source
-from slimtune.checkpoint.writer import DEFAULT_CHUNK_BYTES
+from slimtune.diskio import DEFAULT_CHUNK_BYTES
 from slimtune.lora import LoRALinear, qlora_linears
 from slimtune.tensors import row_chunks
 

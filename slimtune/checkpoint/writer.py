@@ -5,15 +5,12 @@ the same mechanism."""
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
-import queue
 import socket
 import struct
 import threading
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
@@ -23,16 +20,13 @@ import torch
 from tqdm.auto import tqdm
 
 from slimtune.checkpoint.plan import SavePlan, TensorSlot, plan_files
+from slimtune.diskio import DEFAULT_CHUNK_BYTES, DEFAULT_INFLIGHT_BYTES, WriteBack, pipelined_write, pwrite_all
 from slimtune.distributed import SINGLE, Ranks
 from slimtune.errors import SlimtuneError
 from slimtune.formats.manifest import FileRecord, sha256_bytes, sha256_file
-from slimtune.formats.safetensors import tensor_bytes
-from slimtune.memory import DEFAULT_SHARD_SIZE, HeapTrim, parse_size
+from slimtune.memory import DEFAULT_SHARD_SIZE, parse_size
 from slimtune.profiler import in_context, stage
-from slimtune.tensors import DTYPES, StreamTensor, row_chunks
-
-DEFAULT_CHUNK_BYTES = 8 * 1024 * 1024  # output bytes per chunk; fp32 temporaries make the peak ~8x this
-DEFAULT_INFLIGHT_BYTES = 16 * 1024 * 1024  # finished chunks waiting for the writer: two suffice to overlap
+from slimtune.tensors import DTYPES, StreamTensor, row_chunks, tensor_bytes
 
 
 @dataclass(frozen=True)
@@ -77,207 +71,6 @@ class WriteOptions:
         return self.dtype
 
 
-def pipelined_write(writer, chunks: Iterator[torch.Tensor], inflight_bytes: int, bar: tqdm | None = None) -> None:
-    """Compute chunk i+1 while a writer thread writes (and hashes) chunk i. Torch ops, file writes and
-    sha256 all release the GIL, so production and I/O overlap; at most ``inflight_bytes`` of finished
-    chunks wait at any time (one chunk always may, however large)."""
-    pending: queue.Queue[torch.Tensor | None] = queue.Queue()
-    budget = threading.Condition()
-    state = {"inflight": 0, "error": None}
-
-    def consume() -> None:
-        while (chunk := pending.get()) is not None:
-            nbytes = chunk.numel() * chunk.element_size()
-            try:
-                if state["error"] is None:
-                    writer.write(chunk)
-                    if bar is not None:
-                        bar.update(nbytes)
-            except BaseException as e:  # noqa: BLE001 - handed to the producer, which raises it
-                state["error"] = e
-            finally:
-                del chunk
-                with budget:
-                    state["inflight"] -= nbytes
-                    budget.notify()
-
-    thread = threading.Thread(target=in_context(consume), name="slimtune-writer", daemon=True)
-    thread.start()
-    trim = HeapTrim()  # chunks freed by the writer thread stay in glibc's heaps unless given back
-    try:
-        for chunk in chunks:
-            nbytes = chunk.numel() * chunk.element_size()
-            with budget:
-                budget.wait_for(
-                    lambda n=nbytes: state["error"] is not None or state["inflight"] == 0 or state["inflight"] + n <= inflight_bytes
-                )
-                if state["error"] is not None:
-                    break
-                state["inflight"] += nbytes
-            pending.put(chunk)
-            del chunk
-            trim()
-    finally:
-        pending.put(None)
-        thread.join()
-    if state["error"] is not None:
-        raise state["error"]
-
-
-_WRITEBACK_BYTES = 32 * 1024 * 1024
-_DROP_LAG = 256 * 1024 * 1024  # behind the writeback's start: the disk has written it by then
-
-
-class WriteBack:
-    """A file being written front to back that nothing reads back: every ``_WRITEBACK_BYTES`` its bytes
-    written up to that much earlier are handed to the kernel's writeback and let go from the page cache
-    (posix_fadvise DONTNEED), so the disk writes while the command works and the final fsync has little
-    left to wait for (otherwise nothing is written before the kernel's dirty threshold, then writers are
-    throttled). DONTNEED starts the writeback of dirty pages but drops only clean ones, so each range is
-    advised again ``_DROP_LAG`` bytes later, once the disk has written it: then its pages go at once
-    instead of being found by the kernel's page reclaim. Example: ``wb = WriteBack(fd); ...;
-    wb.written(end_offset)`` after each write."""
-
-    def __init__(self, fd: int):
-        self.fd = fd
-        self.released = 0  # bytes [0, released) of the file were handed to writeback
-        self.dropped = 0  # and [0, dropped) advised again, to be let go
-
-    def written(self, end: int) -> None:
-        """Bytes up to ``end`` are written."""
-        if not hasattr(os, "posix_fadvise"):  # Linux; elsewhere the fsync does it all
-            return
-        upto = end - _WRITEBACK_BYTES
-        if upto - self.released >= _WRITEBACK_BYTES:
-            os.posix_fadvise(self.fd, self.released, upto - self.released, os.POSIX_FADV_DONTNEED)
-            self.released = upto
-        drop = self.released - _DROP_LAG
-        if drop - self.dropped >= _WRITEBACK_BYTES:
-            os.posix_fadvise(self.fd, self.dropped, drop - self.dropped, os.POSIX_FADV_DONTNEED)
-            self.dropped = drop
-
-
-_DIRECT_ALIGN = 4096  # O_DIRECT's offsets, lengths and buffer addresses: a page covers any logical block size up to it
-_DIRECT_BUFFER = 8 * 1024 * 1024
-
-
-def _open_direct(path: Path) -> int | None:
-    """A write descriptor of ``path`` that bypasses the page cache (O_DIRECT), or None where the platform
-    or the filesystem has none."""
-    flag = getattr(os, "O_DIRECT", 0)
-    if not flag:
-        return None
-    try:
-        return os.open(path, os.O_WRONLY | flag)
-    except OSError:  # EINVAL: a filesystem without O_DIRECT
-        return None
-
-
-def _read_exactly(path: Path, offset: int, nbytes: int) -> bytes:
-    fd = os.open(path, os.O_RDONLY)  # the writer's descriptor may be open for writing only
-    try:
-        data = os.pread(fd, nbytes, offset)
-    finally:
-        os.close(fd)
-    if len(data) != nbytes:
-        raise SlimtuneError(f"{path}: read {len(data)} of the {nbytes} bytes at offset {offset}")
-    return data
-
-
-def _pwrite_direct(fd: int, data: memoryview, offset: int) -> None:
-    _pwrite_all(fd, data, offset)
-
-
-class DirectAppend:
-    """Appends bytes to the file ``path`` (open as ``fd``, holding bytes [0, ``start``) already) from
-    ``start`` on, bypassing the page cache (O_DIRECT): the bytes are copied into a page-aligned buffer
-    (the file's block holding ``start`` read back first, so its head is rewritten as it is) and written
-    a whole buffer at a time; the last partial block goes through ``fd`` at ``close()``. A buffered
-    write of the same bytes costs ~1.5-2.5 s of system CPU per GB here (page cache, reclaim, writeback)
-    and ~0.05 this way. Where the platform or filesystem refuses O_DIRECT (at open or at the first
-    write), every byte goes through ``fd`` (``WriteBack``): the same bytes either way. The caller
-    fsyncs. Example: ``w = DirectAppend(path, fd, f.tell()); w.write(view); ...; end = w.close()``"""
-
-    def __init__(self, path: Path, fd: int, start: int, buffer_bytes: int = _DIRECT_BUFFER):
-        self.fd, self.pos = fd, start
-        self._dfd = _open_direct(path)
-        self.direct = self._dfd is not None
-        self._writeback = None if self.direct else WriteBack(fd)
-        self._base = start // _DIRECT_ALIGN * _DIRECT_ALIGN  # the file offset of the buffer's first byte
-        size = max(_DIRECT_ALIGN, buffer_bytes // _DIRECT_ALIGN * _DIRECT_ALIGN)
-        raw = torch.empty(size + _DIRECT_ALIGN, dtype=torch.uint8)
-        skip = -raw.data_ptr() % _DIRECT_ALIGN
-        self._buf = raw[skip : skip + size]
-        self._view = memoryview(self._buf.numpy())
-        self._fill = start - self._base
-        if self.direct and self._fill:
-            try:
-                self._view[: self._fill] = _read_exactly(path, self._base, self._fill)
-            except BaseException:
-                self.abandon()
-                raise
-
-    def write(self, data: torch.Tensor) -> None:
-        """Append ``data`` (a contiguous tensor's bytes)."""
-        flat = data.reshape(-1).view(torch.uint8)
-        done, n = 0, flat.numel()
-        while done < n and self.direct:
-            take = min(n - done, self._buf.numel() - self._fill)
-            self._buf[self._fill : self._fill + take].copy_(flat[done : done + take])  # torch's copy: no GIL held
-            self._fill += take
-            done += take
-            if self._fill == self._buf.numel():
-                self._flush(self._fill)
-        if done < n:  # no O_DIRECT (from the start, or since the flush above: the buffer is empty)
-            _pwrite_all(self.fd, tensor_bytes(flat[done:]), self.pos + done)
-            self._writeback.written(self.pos + n)
-        self.pos += n
-
-    def _flush(self, nbytes: int) -> None:
-        """Buffer bytes [0, nbytes) (whole blocks) to the file at ``_base``; the rest moves to the front."""
-        view = self._view[:nbytes]
-        if self.direct:
-            try:
-                _pwrite_direct(self._dfd, view, self._base)
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-                self._stop_direct()  # a filesystem that took the flag at open and refuses the write
-        if not self.direct:
-            _pwrite_all(self.fd, view, self._base)
-        rest = self._fill - nbytes
-        if rest:
-            self._view[:rest] = self._view[nbytes : self._fill]
-        self._base += nbytes
-        self._fill = rest
-
-    def _stop_direct(self) -> None:
-        os.close(self._dfd)
-        self._dfd, self.direct = None, False
-        self._writeback = WriteBack(self.fd)
-
-    def close(self) -> int:
-        """The buffered bytes written (whole blocks directly, the tail through ``fd``); returns the end offset."""
-        try:
-            if self.direct and self._fill:
-                whole = self._fill // _DIRECT_ALIGN * _DIRECT_ALIGN
-                if whole:
-                    self._flush(whole)
-                if self._fill:
-                    _pwrite_all(self.fd, self._view[: self._fill], self._base)
-                    self._base, self._fill = self._base + self._fill, 0
-        finally:
-            self.abandon()
-        return self.pos
-
-    def abandon(self) -> None:
-        """Let go of the O_DIRECT descriptor and the buffer, writing nothing more (the file is being discarded)."""
-        if self._dfd is not None:
-            os.close(self._dfd)
-            self._dfd = None
-        self._view.release()
-
-
 class _RowSink:
     """Takes one rank's chunks of one file in plan order and writes each at its offset with pwrite
     (hashing them too when this rank writes the whole file, so that file needs no read back). Each
@@ -306,7 +99,7 @@ class _RowSink:
         hashed = None if self._hasher is None else self._hasher.submit(in_context(self._hash), data)
         try:
             with stage("write", device_work=False):
-                _pwrite_all(self.fd, data, offset + self.done)
+                pwrite_all(self.fd, data, offset + self.done)
                 if self.writeback is not None:
                     self.writeback.written(offset + self.done + len(data))
         finally:
@@ -350,7 +143,7 @@ class _Progress:
         self.peers: list[int] = []
 
     def publish(self, value: int) -> None:
-        _pwrite_all(self.fd, memoryview(struct.pack("<q", value)), 0)
+        pwrite_all(self.fd, memoryview(struct.pack("<q", value)), 0)
 
     def finished(self, g: int) -> None:
         """Tensor ``g`` done: publish the next one this rank writes rows of."""
@@ -395,12 +188,6 @@ def _trailing_hash(directory: Path, plan: SavePlan, files: list[int], progress: 
             hashes[f.path] = h.hexdigest()
     except BaseException as e:  # noqa: BLE001 - reported at the next status exchange
         errors.append(e)
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while len(data):
-        n = os.pwrite(fd, data, offset)
-        data, offset = data[n:], offset + n
 
 
 def create_files(directory: Path, plan: SavePlan) -> None:

@@ -105,7 +105,7 @@ def _check_buildable(config: PretrainedConfig, data: dict, path: Path) -> None:
     inside): the activation and RoPE type must be ones this transformers implements, RoPE parameters
     numbers, pad_token_id a row of the embedding. Values as transformers read them (after its own renaming
     of legacy keys); messages name the key as the file spells it."""
-    import transformers  # seconds to import: only where a config object is checked (load_config)
+    import transformers  # seconds to import: only where a config object is checked (read_model_config)
 
     newer = f"this transformers ({transformers.__version__}) does not know it; a newer transformers may"
     for prefix, cfg, raw in (("", config, data), ("text_config.", getattr(config, "text_config", None), data.get("text_config"))):
@@ -121,7 +121,7 @@ def _check_buildable(config: PretrainedConfig, data: dict, path: Path) -> None:
 
 
 def _check_activation(cfg, where: str, newer: str) -> None:
-    from transformers.activations import ACT2FN  # transformers: as above, only from load_config
+    from transformers.activations import ACT2FN  # transformers: as above, only from read_model_config
 
     for key in ("hidden_act", "hidden_activation", "activation_function"):
         value = getattr(cfg, key, None)
@@ -132,7 +132,7 @@ def _check_activation(cfg, where: str, newer: str) -> None:
 
 
 def _check_rope(rope, where: str, newer: str) -> None:
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # transformers: as above, only from load_config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # transformers: as above, only from read_model_config
 
     if not isinstance(rope, dict):
         return
@@ -171,7 +171,7 @@ def estimate_parameters(data: dict) -> int:
     return 2 * vocab * hidden + layers * (attention + mlp + 4 * hidden)
 
 
-def load_config(model_dir: str | Path) -> PretrainedConfig:
+def read_model_config(model_dir: str | Path) -> PretrainedConfig:
     """config.json of a local checkpoint, checked by ``read_config_dict`` first, then by transformers
     (never a hub lookup); every failure names the file."""
     model_dir = Path(model_dir)

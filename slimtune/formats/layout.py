@@ -16,8 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from slimtune.formats.manifest import MANIFEST_NAME
-
+MANIFEST_NAME = "slimtune_manifest.json"  # every file's size and sha256 (``formats/manifest.py``)
 ADAPTER_DIR = "adapter"  # where a slimtune checkpoint keeps its adapter
 ADAPTER_CONFIG = "adapter_config.json"  # PEFT's file names
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

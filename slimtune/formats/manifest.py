@@ -20,10 +20,10 @@ from tqdm.auto import tqdm
 
 from slimtune.errors import SlimtuneError
 from slimtune.fileio import write_atomic
+from slimtune.formats.layout import MANIFEST_NAME
 from slimtune.formats.strict_json import json_kind, load_json, safe_name
 from slimtune.profiler import stage
 
-MANIFEST_NAME = "slimtune_manifest.json"
 MANIFEST_FORMAT = "slimtune-checkpoint/1"
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 

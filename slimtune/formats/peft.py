@@ -32,7 +32,6 @@ LORA_PARTS = {
     "magnitude": ".lora_magnitude_vector",
     "magnitude_weight": ".lora_magnitude_vector.weight",  # older PEFT versions
 }
-LORA_SUFFIXES = tuple(LORA_PARTS.values())
 
 
 def lora_key(module: str, part: str) -> str:

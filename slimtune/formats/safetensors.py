@@ -7,7 +7,6 @@ N bytes of JSON, then the data buffer with each tensor's [begin, end) offsets re
 from __future__ import annotations
 
 import json
-import os
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,8 +14,10 @@ from pathlib import Path
 
 import torch
 
+from slimtune.diskio import can_advise, drop_cached, read_ahead
 from slimtune.errors import SlimtuneError
 from slimtune.formats.strict_json import Pairs, json_kind, loads_json, safe_name, safe_repr
+from slimtune.tensors import tensor_bytes
 
 DTYPE_TO_NAME = {
     torch.float64: "F64",
@@ -123,12 +124,6 @@ def _utf8(text: str, what: str) -> str:
     except UnicodeEncodeError:
         raise SlimtuneError(f"{what} {safe_repr(text)} is not valid Unicode (lone surrogate); safetensors cannot store it") from None
     return text
-
-
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The little-endian bytes of a contiguous CPU tensor, without a copy."""
-    t = t.contiguous()
-    return memoryview(t.view(-1).view(torch.uint8).numpy())
 
 
 @dataclass(frozen=True)
@@ -283,7 +278,7 @@ class SafetensorsReader:
         self.path = self.header.path
         self._observe = observe
         self._file = open(self.path, "rb")
-        self._drop_behind = drop_behind and hasattr(os, "posix_fadvise")  # Linux; elsewhere reads as usual
+        self._drop_behind = drop_behind and can_advise()  # Linux; elsewhere reads as usual
         self._ahead = 0  # with drop_behind: the kernel was asked to read the file up to here
 
     @property
@@ -335,7 +330,7 @@ class SafetensorsReader:
             if self._observe is not None:
                 self._observe(offset, data)
             if self._drop_behind:  # whole pages inside the range only: a neighbour's partial page stays
-                os.posix_fadvise(self._file.fileno(), offset, nbytes, os.POSIX_FADV_DONTNEED)
+                drop_cached(self._file.fileno(), offset, nbytes)
                 self._read_ahead(offset + nbytes)
         return out
 
@@ -347,7 +342,7 @@ class SafetensorsReader:
             return
         start = max(end, self._ahead)
         self._ahead = end + READ_AHEAD
-        os.posix_fadvise(self._file.fileno(), start, self._ahead - start, os.POSIX_FADV_WILLNEED)
+        read_ahead(self._file.fileno(), start, self._ahead - start)
 
     def close(self) -> None:
         self._file.close()

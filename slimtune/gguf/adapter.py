@@ -20,7 +20,7 @@ the base's) and LoRA on a tied output head have no llama.cpp adapter form: one e
 
 Example::
 
-    result = export_gguf_adapter(Path("adapter-f16.gguf"), GGUFOptions("f16"), base=Path("base"), adapter=Path("run/step-10"))
+    result = export_gguf_adapter(Path("adapter-f16.gguf"), GGUFOptions("f16"), MergeSource(Path("base"), Path("run/step-10")))
 """
 
 from __future__ import annotations
@@ -33,15 +33,16 @@ import gguf
 import torch
 
 from slimtune.errors import SlimtuneError
-from slimtune.formats.layout import CheckpointLayout
+from slimtune.formats.base_checkpoint import BaseCheckpoint
 from slimtune.formats.manifest import checks_done, read_check
+from slimtune.formats.merge_source import MergeSource
 from slimtune.formats.peft import Adapter, read_adapter, resolve
 from slimtune.formats.strict_json import safe_name
 from slimtune.gguf.arch import gguf_arch
-from slimtune.gguf.export import TYPES, GGUFOptions, GGUFResult, format_record, plan_slots, planned_size, write_gguf
+from slimtune.gguf.export import TYPES, GGUFOptions, GGUFResult, plan_slots, planned_size, write_gguf
 from slimtune.gguf.types import ADAPTER_TYPES
 from slimtune.gguf.vocab import modelfile_path, write_modelfile
-from slimtune.merge import BaseCheckpoint, check_fits
+from slimtune.merge import check_fits
 from slimtune.tensors import StreamTensor
 
 Q = gguf.GGMLQuantizationType
@@ -109,33 +110,27 @@ def _adapter_types(tensors: list[tuple[str, StreamTensor]], type_name: str) -> l
     return [qtype if t.shape[-1] % block == 0 else Q.F16 for _, t in tensors]
 
 
-def export_gguf_adapter(
-    out: Path,
-    options: GGUFOptions,
-    src: Path | None = None,
-    base: Path | None = None,
-    adapter: Path | None = None,
-    base_gguf: str | None = None,
-) -> GGUFResult:
-    """Write the adapter of SRC (its ``adapter/``) or ``adapter`` as a GGUF LoRA adapter for ``base``
-    (only its config and tensor headers are read), and a Modelfile beside it: ``FROM base_gguf`` (default:
-    ``model-f16.gguf`` beside ``base``, where ``slimtune export BASE --type f16`` writes it) and ``ADAPTER``.
-    Example: ``export_gguf_adapter(Path("a.gguf"), GGUFOptions("f16"), base=Path("base"), adapter=Path("run/step-10"))``"""
+def export_gguf_adapter(out: Path, options: GGUFOptions, source: MergeSource, base_gguf: str | None = None) -> GGUFResult:
+    """Write the adapter of ``source`` (``source.adapter``, or its checkpoint's ``adapter/``) as a GGUF LoRA
+    adapter for ``source.base`` (only its config and tensor headers are read), and a Modelfile beside it:
+    ``FROM base_gguf`` (default: ``model-f16.gguf`` beside the base, where ``slimtune export BASE --type f16``
+    writes it) and ``ADAPTER``.
+    Example: ``export_gguf_adapter(Path("a.gguf"), GGUFOptions("f16"), MergeSource(Path("base"), Path("run/step-10")))``"""
     out = Path(out)
     if options.type not in ADAPTER_TYPES:
         raise SlimtuneError(f"GGUF adapter type {options.type!r}: expected one of {', '.join(ADAPTER_TYPES)}")
     if out.exists() and not options.overwrite and not options.dry_run:
         raise SlimtuneError(f"{out} already exists; pass --overwrite to replace it")
-    adapter = adapter if adapter is not None else (CheckpointLayout(src).adapter_dir if src is not None else None)
+    adapter, base = source.adapter_dir, source.base
     if adapter is None:
-        raise SlimtuneError(f"{src}: holds no adapter/ for --adapter-only; pass --adapter DIR")
+        raise SlimtuneError(f"{source.checkpoint}: holds no adapter/ for --adapter-only; pass --adapter DIR")
     if base is None:
         raise SlimtuneError(f"{adapter}: --adapter-only needs the base the adapter was trained on (its config and names): pass --base DIR")
     if base_gguf is not None:
         modelfile_path(base_gguf)  # the Modelfile's FROM is checked before the adapter is written, not after
     started = time.perf_counter()
     lora = read_adapter(adapter)
-    check = read_check(lora.path, options.verify and not options.dry_run)
+    check = read_check(lora.path, source.verify and not options.dry_run)
     reader = BaseCheckpoint(base)
     try:
         arch = gguf_arch(reader.config, str(reader.dir / "config.json"))
@@ -152,9 +147,7 @@ def export_gguf_adapter(
         size = write_gguf(out, arch, kv, plan, options, lambda: checks_done(check))
     finally:
         reader.close()
-    dirs = [d for d in (Path(adapter), Path(src) if src else None) if d is not None]
-    tok_dir = next((d for d in dirs if (d / "tokenizer_config.json").is_file()), reader.dir)
-    record = format_record(*dirs)
+    tok_dir, record = source.tokenizer_dir(reader.dir), source.record
     if base_gguf is None:
         base_gguf = os.path.relpath(Path(reader.dir).resolve().parent / "model-f16.gguf", out.resolve().parent)
     modelfile = write_modelfile(out, tok_dir, record.get("chat_template"), record.get("system_prompt"), base_gguf=base_gguf)

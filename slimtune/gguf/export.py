@@ -26,26 +26,27 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import gguf
 import torch
 
-from slimtune.checkpoint.writer import DEFAULT_CHUNK_BYTES, DEFAULT_INFLIGHT_BYTES, DirectAppend, pipelined_write
+from slimtune.diskio import DEFAULT_CHUNK_BYTES, DEFAULT_INFLIGHT_BYTES, DirectAppend, pipelined_write
 from slimtune.errors import SlimtuneError
 from slimtune.fileio import atomic_file, check_free_space, os_errors
-from slimtune.formats.hf import export_config_dict, load_config
+from slimtune.formats.base_checkpoint import BaseCheckpoint
+from slimtune.formats.hf import export_config_dict, read_model_config
 from slimtune.formats.layout import CheckpointLayout
 from slimtune.formats.manifest import ReadCheck, checks_done, read_check
-from slimtune.generate import read_format_record
+from slimtune.formats.merge_source import MergeSource
 from slimtune.gguf import ggml
 from slimtune.gguf.arch import GGUFArch, gguf_arch
 from slimtune.gguf.header import TensorInfo, write_head
 from slimtune.gguf.mix import MIXES, MixModel, mix_types
 from slimtune.gguf.types import PLAIN_TYPES, TYPE_NAMES
 from slimtune.gguf.vocab import vocab_fields, write_modelfile
-from slimtune.merge import BaseCheckpoint, MergeBase, merged_file_stream
+from slimtune.merge import MergeBase, merged_file_stream
 from slimtune.tensors import StreamTensor, all_finite, dtype_size, row_chunks, scalar_source
 
 Q = gguf.GGMLQuantizationType
@@ -62,17 +63,13 @@ _F32_TENSORS = (gguf.MODEL_TENSOR.POS_EMBD, gguf.MODEL_TENSOR.ROPE_FREQS)  # kep
 
 @dataclass(frozen=True)
 class GGUFOptions:
-    """How a GGUF file is written. Example: ``GGUFOptions("q8_0", merge_base="quantized")``."""
+    """How a GGUF file is written (what it is written from: ``MergeSource``). Example: ``GGUFOptions("q8_0", overwrite=True)``."""
 
     type: str = "f16"
     """One of ``slimtune.gguf.types.TYPE_NAMES``: a plain type (``PLAIN_TYPES``), the type of every 2-D
     weight (norms, biases and position embeddings stay f32, as llama.cpp's converter keeps them); or a
     K-quant mix (``MIX_TYPES``): each tensor's type as llama-quantize chooses it (``slimtune.gguf.mix``)."""
-    merge_base: str = "original"
-    """Merge an adapter into W itself (original) or into dequant(NF4(W)) (quantized), as ``slimtune merge``."""
     overwrite: bool = False
-    verify: bool = True
-    """Check the sha256 of every checkpoint file read against its manifest, while reading (``--no-verify``: off)."""
     chunk_bytes: int = DEFAULT_CHUNK_BYTES // 2
     """fp32 bytes of one chunk of rows (at least one row); the quantizers' numpy temporaries are several
     times this, hence half the safetensors writer's chunk."""
@@ -293,34 +290,29 @@ class _Source:
     """The sha256 checks of the checkpoints read (``read_check``), done before the file is renamed into place."""
 
 
-def format_record(*dirs: Path) -> dict:
-    """What training recorded (slimtune_format.json: the chat template it used) in the first of ``dirs`` that has it."""
-    return next((r for r in map(read_format_record, dirs) if r), {})
-
-
 @contextmanager
-def open_source(
-    src: Path | None, base: Path | None, adapter: Path | None, merge_base: str, verify: bool = False, one_pass: bool = True
-) -> Iterator[_Source]:
-    """The merged model as an fp32 tensor stream: SRC's merged model, or an adapter (``--adapter``, or
-    SRC's ``adapter/``) merged on the fly into ``base`` exactly as ``slimtune merge`` merges it. With
-    ``verify``, each checkpoint read that has a manifest is checked (``_Source.checks``): its small files
-    before anything parses them, its weights, with ``one_pass`` (the caller reads the stream once), hashed
-    from the bytes the export reads (no second read), else by a pass of their own. With ``one_pass`` the
-    files are read ahead and let go behind (``BaseCheckpoint(drop_behind=True)``)."""
-    resolved = MergeBase.named(merge_base)  # the one check of the name, and the row reader it means
-    if src is not None and not Path(src).is_dir():
+def open_source(source: MergeSource, one_pass: bool = True) -> Iterator[_Source]:
+    """The merged model as an fp32 tensor stream: the checkpoint's merged model, or an adapter
+    (``source.adapter``, or the checkpoint's ``adapter/``) merged on the fly into ``source.base`` exactly as
+    ``slimtune merge`` merges it. With ``source.verify``, each checkpoint read that has a manifest is checked
+    (``_Source.checks``): its small files before anything parses them, its weights, with ``one_pass`` (the
+    caller reads the stream once), hashed from the bytes the export reads (no second read), else by a pass
+    of their own. With ``one_pass`` the files are read ahead and let go behind
+    (``BaseCheckpoint(drop_behind=True)``)."""
+    resolved = MergeBase.named(source.merge_base)  # the row reader it means
+    src, base, verify = source.checkpoint, source.base, source.verify
+    if src is not None and not src.is_dir():
         raise SlimtuneError(f"{src}: no such checkpoint directory")
-    if src is not None and adapter is None and base is None and CheckpointLayout(src).has_merged:
+    if src is not None and source.adapter is None and base is None and CheckpointLayout(src).has_merged:
         check = read_check(src, verify, fold=one_pass)  # one pass: hashed from the export's own reads
         reader = BaseCheckpoint(src, check=check, drop_behind=one_pass)
         try:
             stream = [_plain(reader, k) for k in reader.keys]
-            yield _Source(reader.config, stream, Path(src), Path(src), format_record(Path(src)), (check,))
+            yield _Source(reader.config, stream, src, src, source.record, (check,))
         finally:
             reader.close()
         return
-    adapter = adapter if adapter is not None else (CheckpointLayout(src).adapter_dir if src is not None else None)
+    adapter = source.adapter_dir
     if adapter is None:
         raise SlimtuneError(f"{src}: neither a merged model (config.json, *.safetensors) nor an adapter; pass --base and --adapter")
     if base is None:
@@ -332,9 +324,8 @@ def open_source(
     reader = BaseCheckpoint(base, check=checks[1], drop_behind=one_pass)
     try:
         stream = merged_file_stream(reader, lora, torch.float32, resolved, keep_dtype=True)  # widened a piece at a time
-        dirs = [d for d in (Path(adapter), Path(src) if src else None) if d is not None]
-        tok_dir = next((d for d in dirs if (d / "tokenizer_config.json").is_file()), reader.dir)
-        yield _Source(export_config_dict(reader.config, stream), stream, tok_dir, reader.dir, format_record(*dirs), checks)
+        config = export_config_dict(reader.config, stream)
+        yield _Source(config, stream, source.tokenizer_dir(reader.dir), reader.dir, source.record, checks)
     finally:
         reader.close()
 
@@ -374,19 +365,18 @@ def _with_norm_eps(cfg: dict, hf_config) -> dict:
     return {**cfg, **{k: v for k, v in defaults.items() if v is not None}}
 
 
-def export_gguf(
-    out: Path, options: GGUFOptions, src: Path | None = None, base: Path | None = None, adapter: Path | None = None
-) -> GGUFResult:
-    """Write the merged model of SRC (or ``adapter`` merged into ``base``) as one GGUF file at ``out``,
-    with the tokenizer's vocabulary and chat template, and a Modelfile beside it for Ollama.
-    Example: ``export_gguf(Path("m.gguf"), GGUFOptions("bf16"), base=Path("base"), adapter=Path("run/step-000010"))``"""
+def export_gguf(out: Path, options: GGUFOptions, source: MergeSource) -> GGUFResult:
+    """Write the merged model of ``source`` (a checkpoint's merged model, or an adapter merged into its
+    base) as one GGUF file at ``out``, with the tokenizer's vocabulary and chat template, and a Modelfile
+    beside it for Ollama.
+    Example: ``export_gguf(Path("m.gguf"), GGUFOptions("bf16"), MergeSource(Path("base"), Path("run/step-000010")))``"""
     out = Path(out)
     _check_type(options.type)
     if out.exists() and not options.overwrite and not options.dry_run:
         raise SlimtuneError(f"{out} already exists; pass --overwrite to replace it")
     started = time.perf_counter()
-    with open_source(src, base, adapter, options.merge_base, options.verify and not options.dry_run) as source:
-        hf_config = load_config(source.config_dir)
+    with open_source(replace(source, verify=source.verify and not options.dry_run)) as source:
+        hf_config = read_model_config(source.config_dir)
         arch = gguf_arch(_with_norm_eps(source.config, hf_config), str(source.model_dir / "config.json"))
         tensors = gguf_tensors(arch, source.stream)
         arch.check_tensors([g for _, g in tensors])
@@ -420,6 +410,6 @@ def export_checkpoint_gguf(checkpoint: Path, type_name: str, base: Path, verify:
     (``checkpoint.gguf_verify``).
     Example: ``export_checkpoint_gguf(Path("runs/1/step-000100"), "q8_0", Path("base"))``"""
     out = Path(checkpoint).parent / f"model-{type_name}.gguf"
-    if CheckpointLayout(checkpoint).has_merged:
-        return export_gguf(out, GGUFOptions(type_name, overwrite=True, verify=verify), src=Path(checkpoint))
-    return export_gguf(out, GGUFOptions(type_name, "quantized", overwrite=True, verify=verify), src=Path(checkpoint), base=Path(base))
+    merged = CheckpointLayout(checkpoint).has_merged
+    source = MergeSource.resolve(checkpoint, None if merged else Path(base), verify=verify)
+    return export_gguf(out, GGUFOptions(type_name, overwrite=True), source)

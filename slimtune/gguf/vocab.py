@@ -14,7 +14,7 @@ Two vocabulary kinds, as llama.cpp's converter writes them:
   space; llama.cpp (like SentencePiece) also puts it after every special token and before a leading space.
 
 Special-token ids come from ``gguf.SpecialVocab``; the add-bos/eos flags from what the tokenizer does; the
-chat template from the checkpoint (what training rendered conversations with: ``generate.read_format_record``).
+chat template from the checkpoint (what training rendered conversations with: ``formats.format_record.read_format_record``).
 
 ``write_modelfile`` writes Ollama's ``Modelfile``: the chat template translated to a Go template where it
 wraps each message alike (ChatML, Llama 3 style, slimtune's fallback), checked by rendering both."""

@@ -28,7 +28,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from slimtune.checkpoint.background import BackgroundSaver, WriterSpec
-from slimtune.checkpoint.extras import CheckpointDocs, prompt_format_of
+from slimtune.checkpoint.extras import CheckpointDocs
 from slimtune.checkpoint.manager import CheckpointManager
 from slimtune.checkpoint.run_state import (
     Optimization,
@@ -48,7 +48,8 @@ from slimtune.distributed import Ranks, reshard
 from slimtune.errors import SlimtuneError
 from slimtune.facts import facts_of
 from slimtune.fileio import os_errors
-from slimtune.formats.hf import load_config as load_hf_config
+from slimtune.formats.format_record import prompt_format_of
+from slimtune.formats.hf import read_model_config
 from slimtune.formats.hub import ModelSource, is_dataset_id, is_hub_id, resolve_model
 from slimtune.formats.peft import read_adapter
 from slimtune.formats.serving import serving_problems, serving_report
@@ -61,7 +62,7 @@ from slimtune.recipes.run import FinetuneResult, Inputs, Placement, Run, Span
 from slimtune.runtime import choose_num_threads, compile_decoder_layers, enable_activation_checkpointing
 from slimtune.schedule import warmup_cosine
 from slimtune.tensors import DTYPES
-from slimtune.tiny import byte_tokenizer, make_tiny_checkpoint, tiny_config
+from slimtune.tiny import byte_tokenizer, make_tiny_checkpoint, tiny_llama_config
 from slimtune.tracking import MetricsLog, Trackers, plot_losses
 
 log = logging.getLogger(__name__)
@@ -167,9 +168,9 @@ def read_data(cfg: Config, resume: ResumePoint | None, base: ModelSource) -> Inp
             raise SlimtuneError(f"{dataset_path}: no such dataset file (dataset.path)")
         builtin_rows = builtin_tiny_records()
     if needs_tiny_base(cfg):  # the embedded model's tokenizer and config, before its files exist
-        tokenizer, hf_config = byte_tokenizer(), tiny_config()
+        tokenizer, hf_config = byte_tokenizer(), tiny_llama_config()
     else:
-        hf_config = load_hf_config(base.path)  # a malformed model directory fails here, before the tokenizer
+        hf_config = read_model_config(base.path)  # a malformed model directory fails here, before the tokenizer
         tokenizer = load_tokenizer(base.path)
     rows = {str(dataset_path): builtin_rows} if builtin_rows is not None else None
     data = load_data(DataSpec.from_config(cfg), tokenizer, rows=rows, vocab_size=getattr(hf_config, "vocab_size", None))

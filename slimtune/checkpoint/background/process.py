@@ -32,7 +32,7 @@ from torch import nn
 
 from slimtune.checkpoint.background.child import WriterProcess, become_writer
 from slimtune.checkpoint.background.protocol import Ready, Request, Start, Stop, Unavailable, WriterGroup, WriterSetup, WriterSpec
-from slimtune.checkpoint.background.snapshot import to_host, write_request
+from slimtune.checkpoint.background.snapshot import tree_to_host, write_request
 from slimtune.checkpoint.manager import CheckpointManager
 from slimtune.distributed import SINGLE, Ranks, current_ranks, join_group, shutdown
 from slimtune.errors import SlimtuneError, first_line
@@ -117,7 +117,7 @@ class ProcessWriter(WriterProcess):
         rank's shard), serialized and sent; its bytes."""
         self.doing = f"writing {request.name}"
         buffer = io.BytesIO()
-        torch.save(dataclasses.replace(request, train_state=to_host(request.train_state)), buffer)
+        torch.save(dataclasses.replace(request, train_state=tree_to_host(request.train_state)), buffer)
         try:
             self.conn.send_bytes(buffer.getbuffer())
         except OSError:

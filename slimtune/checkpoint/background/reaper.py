@@ -28,7 +28,7 @@ GRACE_S = 2.0  # how long a writer whose trainer died has to end by its SIGTERM 
 _PROCESS_MRELEASE = 448  # the syscall's number (the generic table: x86_64 and arm64 alike)
 
 
-def main(fd: int, trainer: int) -> None:
+def watch_trainer(fd: int, trainer: int) -> None:
     """Watch ``trainer`` and the writers whose pids arrive on ``fd``; end them when the trainer dies
     (its pidfd is readable, or its end of the pipe closed without ``END``)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle: the reaper still has its job
@@ -108,4 +108,4 @@ def _renice(pid: int, nice: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]))
+    watch_trainer(int(sys.argv[1]), int(sys.argv[2]))

@@ -1,5 +1,5 @@
 """A save point's snapshot on its way to a writer and back into a checkpoint: host copies of the
-training state (``to_host``; a DTensor travels as its local ``Shard``), the DTensors rebuilt on the
+training state (``tree_to_host``; a DTensor travels as its local ``Shard``), the DTensors rebuilt on the
 writers' mesh (``rebuild``), and ``write_request``: one checkpoint from one ``Request`` by the one save
 path (``CheckpointManager.save``), answered ``Done`` or ``Failed``."""
 
@@ -33,7 +33,7 @@ class Shard:
     placements: tuple
 
 
-def to_host(tree: object) -> object:
+def tree_to_host(tree: object) -> object:
     """The tensors of ``tree`` copied off a GPU into pinned host buffers (asynchronously, then one
     synchronisation); CPU tensors as they are (serialising copies them); a DTensor as its local shard
     (``Shard``), which the writer rebuilds on its own mesh (``rebuild``)."""

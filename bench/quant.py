@@ -4,7 +4,7 @@ of fp32 input, on one thread and on a pool of ``--threads``, beside the ``gguf``
 llama-cpp-python loads: what ``llama_model_quantize`` runs, one thread). Rows: Gaussian weights (std 0.02),
 4096 wide; each figure the best of ``--rounds``, the three alternated. ``slimtune_1_thread_cpu``: the one-thread
 figure by the thread's CPU time (``time.thread_time``), the measure that holds on a loaded machine;
-``ggml_c_1_thread_cpu`` the same of ggml's C. slimtune's path (``slimtune.gguf.kquant_kernel.status``: C, or
+``ggml_c_1_thread_cpu`` the same of ggml's C. slimtune's path (``slimtune.gguf.kquant_kernel.loop_status``: C, or
 torch and why) is in ``path``."""
 
 from __future__ import annotations
@@ -68,4 +68,4 @@ def bench_quant(rows: int = 256, threads: int = 2, rounds: int = 3) -> dict:
         out[name] = {k: round(v, 1) for k, v in figures.items()}
     from slimtune.gguf import kquant_kernel
 
-    return {"rows": rows, "width": 4096, "mb_fp32": round(mb, 1), "path": kquant_kernel.status(), "MB_per_s": out}
+    return {"rows": rows, "width": 4096, "mb_fp32": round(mb, 1), "path": kquant_kernel.loop_status(), "MB_per_s": out}

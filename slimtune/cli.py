@@ -180,7 +180,7 @@ class _Version(argparse.Action):
     """``slimtune --version``: ``slimtune 0.1.0 (torch 2.13.0, transformers 5.24.0, ...)``, from the package
     metadata, read only when asked; then what dequantizes NF4 here (``quant.nf4_kernel.status``: the C
     loop, built on first use, or torch's ops and why) and what quantizes GGUF's K-quants
-    (``gguf.kquant_kernel.status``: C, or torch and why)."""
+    (``gguf.kquant_kernel.loop_status``: C, or torch and why)."""
 
     def __init__(self, option_strings, dest, **kwargs):
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
@@ -196,7 +196,7 @@ class _Version(argparse.Action):
         print(f"NF4 dequantization on the CPU: {nf4_kernel.status()}")
         from slimtune.gguf import kquant_kernel  # lazy: imports torch
 
-        print(f"GGUF quantization (K-quants, Q4_0-Q5_1): {kquant_kernel.status()}")
+        print(f"GGUF quantization (K-quants, Q4_0-Q5_1): {kquant_kernel.loop_status()}")
         parser.exit()
 
 

@@ -34,10 +34,10 @@ def path(request, monkeypatch):
     """The K-quants' C loop, or torch's code with the loop switched off (forked workers inherit it)."""
     if request.param == "torch":
         monkeypatch.setattr(kquant_kernel, "_loaded", (None, "torch (switched off for the test)"))
-    elif kquant_kernel.status() != "C":
+    elif kquant_kernel.loop_status() != "C":
         # with a compiler (every machine the suite runs on) a failed build must not pass as the fallback
-        assert native._compiler() is None or os.environ.get("SLIMTUNE_NATIVE", "1") == "0", kquant_kernel.status()
-        pytest.skip(f"no C loop here: {kquant_kernel.status()}")
+        assert native._compiler() is None or os.environ.get("SLIMTUNE_NATIVE", "1") == "0", kquant_kernel.loop_status()
+        pytest.skip(f"no C loop here: {kquant_kernel.loop_status()}")
     return request.param
 
 
@@ -304,13 +304,13 @@ def test_the_c_loop_runs_where_it_is_built(path, monkeypatch):
     """``ggml.quantize`` runs the C loop for the K-quants and Q4_0 ... Q5_1 where it is built (the ``path`` fixture fails
     where a compiler is and the build is not), torch's code where it is switched off."""
     calls = []
-    real = kquant_kernel.quantize
-    monkeypatch.setattr(kquant_kernel, "quantize", lambda *a: calls.append(a[1]) or real(*a))
+    real = kquant_kernel.quantize_blocks
+    monkeypatch.setattr(kquant_kernel, "quantize_blocks", lambda *a: calls.append(a[1]) or real(*a))
     for type_name in KQUANTS + LEGACY:
         ggml.quantize(torch.randn(2, 512), type_name, threads=1)
     in_c = KQUANTS + ["Q4_0", "Q4_1", "Q5_0", "Q5_1"]  # Q8_0: torch's passes keep up with ggml's C
     assert calls == (in_c if path == "C" else [])
-    assert kquant_kernel.status() == "C" if path == "C" else kquant_kernel.status().startswith("torch (")
+    assert kquant_kernel.loop_status() == "C" if path == "C" else kquant_kernel.loop_status().startswith("torch (")
 
 
 def test_c_fp16_rounding_is_ggmls(path):
@@ -324,4 +324,4 @@ def test_c_fp16_rounding_is_ggmls(path):
     x = np.concatenate([bits.view(np.float32), ties.astype(np.uint32).view(np.float32), np.float32([0.0, -0.0, 65504, 65520, 1e-8])])
     ref = np.zeros(x.size, dtype=np.uint16)
     _ggml().ggml_fp32_to_fp16_row(x.ctypes.data, ref.ctypes.data, x.size)
-    assert np.array_equal(kquant_kernel.fp16_bits(torch.from_numpy(x)).numpy().astype(np.uint16), ref)
+    assert np.array_equal(kquant_kernel.c_fp16_bits(torch.from_numpy(x)).numpy().astype(np.uint16), ref)

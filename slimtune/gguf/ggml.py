@@ -165,10 +165,10 @@ def _native(type_name: str, in_torch: Callable[[torch.Tensor, bool], torch.Tenso
     ``NonFiniteError`` first (from the blocks' maxima and minima, as the torch code finds them)."""
 
     def run(x: torch.Tensor, check: bool = False) -> torch.Tensor:
-        if kquant_kernel.status() != "C":
+        if kquant_kernel.loop_status() != "C":
             return in_torch(x, check)
         finite_blocks(check, *(torch.aminmax(x, dim=1) if check else ()))
-        return kquant_kernel.quantize(x, type_name)
+        return kquant_kernel.quantize_blocks(x, type_name)
 
     return run
 

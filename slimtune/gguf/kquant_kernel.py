@@ -12,12 +12,12 @@ ggml's float32 operations in ggml's order, compiled with ``-ffp-contract=off`` (
 one rounding per operation, as ggml's reference quantizers are built), so its bytes are ggml's
 (tests/test_kquants.py runs every byte-identity test on both paths). ctypes releases the GIL for the call.
 
-``SLIMTUNE_NATIVE=0``, no compiler or a failed build: torch's code runs; ``status()`` says which
+``SLIMTUNE_NATIVE=0``, no compiler or a failed build: torch's code runs; ``loop_status()`` says which
 (``slimtune --version`` prints it).
 
 Example::
 
-    out = quantize(torch.randn(4, 256), "Q4_K")   # uint8 (4, 144), or None where torch's code must run
+    out = quantize_blocks(torch.randn(4, 256), "Q4_K")   # uint8 (4, 144), or None where torch's code must run
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 
 from slimtune import native
 
-__all__ = ["fp16_bits", "quantize", "status"]
+__all__ = ["c_fp16_bits", "loop_status", "quantize_blocks"]
 
 SOURCE = Path(__file__).with_name("kquant_kernel.c")
 FLAGS = ("-O2", "-ffp-contract=off", "-fno-math-errno")  # one rounding per float operation; sqrtf inline
@@ -63,16 +63,16 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     return _loaded
 
 
-def status() -> str:
-    """One line: what quantizes K-quants here. Example: ``status()`` -> ``"C"`` or ``"torch (SLIMTUNE_NATIVE=0)"``"""
+def loop_status() -> str:
+    """One line: what quantizes K-quants here. Example: ``loop_status()`` -> ``"C"`` or ``"torch (SLIMTUNE_NATIVE=0)"``"""
     return _library()[1]
 
 
-def quantize(x: torch.Tensor, type_name: str) -> torch.Tensor | None:
+def quantize_blocks(x: torch.Tensor, type_name: str) -> torch.Tensor | None:
     """Blocks ``x`` (N, 256 for a K-quant, N, 32 for Q4_0, Q4_1, Q5_0, Q5_1) quantized to ``type_name``: uint8
     (N, block bytes); None where the C loop does not run (then torch's code does, with the same bytes).
     ``FloatingPointError`` where a legacy block's fp16 scale overflows (as torch's code raises it).
-    Example: ``quantize(torch.zeros(1, 256), "Q6_K").shape == (1, 210)``"""
+    Example: ``quantize_blocks(torch.zeros(1, 256), "Q6_K").shape == (1, 210)``"""
     lib = _library()[0]
     if lib is None or type_name not in TYPES:
         return None
@@ -84,7 +84,7 @@ def quantize(x: torch.Tensor, type_name: str) -> torch.Tensor | None:
     return out
 
 
-def fp16_bits(x: torch.Tensor) -> torch.Tensor | None:
+def c_fp16_bits(x: torch.Tensor) -> torch.Tensor | None:
     """The C loop's fp32 -> fp16 bits of ``x`` (flat int32 0..65535), None without it (for the tests)."""
     lib = _library()[0]
     if lib is None:

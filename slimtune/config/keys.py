@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from slimtune.config.schema import PLACEHOLDER, REQUIRED, ConfigPath, Key, ModelPath, RunDir, Size, setting, walk
+from slimtune.errors import SlimtuneError
 from slimtune.lora import DEFAULT_TARGETS
 from slimtune.memory import DEFAULT_SHARD_SIZE
 
@@ -289,6 +290,21 @@ class Config:
     def values(self) -> dict[str, Any]:
         """Every key's value by dotted name, in schema order."""
         return {key.name: functools.reduce(getattr, key.attrs, self) for key in SCHEMA}
+
+    def check(self) -> None:
+        """The rules between keys, once every key is valid on its own (``validate`` runs it last): one line
+        naming the key and what it must be.
+
+        Example: ``cfg.check()``"""
+        objective, preference = self.training.objective, self.preference
+        if objective != "sft" and self.dataset.packed:
+            raise SlimtuneError("dataset.packed: preference pairs are not packed (each pair's sequences are scored whole); set it false")
+        if objective != "sft" and preference.label_smoothing and objective != "simpo":
+            raise SlimtuneError(
+                f"preference.label_smoothing is for simpo (TRL's CPO loss); TRL 1.16's {objective} loss takes none: set it 0"
+            )
+        if objective == "ipo" and preference.beta == 0:
+            raise SlimtuneError("preference.beta must be above 0 for ipo (the loss holds 1 / (2 beta))")
 
 
 SCHEMA: tuple[Key, ...] = tuple(walk(Config))

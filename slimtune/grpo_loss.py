@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from slimtune.data import IGNORE_INDEX
-from slimtune.step import chunk_rows
+from slimtune.token_loss import chunk_rows
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
 IMPORTANCE_LEVELS = ("token", "sequence")

@@ -104,7 +104,8 @@ def _sample_chunk(model: nn.Module, prompts: list[torch.Tensor], spec: SamplingS
     tokens = []
     step_ids, positions = input_ids, (mask.cumsum(dim=1) - 1).clamp(min=0)
     for _ in range(spec.max_completion_length):
-        logits = model(input_ids=step_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True).logits[:, -1]
+        out = model(input_ids=step_ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
+        logits = out.logits[:, -1]
         nxt = _draw(logits.float(), spec, generator)
         nxt = torch.where(done, torch.full_like(nxt, spec.pad_id), nxt)
         tokens.append(nxt)

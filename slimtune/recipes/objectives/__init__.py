@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from slimtune.config import Config
 from slimtune.recipes.objective import Objective
+from slimtune.recipes.objectives.grpo import GRPOObjective
 from slimtune.recipes.objectives.preference import PreferenceObjective
 from slimtune.recipes.objectives.sft import SupervisedObjective
 
@@ -16,6 +17,7 @@ OBJECTIVES: dict[str, type[Objective]] = {
     "dpo": PreferenceObjective,
     "ipo": PreferenceObjective,
     "simpo": PreferenceObjective,
+    "grpo": GRPOObjective,
 }
 
 

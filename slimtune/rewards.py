@@ -201,7 +201,8 @@ def _call(reward: Reward, scored: Scored, step: int):
 
 
 def _failing_row(reward: Reward, scored: Scored) -> str:
-    """' for <row> (completion i)' of the first completion the function raises on by itself, else ''."""
+    """' for <row> (completion i)' of the first completion the function raises on by itself, else the
+    batch's rows (a function that raises only on the whole batch)."""
     for i in range(len(scored.completions)):
         one = {k: v[i : i + 1] for k, v in scored.columns.items()}
         try:
@@ -213,4 +214,5 @@ def _failing_row(reward: Reward, scored: Scored) -> str:
             )
         except Exception:  # noqa: BLE001
             return f" for {scored.rows[i]} (completion {i})"
-    return ""
+    rows = scored.rows
+    return f" on the batch of {len(rows)} completions ({rows[0]} ... {rows[-1]})" if rows else ""

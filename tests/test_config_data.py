@@ -38,7 +38,7 @@ def write_yaml(path: Path, text: str) -> str:
 # --- config ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["tiny", "llama3.2-1b_qlora", "llama3-8b_qlora", "llama3.2-1b_dpo"])
+@pytest.mark.parametrize("name", ["tiny", "llama3.2-1b_qlora", "llama3-8b_qlora", "llama3.2-1b_dpo", "llama3.2-1b_grpo"])
 def test_shipped_configs_validate(name):
     assert name in shipped_configs()
     cfg = load_config(name, REQUIRED + ["output_dir=/tmp/run"])
@@ -47,7 +47,7 @@ def test_shipped_configs_validate(name):
 
 
 def test_colab_configs_need_a_model_path():
-    for name in ("llama3.2-1b_qlora", "llama3-8b_qlora", "llama3.2-1b_dpo"):
+    for name in ("llama3.2-1b_qlora", "llama3-8b_qlora", "llama3.2-1b_dpo", "llama3.2-1b_grpo"):
         with pytest.raises(SlimtuneError, match=r"'model.path' is required"):
             load_config(name, ["dataset.path=/d.jsonl"])
 

@@ -3,7 +3,8 @@ prompts, fixed completions (generation taken out: TRL's ``_generate`` returns th
 slimtune's advantages, loss, ``kl``, ``entropy``, ``clip_ratio/*`` and every LoRA gradient equal what
 TRL's ``GRPOTrainer`` computes (``_generate_and_score_completions`` then ``_compute_loss``) on a PEFT model
 over the same NF4-dequantized base, for every loss_type, both importance-sampling levels, beta 0 and
-beta > 0 (the reference: the base with adapters off) and num_iterations 1 and 2 (the second iteration:
+beta > 0 (the reference: TRL's base with adapters off,
+slimtune's the loaded adapters swapped in) and num_iterations 1 and 2 (the second iteration:
 the old log-probabilities stored at generation time, the policy moved on since), across scale_rewards
 and mask_truncated_completions.
 
@@ -22,7 +23,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
 from slimtune.grpo_loss import GRPOLoss, StepCounts, completion_batch, completion_logps, group_advantages, metric_means, policy_loss
-from slimtune.lora import LoRAConfig, lora_modules
+from slimtune.lora import LoRAConfig, adapter_weights, lora_modules, swapped_adapters
 from slimtune.model import load_qlora_model
 from slimtune.quant import base_rows
 from slimtune.tiny import byte_tokenizer
@@ -90,6 +91,7 @@ def test_one_generation_batch_equals_trl(loss_type, level, beta, mu, scale, epsi
     prompt_ids, completion_ids = fixed
     loss_of = GRPOLoss(loss_type, level, 0.2, epsilon_high, beta, MAX_COMPLETION, TEMPERATURE)
     model = load_qlora_model(tiny_base, LoRAConfig(rank=8, alpha=16, target_modules=TARGETS), seed=0, progress=False, dtype=torch.float32)
+    start = adapter_weights(model)  # the model as loaded (B = 0): the reference, as the objective keeps it
     _perturb(model, seed=5)  # the policy at generation time (and the old policy when mu = 2)
     at_generation = _adapters(model)
 
@@ -104,7 +106,11 @@ def test_one_generation_batch_equals_trl(loss_type, level, beta, mu, scale, epsi
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
     with torch.no_grad():
         old = completion_logps(model(**inputs).logits, batch["labels"], TEMPERATURE)[0] if mu > 1 else None
-        ref = _reference_logps(model, inputs, batch["labels"]) if beta else None
+        if beta:
+            with swapped_adapters(model, start):  # the objective's reference forward
+                ref = completion_logps(model(**inputs).logits, batch["labels"], TEMPERATURE)[0]
+        else:
+            ref = None
     if mu > 1:
         _perturb(model, seed=9, std=0.5)  # the second iteration: the policy moved on since the generation
     logps, entropy = completion_logps(model(**inputs).logits, batch["labels"], TEMPERATURE)
@@ -183,18 +189,6 @@ def _perturb(model, seed: int, std: float = 0.1) -> None:
 
 def _adapters(model) -> dict:
     return {n: (m.lora_a.weight.detach().clone(), m.lora_b.weight.detach().clone()) for n, m in lora_modules(model).items()}
-
-
-def _reference_logps(model, inputs: dict, labels: torch.Tensor) -> torch.Tensor:
-    """The base's log-probabilities: the adapters' B set to 0 for one forward (exactly the base), then back."""
-    saved = _adapters(model)
-    with torch.no_grad():
-        for m in lora_modules(model).values():
-            m.lora_b.weight.zero_()
-        out = completion_logps(model(**inputs).logits, labels, TEMPERATURE)[0]
-        for name, m in lora_modules(model).items():
-            m.lora_b.weight.copy_(saved[name][1])
-    return out
 
 
 def _set_adapters(peft_model, weights: dict) -> None:

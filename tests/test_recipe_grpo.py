@@ -22,6 +22,10 @@ from safetensors.torch import load_file
 
 from slimtune.checkpoint.atomic import is_complete_checkpoint
 from slimtune.cli import main
+from slimtune.config import load_config
+from slimtune.formats.peft import lora_key
+from slimtune.lora import lora_modules
+from slimtune.recipes.finetune import setup
 from tests.conftest import ROOT
 
 ADAPTER = "adapter/adapter_model.safetensors"
@@ -93,7 +97,7 @@ def completions(out: Path) -> dict[int, list]:
 @pytest.fixture(scope="module")
 def straight_run(tmp_path_factory, settings) -> Path:
     out = tmp_path_factory.mktemp("straight") / "run"
-    assert main(["finetune", "--config", "tiny", f"output_dir={out}", *settings]) == 0
+    assert main(["finetune", "--config", "tiny", f"output_dir={out}", *settings, "checkpoint.gguf=q8_0"]) == 0
     return out
 
 
@@ -114,6 +118,21 @@ def test_grpo_run_logs_trl_metrics_and_completions(straight_run):
     samples = completions(straight_run)
     assert sorted(samples) == list(range(1, STEPS + 1)) and all(len(v) == 2 for v in samples.values())
     assert {"prompt", "completion", "reward"} <= set(samples[STEPS][0])
+    assert (straight_run / "model-q8_0.gguf").is_file()  # the GGUF export at the end, as SFT's
+
+
+def test_the_reference_is_a_frozen_copy_of_model_adapter(straight_run, settings, tmp_path):
+    """Started from an adapter (model.adapter) with beta > 0, the reference the objective keeps is that
+    adapter's weights, bit for bit, and the model holds them too before its first step."""
+    start = straight_run / f"step-{STEPS:06d}"
+    cfg = load_config("tiny", [f"output_dir={tmp_path / 'run'}", *settings, f"model.adapter={start}"])
+    run = setup(cfg)
+    saved = load_file(str(start / ADAPTER))
+    reference = run.objective.reference
+    assert reference is not None and len(reference) == len(lora_modules(run.model))
+    for name, (a, b) in reference.items():
+        assert torch.equal(a, saved[lora_key(name, "lora_A")].to(a.dtype)) and torch.equal(b, saved[lora_key(name, "lora_B")].to(b.dtype))
+        assert torch.equal(lora_modules(run.model)[name].lora_b.weight, b)
 
 
 def test_sigkill_then_resume_samples_the_same_and_ends_bit_exact(straight_run, settings, tmp_path):

@@ -58,7 +58,6 @@ from slimtune.recipes.run_steps import (
     prepare,
     restore,
     save_step,
-    timed_record,
 )
 from slimtune.recipes.train_loop import check_finite, optimizer_step
 
@@ -159,3 +158,22 @@ def evaluate(run: Run, merged: bool = False) -> dict:
         with merged_forward(run.model, merged_dtype(run)):
             run.last_eval[f"{objective.merged_metric}_merged"] = objective.evaluate(run)[objective.merged_metric]
     return run.last_eval
+
+
+# ---------------------------------------------------------------------------------------------------
+# Step helpers
+
+
+def timed_record(run: Run, loss: float, lr: float, tokens: int, started: float) -> dict:
+    """The step's metrics record (also ``run.record``, which evaluation and the checkpoint add to): step,
+    epoch, loss, lr, tokens/s and step seconds since ``started``, and where this invocation resumed.
+
+    Example: ``record = timed_record(run, step_loss, lr, tokens, started)``"""
+    seconds = time.perf_counter() - started
+    run.record = {"step": run.at.global_step, "epoch": run.at.epoch + 1, "loss": loss, "lr": lr}
+    run.record.update(tokens_per_s=tokens / seconds, step_s=seconds)
+    if run.at.global_step == run.at.first_step and run.resume is not None:
+        run.record["resumed_from"] = run.resume.state["global_step"]
+    if run.at.global_step == run.at.first_step and run.cfg.training.compile:
+        log.info(f"compile: cold start, the first step (compiling the decoder layer) took {seconds:.1f} s")
+    return run.record

@@ -18,7 +18,6 @@ Example (``finetune.setup``)::
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -471,21 +470,6 @@ def merged_dtype(run: Run) -> torch.dtype | None:
     if run.cfg.checkpoint.merged_dtype:
         return DTYPES[run.cfg.checkpoint.merged_dtype]
     return None if run.where.dtype == run.base_dtype else run.base_dtype
-
-
-def timed_record(run: Run, loss: float, lr: float, tokens: int, started: float) -> dict:
-    """The step's metrics record (also ``run.record``, which evaluation and the checkpoint add to): step,
-    epoch, loss, lr, tokens/s and step seconds since ``started``, and where this invocation resumed.
-
-    Example: ``record = timed_record(run, step_loss, lr, tokens, started)``"""
-    seconds = time.perf_counter() - started
-    run.record = {"step": run.at.global_step, "epoch": run.at.epoch + 1, "loss": loss, "lr": lr}
-    run.record.update(tokens_per_s=tokens / seconds, step_s=seconds)
-    if run.at.global_step == run.at.first_step and run.resume is not None:
-        run.record["resumed_from"] = run.resume.state["global_step"]
-    if run.at.global_step == run.at.first_step and run.cfg.training.compile:
-        log.info(f"compile: cold start, the first step (compiling the decoder layer) took {seconds:.1f} s")
-    return run.record
 
 
 def _saves_before_the_end(run: Run) -> bool:

@@ -202,7 +202,7 @@ class GRPOSection:
     max_prompt_length: int | None = setting(None, "Cut longer prompts to their last tokens (null: never, as TRL 1.16).", minimum=1)
     temperature: float = setting(1.0, "Sampling temperature; the loss's log-probabilities use logits / temperature, as TRL's.", minimum=0)
     top_p: float = setting(
-        1.0, "Nucleus sampling: the smallest set of tokens whose probability reaches top_p (1: all).", minimum=0, maximum=1.0000001
+        1.0, "Nucleus sampling: the smallest set of tokens whose probability reaches top_p (1: all); in (0, 1].", minimum=0
     )
     top_k: int = setting(0, "Sample from the k most likely tokens only; 0: all.", minimum=0)
     generation_batch_tokens: int = setting(
@@ -367,6 +367,8 @@ class Config:
 
     def _check_grpo(self) -> None:
         g = self.grpo
+        if not 0 < g.top_p <= 1:
+            raise SlimtuneError(f"grpo.top_p must be in (0, 1], got {g.top_p!r}")
         if self.dataset.packed:
             raise SlimtuneError("dataset.packed: grpo samples completions for each prompt; prompts are not packed: set it false")
         if g.reward_weights is not None and len(g.reward_weights) != len(g.reward_funcs):

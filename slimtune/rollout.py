@@ -45,12 +45,12 @@ class Completions:
     tokens: int = 0  # completion tokens generated in all
 
 
-def stop_ids_of(tokenizer, generation_config=None) -> tuple[int, ...]:
-    """The stop tokens: the tokenizer's eos and the generation config's eos_token_id (an id or a list).
+def stop_ids_of(tokenizer, generation_eos: int | list[int] | None = None) -> tuple[int, ...]:
+    """The stop tokens: the tokenizer's eos and generation_config.json's eos_token_id (an id or a list).
 
-    Example: ``stop_ids_of(tok, GenerationConfig.from_pretrained(base))  # (2,)``"""
+    Example: ``stop_ids_of(tok, [2, 49152])  # (2, 49152)``"""
     ids = []
-    for value in (getattr(tokenizer, "eos_token_id", None), getattr(generation_config, "eos_token_id", None)):
+    for value in (getattr(tokenizer, "eos_token_id", None), generation_eos):
         ids += value if isinstance(value, list) else [] if value is None else [value]
     return tuple(sorted(set(int(i) for i in ids)))
 

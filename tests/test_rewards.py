@@ -248,6 +248,8 @@ def test_sampling_is_seeded_and_stops(policy):
         assert (len(ids) == 16 and cut and tok.eos_token_id not in ids) or (ids[-1] == tok.eos_token_id and not cut)
         assert tok.eos_token_id not in ids[:-1]  # nothing after the stop token
     assert any(a.truncated) and not all(a.truncated)  # both ends happen
+    assert stop_ids_of(tok) == (tok.eos_token_id,) and stop_ids_of(tok, [7, tok.eos_token_id]) == (7, tok.eos_token_id)
+    assert stop_ids_of(tok, 5) == (5, tok.eos_token_id)  # the tokenizer's eos and generation_config.json's
 
 
 def test_greedy_chunks_equal_one_batch_and_transformers_generate(policy):

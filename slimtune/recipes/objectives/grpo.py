@@ -87,7 +87,7 @@ class GRPOObjective(Objective):
         if run.where.ranks.distributed:
             raise SlimtuneError("training.objective=grpo runs on one process for now; run it without torchrun / --nproc")
         g = self.cfg.grpo
-        stops = stop_ids_of(run.inputs.tokenizer, _generation_config(run.inputs.base.path))
+        stops = stop_ids_of(run.inputs.tokenizer, _generation_eos(run.inputs.base.path))
         if not stops:
             raise SlimtuneError(f"{run.inputs.base.path}: the tokenizer has no eos token and generation_config.json none: no stop token")
         self.spec = SamplingSpec(
@@ -224,8 +224,8 @@ def _forward(model: nn.Module, inputs: dict) -> torch.Tensor:
     return model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], use_cache=False).logits
 
 
-def _generation_config(base: Path) -> object | None:
-    """The base's generation_config.json as an object with its eos_token_id, or None."""
+def _generation_eos(base: Path) -> int | list[int] | None:
+    """The base's generation_config.json eos_token_id (an id or a list), or None."""
     path = Path(base) / "generation_config.json"
     if not path.is_file():
         return None
@@ -233,7 +233,11 @@ def _generation_config(base: Path) -> object | None:
         data = parse_json(path.read_bytes(), str(path))
     except OSError as e:
         raise SlimtuneError(f"{path}: cannot read the stop tokens ({e.strerror})") from None
-    return type("GenerationConfig", (), {"eos_token_id": data.get("eos_token_id") if isinstance(data, dict) else None})()
+    eos = data.get("eos_token_id") if isinstance(data, dict) else None
+    ok = isinstance(eos, int) or (isinstance(eos, list) and all(isinstance(i, int) for i in eos))
+    if eos is not None and not ok:
+        raise SlimtuneError(f"{path}: eos_token_id must be a token id or a list of them, got {eos!r}")
+    return eos
 
 
 def _length_figures(ids: list[list[int]], truncated: list[bool], prefix: str = "") -> dict:

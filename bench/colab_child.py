@@ -99,15 +99,16 @@ class PhaseMemory:
 def _traced() -> PhaseMemory:
     """The recipe's steps (and the save's parts) as phases, wrapped where the recipe looks them up."""
     from slimtune.checkpoint import extras, manager, save
-    from slimtune.recipes import finetune, steps
+    from slimtune.recipes import finetune, run_steps, train_loop
+    from slimtune.recipes.objectives import sft
 
     memory = PhaseMemory()
-    for attr, name in [  # the shared set-up steps, looked up in recipes/steps.py by steps.prepare
+    for attr, name in [  # the shared set-up steps, looked up in recipes/run_steps.py by run_steps.prepare
         ("read_data", "setup/data"),
         ("load_model", "setup/load"),
         ("make_optimization", "setup/optimizer"),
     ]:
-        memory.wrap(steps, attr, name)
+        memory.wrap(run_steps, attr, name)
     for attr, name in [
         ("restore", "restore (docs staging)"),
         ("train_step", "train_step"),
@@ -119,14 +120,12 @@ def _traced() -> PhaseMemory:
     memory.wrap_context(finetune, "merged_forward", "evaluate/eval_loss_merged")
     import torch
 
-    from slimtune import step
-
     # inside train_step: each micro-batch's backward, its loss, then the step's clip + AdamW + zero_grad
     # (the rest of train_step is the forward passes and the collation)
     memory.wrap(torch.Tensor, "backward", "train_step/backward")
-    memory.wrap(step, "token_loss_sum", "train_step/loss")
-    memory.wrap(step, "apply_gradients", "train_step/clip + AdamW")
-    memory.wrap(steps, "training_state", "save/training-state snapshot")
+    memory.wrap(sft, "token_loss_sum", "train_step/loss")  # looked up in the SFT objective (its evaluation's calls count here too)
+    memory.wrap(train_loop, "apply_gradients", "train_step/clip + AdamW")
+    memory.wrap(run_steps, "training_state", "save/training-state snapshot")
     memory.wrap(extras.CheckpointDocs, "files", "save/model card")
     memory.wrap(save, "write_planned", "save/merged + adapter stream")
     memory.wrap(manager, "save_train_state", "save/training state (DCP)")

@@ -116,11 +116,14 @@ def _timed(step, batches: list[dict], warmup: int, device: torch.device) -> dict
 
 
 def _slimtune(preset: str, layers: int | None, device: torch.device, compile: bool, batches: list[dict], warmup: int) -> dict:
-    """The recipe's optimizer step (slimtune.step.optimizer_step, what the recipe's train_step calls after
-    collating) on a synthetic QLoRA model of the shape."""
+    """The recipe's optimizer step (recipes.train_loop.optimizer_step over the SFT objective's micro-batch
+    loss, what the recipe's train_step calls after collating) on a synthetic QLoRA model of the shape."""
+    from slimtune.recipes.objective import StepBatches
+    from slimtune.recipes.objectives.sft import SupervisedObjective
+    from slimtune.recipes.run import StepParts
+    from slimtune.recipes.train_loop import optimizer_step
     from slimtune.runtime import compile_decoder_layers, enable_activation_checkpointing
     from slimtune.schedule import warmup_cosine
-    from slimtune.step import StepParts, optimizer_step
 
     config = preset_config(preset, **({"num_hidden_layers": layers} if layers else {}))
     lora = LoRAConfig(rank=16, alpha=32, target_modules=["all-linear"])
@@ -135,10 +138,11 @@ def _slimtune(preset: str, layers: int | None, device: torch.device, compile: bo
     optimizer = torch.optim.AdamW(params, lr=1e-4)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(warmup_cosine, warmup=0, total=len(batches), min_ratio=0.1))
     parts = StepParts(model, optimizer, scheduler, torch.amp.GradScaler(device.type, enabled=False), params, 1.0, device)
+    sft = SupervisedObjective(cfg=None)  # its loss needs no config
 
     def step(b: dict) -> None:
         trained = int((b["labels"][:, 1:] != -100).sum())
-        optimizer_step(parts, [b], trained).item()
+        optimizer_step(parts, sft, StepBatches([b], 0, {"trained_tokens": trained}))[0].item()
 
     return _timed(step, batches, warmup, device)
 

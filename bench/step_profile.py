@@ -30,7 +30,7 @@ import slimtune.lora
 from bench.train_step import peft_model, plain_step, recipe_config, recipe_plan
 from slimtune.data import collate
 from slimtune.recipes.finetune import setup, train_step
-from slimtune.recipes.steps import restore
+from slimtune.recipes.run_steps import restore
 from slimtune.runtime import choose_num_threads
 
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -241,3 +242,32 @@ def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
 def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The trainable adapter parameters, in a stable order (optimizer state depends on it)."""
     return [p for m in lora_modules(model).values() for p in (m.lora_a.weight, m.lora_b.weight)]
+
+
+def adapter_weights(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """A copy of every adapter's (A, B), by module name (each rank its shards under FSDP2).
+
+    Example: ``start = adapter_weights(model)  # before training: the frozen reference``"""
+    return {n: (m.lora_a.weight.detach().clone(), m.lora_b.weight.detach().clone()) for n, m in lora_modules(model).items()}
+
+
+@contextmanager
+def swapped_adapters(model: nn.Module, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
+    """The adapters hold ``weights`` (``adapter_weights``'s) inside the block and their own values, bit for
+    bit, after it: a reference forward through a frozen copy of an adapter (fresh adapters, B = 0, give
+    exactly the base) with no second model. Costs one copy of the adapters, never of the frozen weights.
+
+    Example: ``with torch.no_grad(), swapped_adapters(model, start): ref = model(**inputs).logits``"""
+    own = adapter_weights(model)
+    modules = lora_modules(model)
+    with torch.no_grad():
+        for name, (a, b) in weights.items():
+            modules[name].lora_a.weight.copy_(a)
+            modules[name].lora_b.weight.copy_(b)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, (a, b) in own.items():
+                modules[name].lora_a.weight.copy_(a)
+                modules[name].lora_b.weight.copy_(b)

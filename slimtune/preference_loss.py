@@ -2,7 +2,7 @@
 collated pairs (``data.rank_pairs``: the chosen sequences, then the rejected ones).
 
 ``sequence_logps`` is each sequence's summed log-probability of its answer tokens, chunk by chunk of
-positions with a hand-written backward like ``step.token_loss_sum``'s (no fp32 copy of the logits, no
+positions with a hand-written backward like ``token_loss.token_loss_sum``'s (no fp32 copy of the logits, no
 saved chunk graphs): a preference step holds what an SFT step over the same 2N sequences holds.
 ``pair_loss`` is the objective over a micro-batch (TRL's formulas, named below), averaged over the
 global step's pairs, and ``PairMetrics`` the sums TRL's logged means are made of:
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from slimtune.data import IGNORE_INDEX
-from slimtune.step import chunk_rows
+from slimtune.token_loss import chunk_rows
 
 OBJECTIVES = ("dpo", "ipo", "simpo")
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected")
@@ -58,7 +58,7 @@ class PreferenceLoss:
 
 def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed log-probability of each row's trained tokens [rows], fp32, differentiable in ``logits``;
-    their count [rows]). Position t predicts label t + 1, as in ``step.token_loss_sum``.
+    their count [rows]). Position t predicts label t + 1, as in ``token_loss.token_loss_sum``.
 
     Example: ``logps, counts = sequence_logps(model(input_ids).logits, labels)``"""
     targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).to(logits.device)

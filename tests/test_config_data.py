@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from slimtune.cli import build_parser
-from slimtune.config import SCHEMA, load_config, schema_markdown, shipped_configs
+from slimtune.config import KEYS, SCHEMA, load_config, schema_markdown, shipped_configs
 from slimtune.data import (
     IGNORE_INDEX,
     Record,
@@ -38,7 +38,7 @@ def write_yaml(path: Path, text: str) -> str:
 # --- config ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["tiny", "llama3.2-1b_qlora", "llama3-8b_qlora", "llama3.2-1b_dpo"])
+@pytest.mark.parametrize("name", ["tiny", "llama3.2-1b_qlora", "llama3-8b_qlora", "llama3.2-1b_dpo", "llama3.2-1b_grpo"])
 def test_shipped_configs_validate(name):
     assert name in shipped_configs()
     cfg = load_config(name, REQUIRED + ["output_dir=/tmp/run"])
@@ -47,7 +47,7 @@ def test_shipped_configs_validate(name):
 
 
 def test_colab_configs_need_a_model_path():
-    for name in ("llama3.2-1b_qlora", "llama3-8b_qlora", "llama3.2-1b_dpo"):
+    for name in ("llama3.2-1b_qlora", "llama3-8b_qlora", "llama3.2-1b_dpo", "llama3.2-1b_grpo"):
         with pytest.raises(SlimtuneError, match=r"'model.path' is required"):
             load_config(name, ["dataset.path=/d.jsonl"])
 
@@ -125,6 +125,35 @@ def test_bad_yaml_files_name_the_key(tmp_path):
         load_config(wrong)
     with pytest.raises(SlimtuneError, match=r"no shipped config"):
         load_config("no-such-config")
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["training.objective=dpo", "dataset.packed=true"], "dataset.packed: preference pairs are not packed"),
+        (["training.objective=dpo", "preference.label_smoothing=0.1"], "preference.label_smoothing is for simpo"),
+        (["training.objective=ipo", "preference.beta=0"], "preference.beta must be above 0 for ipo"),
+    ],
+)
+def test_rules_between_keys_are_one_line_after_every_key_checked(overrides, message):
+    """Config.check runs once every key is valid on its own: the rule's one line, before any work."""
+    with pytest.raises(SlimtuneError, match=message) as e:
+        load_config("tiny", ["output_dir=/tmp/run", *overrides])
+    assert "\n" not in str(e.value)
+    with pytest.raises(SlimtuneError, match="'training.batch_size'"):  # a bad key is reported first, by its own check
+        load_config("tiny", ["output_dir=/tmp/run", *overrides, "training.batch_size=0"])
+    load_config("tiny", ["output_dir=/tmp/run", "training.objective=simpo", "preference.label_smoothing=0.1"])  # simpo takes it
+    load_config("tiny", ["output_dir=/tmp/run", "dataset.packed=true", "preference.beta=0"])  # sft: the preference rules do not apply
+
+
+def test_every_objective_the_config_names_has_an_objective():
+    from slimtune.recipes.objective import Objective
+    from slimtune.recipes.objectives import OBJECTIVES, objective_for
+
+    assert set(KEYS["training.objective"].choices) == set(OBJECTIVES)
+    for name in OBJECTIVES:
+        objective = objective_for(load_config("tiny", ["output_dir=/tmp/run", f"training.objective={name}"]))
+        assert isinstance(objective, Objective) and objective.dropped
 
 
 def test_help_and_readme_come_from_the_schema(capsys):

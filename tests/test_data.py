@@ -192,7 +192,7 @@ def test_packed_attention_is_block_diagonal_and_loss_equals_unpacked(tiny_base, 
     from transformers import AutoModelForCausalLM
     from transformers.masking_utils import find_packed_sequence_indices
 
-    from slimtune.step import token_loss_sum
+    from slimtune.token_loss import token_loss_sum
 
     texts = ["Bounded memory.", "A stream of named tensors.", "Atomic saves.", "NF4 base, fp32 LoRA."]
     docs = [tokenize(Record({"text": t}, "t"), "text", tok, 64) for t in texts]

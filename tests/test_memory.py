@@ -175,8 +175,10 @@ def test_heap_trim_gives_back_freed_heap_memory_once_the_process_grew_past_its_s
 def test_every_micro_batch_backward_is_followed_by_a_trim_of_the_one_heap_trim_the_steps_share(qlora_model):
     import torch
 
-    from slimtune import step
     from slimtune.lora import lora_parameters
+    from slimtune.recipes import run, train_loop
+    from slimtune.recipes.objective import StepBatches
+    from slimtune.recipes.objectives.sft import SupervisedObjective
 
     params = lora_parameters(qlora_model.train())
     optimizer = torch.optim.AdamW(params, lr=1e-3)
@@ -187,7 +189,7 @@ def test_every_micro_batch_backward_is_followed_by_a_trim_of_the_one_heap_trim_t
             seen.append(all(p.grad is not None for p in params))
             return False
 
-    parts = step.StepParts(
+    parts = run.StepParts(
         qlora_model,
         optimizer,
         torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
@@ -199,17 +201,18 @@ def test_every_micro_batch_backward_is_followed_by_a_trim_of_the_one_heap_trim_t
     )
     ids = torch.randint(0, 100, (2, 8))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
-    step.optimizer_step(parts, [batch, batch, batch], trained_tokens=3 * 2 * 7)
-    step.optimizer_step(parts, [batch], trained_tokens=2 * 7)
+    sft = SupervisedObjective(cfg=None)
+    train_loop.optimizer_step(parts, sft, StepBatches([batch, batch, batch], 0, {"trained_tokens": 3 * 2 * 7}))
+    train_loop.optimizer_step(parts, sft, StepBatches([batch], 0, {"trained_tokens": 2 * 7}))
     assert seen == [True, True, True, True]
-    made = step.StepParts(qlora_model, optimizer, parts.scheduler, parts.scaler, params, 1.0, torch.device("cpu")).trim
-    assert made.cost_share == step.TRIM_COST_SHARE  # the default: the time rule on
+    made = run.StepParts(qlora_model, optimizer, parts.scheduler, parts.scaler, params, 1.0, torch.device("cpu")).trim
+    assert made.cost_share == run.TRIM_COST_SHARE  # the default: the time rule on
 
 
 def test_the_recipe_keeps_one_heap_trim_across_its_steps(tmp_path):
     from slimtune.config import load_config
     from slimtune.recipes.finetune import setup, train_step
-    from slimtune.recipes.steps import restore
+    from slimtune.recipes.run_steps import restore
 
     run = setup(load_config("tiny", [f"output_dir={tmp_path / 'run'}", "logging.progress_bar=false", "training.batch_size=2"]))
     restore(run)
@@ -220,7 +223,7 @@ def test_the_recipe_keeps_one_heap_trim_across_its_steps(tmp_path):
             calls.append(1)
             return False
 
-    run.trim = CountingTrim()
+    run.parts.trim = CountingTrim()  # the step parts are the run's, made once
     train_step(run, [[0, 1]])
     train_step(run, [[2, 3], [4, 5]])
     assert len(calls) == 3  # one per micro-batch, both steps on the run's one trim

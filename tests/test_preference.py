@@ -1,4 +1,4 @@
-"""preference.py, data/pairs.py and recipes/preference.py against TRL 1.16 itself (the oracle, never the
+"""preference_loss.py, data/pairs.py and recipes/objectives/preference.py against TRL 1.16 itself (the oracle, never the
 implementation): the pairs tokenized and truncated as TRL's DPOTrainer makes them (standard and
 conversational rows), bad rows in one line, and on a tiny model and one batch the loss, TRL's reward and
 log-probability metrics and the LoRA gradients of DPO (sigmoid), IPO and SimPO equal TRL's DPOTrainer /
@@ -29,9 +29,9 @@ from slimtune.distributed import SINGLE
 from slimtune.errors import SlimtuneError
 from slimtune.formats.peft import lora_key
 from slimtune.lora import lora_modules
-from slimtune.preference_loss import PreferenceLoss, pair_loss
+from slimtune.preference_loss import PreferenceLoss, metric_means, pair_loss
 from slimtune.quant import base_rows
-from slimtune.recipes import preference
+from slimtune.recipes.finetune import setup
 from slimtune.tiny import byte_tokenizer
 from tests.conftest import perturb_adapters
 
@@ -125,9 +125,9 @@ def test_bad_rows_stop_the_run_or_are_dropped_and_counted(tiny_base, tmp_path, c
     bad = tmp_path / "bad.parquet"
     Dataset.from_list([*pair_rows(4), {"prompt": "p", "chosen": "same", "rejected": "same"}]).to_parquet(bad)
     with pytest.raises(SlimtuneError, match=r"bad.parquet: row 5: chosen and rejected are identical"):
-        preference.setup(_config(tiny_base, bad, tmp_path / "a", "dpo"))
+        setup(_config(tiny_base, bad, tmp_path / "a", "dpo"))
     with caplog.at_level(logging.INFO, logger="slimtune"):
-        run = preference.setup(_config(tiny_base, bad, tmp_path / "b", "dpo", "preference.bad_rows=drop"))
+        run = setup(_config(tiny_base, bad, tmp_path / "b", "dpo", "preference.bad_rows=drop"))
     assert len(run.inputs.data.train) == 4 and run.inputs.data.dropped == 1
     assert "1 bad pair(s) dropped" in caplog.text
 
@@ -150,7 +150,7 @@ def test_one_batch_equals_trl(objective, start, kind, tiny_base, pair_files, tmp
         start_adapter = _write_start_adapter(tiny_base, tmp_path)
         extra = [f"model.adapter={start_adapter}"]
     pairs_file = pair_files[kind]
-    run = preference.setup(_config(tiny_base, pairs_file, tmp_path / "run", objective, *extra))
+    run = setup(_config(tiny_base, pairs_file, tmp_path / "run", objective, *extra))
     model = run.model
     hf = _hf_model_like(model, tiny_base)
     start_weights = _adapter_weights(model)  # the reference's adapters: the start adapter, or B = 0
@@ -163,7 +163,7 @@ def test_one_batch_equals_trl(objective, start, kind, tiny_base, pair_files, tmp
         model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits, batch, loss_of, 4, _chosen(batch)
     )
     loss.backward()
-    ours = {"loss": loss.item(), **preference.metric_means(sums, _chosen(batch), loss_of)}
+    ours = {"loss": loss.item(), **metric_means(sums, _chosen(batch), loss_of)}
     grads = {name: (m.lora_a.weight.grad.clone(), m.lora_b.weight.grad.clone()) for name, m in lora_modules(model).items()}
 
     tok = chat_tokenizer()

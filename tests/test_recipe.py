@@ -345,7 +345,7 @@ def test_metrics_past_the_resumed_checkpoint_are_dropped(tmp_path):
 def test_chunked_loss_equals_the_plain_one(monkeypatch):
     import torch.nn.functional as F
 
-    from slimtune import step
+    from slimtune import token_loss
 
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 70, 300, generator=gen).to(torch.bfloat16).requires_grad_()
@@ -355,8 +355,8 @@ def test_chunked_loss_equals_the_plain_one(monkeypatch):
     plain = F.cross_entropy(logits[:, :-1].float().reshape(-1, 300), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum")
     n = int((labels[:, 1:] != -100).sum())  # the recipe's token mean: a gradient that is not a power of two
     (plain_grad,) = torch.autograd.grad(plain / n, logits)
-    monkeypatch.setattr(step, "CPU_LOSS_CHUNK_BYTES", 4 * 300 * 16)  # chunks of 16 positions
-    chunked = step.token_loss_sum(logits, labels)
+    monkeypatch.setattr(token_loss, "CPU_LOSS_CHUNK_BYTES", 4 * 300 * 16)  # chunks of 16 positions
+    chunked = token_loss.token_loss_sum(logits, labels)
     (chunked_grad,) = torch.autograd.grad(chunked / n, logits)
     assert torch.allclose(chunked, plain, rtol=1e-6)
     assert torch.equal(chunked_grad, plain_grad)

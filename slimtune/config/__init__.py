@@ -150,7 +150,8 @@ def load_config(path_or_name: str, overrides: list[str] | tuple[str, ...] = (), 
 
 
 def validate(values: dict[str, Any], label: str = "config") -> Config:
-    """Coerce and check every value against the schema; resolve paths (placeholder, ~, absolute)."""
+    """Coerce and check every value against the schema; resolve paths (placeholder, ~, absolute); then
+    the rules between keys (``Config.check``)."""
     checked = {key.name: key.check(values.get(key.name, key.default), label) for key in SCHEMA}
     root = Path(checked["output_dir"])  # where {output_dir} and relative paths point
     for key in SCHEMA:
@@ -159,7 +160,9 @@ def validate(values: dict[str, Any], label: str = "config") -> Config:
                 checked[key.name] = key.kind.resolve(checked[key.name], root)
             except (OSError, RuntimeError, ValueError) as e:  # a name too long, a loop of links, ...
                 raise SlimtuneError(f"{label}: config key {key.name!r} cannot be used as a path ({type(e).__name__}: {e})"[:400]) from None
-    return build(Config, checked)
+    cfg = build(Config, checked)
+    cfg.check()
+    return cfg
 
 
 def _check_known(key: str, label: str) -> None:

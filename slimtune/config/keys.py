@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from slimtune.config.schema import PLACEHOLDER, REQUIRED, ConfigPath, DataPath, Key, ModelPath, RunDir, Size, setting, walk
+from slimtune.errors import SlimtuneError
 from slimtune.gguf.types import GgufType
 from slimtune.lora import DEFAULT_TARGETS
 from slimtune.memory import DEFAULT_SHARD_SIZE
@@ -143,10 +144,12 @@ class TrainingSection:
         "torch.compile each decoder layer (regional compilation, as torchtune does): inductor on CPU and CUDA; the first "
         "steps pay a one-off compile (logged), later ones run faster.",
     )
-    objective: Literal["sft", "dpo", "ipo", "simpo"] = setting(
+    objective: Literal["sft", "dpo", "ipo", "simpo", "grpo"] = setting(
         "sft",
         "sft: next-token loss on dataset rows; dpo (sigmoid), ipo: preference pairs against the reference (the model as "
-        "loaded); simpo: reference-free preference loss (TRL's CPO loss_type=simpo). docs/training.md: Preference tuning.",
+        "loaded); simpo: reference-free preference loss (TRL's CPO loss_type=simpo). docs/training.md: Preference tuning. "
+        "grpo: online RL on prompt-only rows, completions sampled from the policy and scored by grpo.reward_funcs "
+        "(docs/training.md: Reinforcement learning).",
         fixed=True,
     )
     num_threads: int | None = setting(
@@ -184,6 +187,59 @@ class PreferenceSection:
         "A bad pair (missing key, empty or identical answers, a prompt that fills dataset.max_seq_len): error (one line naming "
         "file and row, exit 2) or drop (skipped, counted in the log).",
         fixed=True,
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class GRPOSection:
+    """grpo.*: the online objective (training.objective grpo), TRL 1.16's GRPOConfig names and defaults."""
+
+    num_generations: int = setting(
+        8, "Completions sampled per prompt (a group); training.batch_size counts prompts.", minimum=2, fixed=True
+    )
+    max_completion_length: int = setting(256, "Tokens sampled per completion at most (TRL's default is 512).", minimum=1)
+    max_prompt_length: int | None = setting(None, "Cut longer prompts to their last tokens (null: never, as TRL 1.16).", minimum=1)
+    temperature: float = setting(1.0, "Sampling temperature; the loss's log-probabilities use logits / temperature, as TRL's.", minimum=0)
+    top_p: float = setting(
+        1.0, "Nucleus sampling: the smallest set of tokens whose probability reaches top_p (1: all); in (0, 1].", minimum=0
+    )
+    top_k: int = setting(0, "Sample from the k most likely tokens only; 0: all.", minimum=0)
+    generation_batch_tokens: int = setting(
+        16384,
+        "Padded positions (prompt + max_completion_length) per generation chunk: bounds the KV cache and logits of one chunk.",
+        minimum=1,
+    )
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = setting(
+        "dapo", "How the per-token loss is reduced (docs/training.md: the loss family); TRL 1.16's default is dapo."
+    )
+    importance_sampling_level: Literal["token", "sequence"] = setting(
+        "token", "The ratio's level: per token, or one per completion from its mean log-ratio (GSPO)."
+    )
+    epsilon: float = setting(0.2, "Lower clip: the ratio is clipped to [1 - epsilon, 1 + epsilon_high].", minimum=0)
+    epsilon_high: float | None = setting(None, "Upper clip (null: epsilon; DAPO recommends 0.28).", minimum=0)
+    beta: float = setting(0.0, "KL coefficient against the reference (the model as loaded); 0: no reference pass at all.", minimum=0)
+    use_bias_correction_kl: bool = setting(
+        True, "Multiply the KL term by the importance ratio (TRL's default): the unbiased reverse-KL gradient."
+    )
+    scale_rewards: Literal["group", "batch", "none"] = setting(
+        "group", "Divide the advantages by the group's reward std (group), the generation batch's (batch), or not (none)."
+    )
+    mask_truncated_completions: bool = setting(False, "Leave completions cut at max_completion_length out of the loss.")
+    num_iterations: int = setting(
+        1, "Optimizer steps per generation batch (TRL's mu), against the stored old log-probabilities.", minimum=1
+    )
+    reward_funcs: list[str] = setting(
+        ["exact_answer"], "Reward functions: built-ins (exact_answer, format, length_penalty) and/or module:function references."
+    )
+    reward_weights: list[float] | None = setting(None, "One weight per reward function (null: 1 each).")
+    answer_pattern: str = setting(
+        r"(-?\d+(?:\.\d+)?)\s*$", "exact_answer: a regex whose first group is the completion's answer (the last number by default)."
+    )
+    answer_column: str = setting("answer", "exact_answer: the column holding each row's answer.")
+    format_pattern: str = setting(r".*", "format: a regex the whole completion must match (re.fullmatch, DOTALL).")
+    eval_samples: int = setting(4, "Sampled eval completions written to completions.jsonl at each evaluation.", minimum=0)
+    bad_rows: Literal["error", "drop"] = setting(
+        "error", "A bad prompt row: error (one line naming file and row, exit 2) or drop (skipped, counted in the log).", fixed=True
     )
 
 
@@ -279,6 +335,7 @@ class Config:
     dataset: DatasetSection
     training: TrainingSection
     preference: PreferenceSection
+    grpo: GRPOSection
     optimizer: OptimizerSection
     scheduler: SchedulerSection
     checkpoint: CheckpointSection
@@ -288,6 +345,37 @@ class Config:
     def values(self) -> dict[str, Any]:
         """Every key's value by dotted name, in schema order."""
         return {key.name: functools.reduce(getattr, key.attrs, self) for key in SCHEMA}
+
+    def check(self) -> None:
+        """The rules between keys, once every key is valid on its own (``validate`` runs it last): one line
+        naming the key and what it must be.
+
+        Example: ``cfg.check()``"""
+        objective, preference = self.training.objective, self.preference
+        if objective == "grpo":
+            self._check_grpo()
+            return
+        if objective != "sft" and self.dataset.packed:
+            raise SlimtuneError("dataset.packed: preference pairs are not packed (each pair's sequences are scored whole); set it false")
+        if objective != "sft" and preference.label_smoothing and objective != "simpo":
+            raise SlimtuneError(
+                f"preference.label_smoothing is for simpo (TRL's CPO loss); TRL 1.16's {objective} loss takes none: set it 0"
+            )
+        if objective == "ipo" and preference.beta == 0:
+            raise SlimtuneError("preference.beta must be above 0 for ipo (the loss holds 1 / (2 beta))")
+
+    def _check_grpo(self) -> None:
+        g = self.grpo
+        if not 0 < g.top_p <= 1:
+            raise SlimtuneError(f"grpo.top_p must be in (0, 1], got {g.top_p!r}")
+        if self.dataset.packed:
+            raise SlimtuneError("dataset.packed: grpo samples completions for each prompt; prompts are not packed: set it false")
+        if g.reward_weights is not None and len(g.reward_weights) != len(g.reward_funcs):
+            raise SlimtuneError(
+                f"grpo.reward_weights has {len(g.reward_weights)} value(s); grpo.reward_funcs names {len(g.reward_funcs)} function(s)"
+            )
+        if not g.reward_funcs:
+            raise SlimtuneError("grpo.reward_funcs is empty: name at least one reward function (a built-in or module:function)")
 
 
 SCHEMA: tuple[Key, ...] = tuple(walk(Config))

@@ -18,6 +18,7 @@ import torch
 
 from slimtune.data.packing import collate, epoch_order, epoch_steps, model_inputs, pack, rank_batch
 from slimtune.data.pairs import BadPair, PairOptions, PreferencePair, rank_pairs, tokenize_pair
+from slimtune.data.prompt_rows import BadPrompt, PromptOptions, PromptRow, tokenize_prompt
 from slimtune.data.readers import (
     FILE_TYPES,
     MAX_LINE_BYTES,
@@ -54,6 +55,8 @@ __all__ = [
     "Example",
     "PairOptions",
     "PreferencePair",
+    "PromptOptions",
+    "PromptRow",
     "FALLBACK_CHAT_TEMPLATE",
     "FILE_TYPES",
     "FORMATS",
@@ -101,11 +104,12 @@ class DataSpec:
     packed: bool = False
     seed: int = 0
     pairs: PairOptions | None = None  # preference pairs (training.objective dpo, ipo, simpo) instead of SFT rows
-    drop_bad_pairs: bool = False  # preference.bad_rows=drop: bad pairs are skipped and counted, not an error
+    drop_bad_pairs: bool = False  # preference.bad_rows=drop (grpo.bad_rows=drop): bad pairs (prompts) are skipped and counted
+    prompts: PromptOptions | None = None  # prompt-only rows (training.objective grpo)
 
     @classmethod
     def from_config(cls, cfg) -> DataSpec:
-        d = cfg.dataset
+        d, objective = cfg.dataset, cfg.training.objective
         return cls(
             paths=[d.path, *(d.mix or [])],
             weights=d.weights,
@@ -117,8 +121,9 @@ class DataSpec:
             train_on_inputs=d.train_on_inputs,
             packed=d.packed,
             seed=cfg.seed,
-            pairs=None if cfg.training.objective == "sft" else PairOptions(d.max_seq_len, cfg.preference.truncation_mode),
-            drop_bad_pairs=cfg.preference.bad_rows == "drop",
+            pairs=None if objective in ("sft", "grpo") else PairOptions(d.max_seq_len, cfg.preference.truncation_mode),
+            drop_bad_pairs=(cfg.grpo.bad_rows if objective == "grpo" else cfg.preference.bad_rows) == "drop",
+            prompts=PromptOptions(cfg.grpo.max_prompt_length) if objective == "grpo" else None,
         )
 
 
@@ -174,6 +179,7 @@ def load_data(spec: DataSpec, tokenizer, rows: dict[str, list[dict]] | None = No
         train, held_out = pack(train, spec.max_seq_len, spec.seed), pack(held_out, spec.max_seq_len, spec.seed)
     extra = f"|fraction={spec.eval_fraction!r}|packed={spec.packed}|inputs={spec.train_on_inputs}|columns={sorted(spec.columns.items())}"
     extra += f"|pairs={spec.pairs!r}" if spec.pairs is not None else ""
+    extra += f"|prompts={spec.prompts!r}" if spec.prompts is not None else ""
     sha = sha256_bytes(";".join(identity) + extra)
     return Data(train, held_out, dropped, files, sha, shapes, documents, hub)
 
@@ -199,6 +205,8 @@ def _tokenize_all(
 ) -> tuple[list[Example], int]:
     if spec.pairs is not None:
         return _tokenize_pairs(records, tokenizer, spec, shapes, vocab_size)
+    if spec.prompts is not None:
+        return _tokenize_prompts(records, tokenizer, spec, shapes, vocab_size)
     examples, dropped = [], 0
     for record in records:
         record = _renamed(record, spec.columns)
@@ -241,6 +249,32 @@ def _tokenize_pairs(
         shapes[pair.shape] += 1
         pairs.append(pair)
     return pairs, dropped
+
+
+def _tokenize_prompts(
+    records: Iterable[Record], tokenizer, spec: DataSpec, shapes: Counter, vocab_size: int | None
+) -> tuple[list[PromptRow], int]:
+    """Prompt-only rows as TRL tokenizes them (``data/prompt_rows.py``); a bad row is an error, or with
+    ``spec.drop_bad_pairs`` (grpo.bad_rows=drop) skipped and counted."""
+    rows, dropped = [], 0
+    for record in records:
+        record = _renamed(record, spec.columns)
+        try:
+            row = tokenize_prompt(record, tokenizer, spec.prompts)
+        except BadPrompt:
+            if not spec.drop_bad_pairs:
+                raise
+            dropped += 1
+            continue
+        top = int(row.prompt_ids.max())
+        if vocab_size is not None and top >= vocab_size:
+            raise SlimtuneError(
+                f"{record.where}: the tokenizer produced token id {top}, but the model's vocab_size is {vocab_size} "
+                "(the tokenizer does not belong to this model)"
+            )
+        shapes[row.shape] += 1
+        rows.append(row)
+    return rows, dropped
 
 
 def _renamed(record: Record, columns: dict[str, str]) -> Record:

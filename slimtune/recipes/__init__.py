@@ -1,4 +1,4 @@
-"""Training recipes: each one readable top to bottom in its own file (set-up, loop, checkpointing)."""
+"""Training: the one loop (``finetune.run_finetune``) and its objectives (``objectives/``), read top to bottom."""
 
 from slimtune.recipes.finetune import FinetuneResult, run_finetune
 

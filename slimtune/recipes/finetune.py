@@ -1,17 +1,21 @@
-"""QLoRA fine-tuning on a local JSONL dataset: `slimtune finetune --config NAME_OR_PATH [key=value ...]`.
+"""QLoRA fine-tuning on a local dataset, the one training loop of every objective:
+`slimtune finetune --config NAME_OR_PATH [key=value ...]`.
 
-Read top to bottom as named steps: ``run_finetune`` calls ``setup`` (checks, data, model, optimizer: a
-``Run``), ``restore`` (a fresh output_dir, or the state of the checkpoint it resumes from), then for each
-optimizer step ``train_step``, ``evaluate`` when due and ``save_step`` when due, ``log_step``, and
-``finish``. This file holds what is supervised fine-tuning's own (its data, its step, its evaluation);
-the steps any recipe shares are ``recipes/steps.py``'s, what a run holds ``recipes/run.py``'s.
+Read top to bottom as named steps: ``run_finetune`` calls ``setup`` (checks, data, model, optimizer and
+the objective's own set-up: a ``Run``), ``restore`` (a fresh output_dir, or the state of the checkpoint it
+resumes from), then for each optimizer step ``train_step``, ``evaluate`` when due and ``save_step`` when
+due, ``log_step``, and ``finish``. What differs between objectives (SFT, DPO/IPO/SimPO: how rows are
+batched, the loss, the evaluation, the progress bar's figures) is the run's ``Objective``
+(``recipes/objective.py``; one module each in ``recipes/objectives/``, picked by training.objective). The
+micro-batch and evaluation loops are ``recipes/train_loop.py``'s, the set-up, save and logging steps
+``recipes/run_steps.py``'s, what a run holds ``recipes/run.py``'s.
 
 One process or many: under torchrun (``torchrun --nproc-per-node N -m slimtune finetune ...``, or
 ``slimtune finetune --nproc N``) every rank runs this same code. The model is loaded FSDP2-sharded
 (each rank reads every tensor and keeps its rows, ``load_qlora_model``); each rank takes its
 contiguous slice of every global micro-batch (the same global batches as one process, from seed and
-epoch); the loss is the token mean over the whole global step (trained-token counts all-reduced,
-gradients summed over the ranks), so 1 and N ranks follow the same curve up to reduction order. The
+epoch); the loss is the objective's mean over the whole global step (counted on the host, gradients
+summed over the ranks), so 1 and N ranks follow the same curve up to reduction order. The
 coordinator (rank 0) logs and writes the run directory's own files; checkpoints are written by
 every rank together (its rows of the merged model, its shards of the training state through DCP).
 
@@ -32,25 +36,19 @@ The run directory itself (step directories, resume point, pruning, leftovers, me
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-from torch import nn
-
 from slimtune.checkpoint.fidelity import merged_forward
 from slimtune.checkpoint.manager import CreatedByRun
 from slimtune.config import Config
-from slimtune.data import IGNORE_INDEX, epoch_order, epoch_steps, model_inputs, rank_batch
-from slimtune.distributed import SINGLE, Ranks, all_sum, init_distributed, reshard
-from slimtune.errors import SlimtuneError
-from slimtune.lora import lora_parameters
+from slimtune.data import epoch_order, epoch_steps
+from slimtune.distributed import SINGLE, Ranks, all_sum, init_distributed
 from slimtune.model import pick_device
-from slimtune.recipes.preference import PREFERENCE_STEPS
-from slimtune.recipes.run import FinetuneResult, Placement, Run
-from slimtune.recipes.steps import (
+from slimtune.recipes.objectives import objective_for
+from slimtune.recipes.run import FinetuneResult, Run
+from slimtune.recipes.run_steps import (
     adapter_only,
     every,
     finish,
@@ -60,9 +58,8 @@ from slimtune.recipes.steps import (
     prepare,
     restore,
     save_step,
-    timed_record,
 )
-from slimtune.step import StepParts, optimizer_step, step_token_counts, token_loss_sum
+from slimtune.recipes.train_loop import check_finite, optimizer_step
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +74,7 @@ def run_finetune(cfg: Config, on_step: Callable[[dict], None] | None = None) -> 
     made = [Path(cfg.model.path)] if needs_tiny_base(cfg) else []
     created = CreatedByRun(Path(cfg.output_dir), [*made, Path(cfg.dataset.path)]) if ranks.is_coordinator else None
     try:
-        setup_run, step, evaluate_run, figures = _steps_of(cfg.training.objective)
-        run = setup_run(cfg, ranks)
+        run = setup(cfg, ranks)
         restore(run)
         at = run.at
         while at.global_step < run.span.stop_at:
@@ -90,14 +86,14 @@ def run_finetune(cfg: Config, on_step: Callable[[dict], None] | None = None) -> 
             for index in range(at.step_in_epoch, len(steps)):
                 epoch_end = index + 1 == len(steps)
                 at.position = (at.epoch + 1, 0) if epoch_end else (at.epoch, index + 1)
-                record = step(run, steps[index])
+                record = train_step(run, steps[index])
                 # a checkpoint at each epoch end, every save_every_n_steps and where this invocation stops
                 save_now = epoch_end or every(at.global_step, cfg.checkpoint.save_every_n_steps) or at.global_step == run.span.stop_at
                 if run.inputs.data.eval and (save_now or every(at.global_step, cfg.training.eval_every_n_steps)):
-                    record.update(evaluate_run(run, merged=save_now and not adapter_only(run)))
+                    record.update(evaluate(run, merged=save_now and not adapter_only(run)))
                 if save_now:
                     save_step(run)
-                log_step(run, on_step, shown=figures(run))
+                log_step(run, on_step, shown=run.objective.figures(run))
                 if at.global_step >= run.span.stop_at:
                     break
             at.epoch, at.step_in_epoch = at.position
@@ -108,66 +104,59 @@ def run_finetune(cfg: Config, on_step: Callable[[dict], None] | None = None) -> 
         raise
 
 
-def _steps_of(objective: str) -> tuple[Callable, Callable, Callable, Callable]:
-    """The recipe's own steps for training.objective: (setup, train_step, evaluate, the progress bar's
-    figures); sft's are this file's, the preference objectives' ``recipes/preference.py``'s."""
-    if objective == "sft":
-        return setup, train_step, evaluate, lambda run: None
-    return PREFERENCE_STEPS
-
-
 # ---------------------------------------------------------------------------------------------------
-# The steps of supervised fine-tuning (the shared ones: recipes/steps.py)
+# The steps of every objective (the shared set-up, restore, save and logging: recipes/run_steps.py)
 
 
 def setup(cfg: Config, ranks: Ranks = SINGLE) -> Run:
     """Check everything cheap before anything slow or anything written: output_dir (resume point and its
     compatibility), tokenizer and data (parsed and tokenized row by row: a bad row fails in seconds),
     then load the model (NF4 base + fp32 adapters, FSDP2-sharded under a process group) and make the
-    optimizer (AdamW on the adapters), the warmup + cosine schedule and the loss scaler (fp16 only).
+    optimizer (AdamW on the adapters), the warmup + cosine schedule and the loss scaler (fp16 only);
+    then the objective's own set-up (training.objective: ``objective_for``; DPO's reference pass).
     Writes nothing but the embedded tiny model, when the config asks for it and the data is good.
 
     Example: ``run = setup(load_config("tiny", ["output_dir=out"]))``"""
-    run = prepare(cfg, ranks, dropped=f"example(s) have no trained token within max_seq_len={cfg.dataset.max_seq_len}; skipped")
-    log.info(_summary(run))
+    objective = objective_for(cfg)
+    run = prepare(cfg, ranks, dropped=objective.dropped)
+    run.objective = objective
+    objective.setup(run)
     return run
 
 
 def train_step(run: Run, batch: list[list[int]]) -> dict:
-    """One optimizer step over the global batch ``batch`` (its micro-batches' example indices): this
-    rank's slice of each micro-batch forward and backward, the loss the token mean over the whole global
-    step, gradient clipping, optimizer and scheduler steps. Returns the step's metrics record (also
-    ``run.record``, which evaluation and the checkpoint add to).
+    """One optimizer step over the global batch ``batch`` (its micro-batches' row indices): the objective
+    prepares this rank's slice of each micro-batch, ``optimizer_step`` runs their forward and backward
+    (the loss the objective's mean over the whole global step), clipping, optimizer and scheduler steps.
+    Returns the step's metrics record (also ``run.record``, which evaluation and the checkpoint add to):
+    loss, lr, tokens/s and the objective's own figures.
 
     Example: ``record = train_step(run, [[0, 1], [2, 3]])``"""
-    cfg, ranks, optim, examples = run.cfg, run.where.ranks, run.optim, run.inputs.data.train
-    started = time.perf_counter()
-    micro_batches = [rank_batch(examples, mb, ranks, run.inputs.pad_id) for mb in batch]  # this rank's slices
-    trained_tokens, tokens = step_token_counts([examples[i] for mb in batch for i in mb])  # the global step's, on the host
-    lr = optim.optimizer.param_groups[0]["lr"]
-    params = [p for g in optim.optimizer.param_groups for p in g["params"]]
-    parts = StepParts(
-        run.model, optim.optimizer, optim.scheduler, optim.scaler, params, cfg.training.max_grad_norm, run.where.device, run.trim
-    )
-    step_loss = all_sum(optimizer_step(parts, micro_batches, trained_tokens), ranks).item()  # the step's one host sync
+    objective, started = run.objective, time.perf_counter()
+    step = objective.prepare_step(run, batch)
+    lr = run.parts.optimizer.param_groups[0]["lr"]
+    totals = all_sum(optimizer_step(run.parts, objective, step), run.where.ranks).cpu()  # the step's one host sync
     run.at.global_step += 1
-    if not math.isfinite(step_loss) and not optim.scaler.is_enabled():
-        raise SlimtuneError(f"the loss is {step_loss} at step {run.at.global_step}; lower optimizer.lr or check the data")
-    return timed_record(run, step_loss, lr, tokens, started)
+    step_loss = float(totals[0])
+    check_finite(run, step_loss)
+    record = timed_record(run, step_loss, lr, step.tokens, started)
+    record.update(objective.step_metrics(totals[1:], step))
+    return record
 
 
 def evaluate(run: Run, merged: bool = False) -> dict:
-    """Loss and perplexity on the held-out examples (``_evaluate``: no RNG drawn, dropout off); kept as
-    ``run.last_eval`` for the checkpoint's model card and the summary. With ``merged`` (a merged save
-    follows) also ``eval_loss_merged``: the same data through round(W' + B A), what the merge's one
-    rounding costs (``merged_forward``; one process: not wired under FSDP2 yet).
+    """The objective's held-out figures (SFT: loss and perplexity; preference: TRL's metrics), with no
+    RNG drawn and dropout off; kept as ``run.last_eval`` for the checkpoint's model card and the summary.
+    With ``merged`` (a merged save follows) also the objective's ``merged_metric`` through
+    round(W' + B A), ``<name>_merged``: what the merge's one rounding costs (``merged_forward``; one
+    process: not wired under FSDP2 yet).
 
     Example: ``record.update(evaluate(run))``"""
-    args = (run.inputs.data.eval, run.cfg.training.batch_size, run.inputs.pad_id, run.where)
-    run.last_eval = _evaluate(run.model, *args)
+    objective = run.objective
+    run.last_eval = objective.evaluate(run)
     if merged and not run.where.ranks.distributed:
         with merged_forward(run.model, merged_dtype(run)):
-            run.last_eval["eval_loss_merged"] = _evaluate(run.model, *args)["eval_loss"]
+            run.last_eval[f"{objective.merged_metric}_merged"] = objective.evaluate(run)[objective.merged_metric]
     return run.last_eval
 
 
@@ -175,42 +164,16 @@ def evaluate(run: Run, merged: bool = False) -> dict:
 # Step helpers
 
 
-def _summary(run: Run) -> str:
-    """The set-up's one line: model, trainable parameters, device, threads, dtype, ranks, data and steps."""
-    cfg, inputs, span, where = run.cfg, run.inputs, run.span, run.where
-    data, ranks, threads = inputs.data, where.ranks, where.threads
-    trainable = sum(p.numel() for p in lora_parameters(run.model))
-    return (
-        f"model: {inputs.base.label if inputs.base.hub_id else inputs.base.path.name}, {trainable:,} trainable adapter parameters, "
-        f"{where.device.type} "
-        f"({threads} CPU thread{'s' if threads > 1 else ''}), "
-        f"{str(where.dtype).removeprefix('torch.')}"
-        + (f", {ranks.world_size} rank{'s' if ranks.world_size > 1 else ''} (FSDP2)" if ranks.distributed else "")
-        + f"; data: {len(data.train)} {'packed rows' if cfg.dataset.packed else 'examples'}"
-        + (f" ({data.documents} documents)" if cfg.dataset.packed else "")
-        + (f", {len(data.eval)} held out" if data.eval else "")
-        + f", {span.steps_per_epoch} steps/epoch, {span.total_steps} steps"
-    )
+def timed_record(run: Run, loss: float, lr: float, tokens: int, started: float) -> dict:
+    """The step's metrics record (also ``run.record``, which evaluation and the checkpoint add to): step,
+    epoch, loss, lr, tokens/s and step seconds since ``started``, and where this invocation resumed.
 
-
-def _evaluate(model: nn.Module, examples: list, batch_size: int, pad_id: int, where: Placement) -> dict:
-    """Token-mean loss and perplexity over ``examples``: dropout off, no gradient, and the RNG state
-    forked around it, so training continues exactly as without evaluation. Each rank evaluates its
-    slice of every batch (``rank_batch``: every rank runs each forward FSDP2 needs); sums are all-reduced."""
-    device, ranks = where.device, where.ranks
-    was_training = model.training
-    model.eval()
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    count = 0
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
-        for start in range(0, len(examples), batch_size):
-            indices = list(range(start, min(start + batch_size, len(examples))))
-            batch = {k: v.to(device) for k, v in rank_batch(examples, indices, ranks, pad_id).items()}
-            total += token_loss_sum(model(**model_inputs(batch)).logits, batch["labels"]).double()
-            count += int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
-    model.train(was_training)
-    reshard(model)
-    total = all_sum(total, ranks).item()
-    count = int(all_sum(torch.tensor(float(count), dtype=torch.float64, device=device), ranks).item())
-    loss = total / max(1, count)
-    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)), "eval_tokens": count}
+    Example: ``record = timed_record(run, step_loss, lr, tokens, started)``"""
+    seconds = time.perf_counter() - started
+    run.record = {"step": run.at.global_step, "epoch": run.at.epoch + 1, "loss": loss, "lr": lr}
+    run.record.update(tokens_per_s=tokens / seconds, step_s=seconds)
+    if run.at.global_step == run.at.first_step and run.resume is not None:
+        run.record["resumed_from"] = run.resume.state["global_step"]
+    if run.at.global_step == run.at.first_step and run.cfg.training.compile:
+        log.info(f"compile: cold start, the first step (compiling the decoder layer) took {seconds:.1f} s")
+    return run.record

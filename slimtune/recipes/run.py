@@ -1,6 +1,7 @@
-"""What a run holds between its steps: ``Run``, made by a recipe's ``setup`` by keyword, advanced by the
-steps (``recipes/steps.py``). The parts that travel together are small objects of their own:
-``Placement`` (ranks, device, dtype, threads), ``Inputs`` (tokenizer, data), ``Span`` (how many steps),
+"""What a run holds between its steps: ``Run``, made by ``run_steps.prepare`` by keyword, advanced by the
+steps (``recipes/run_steps.py``, ``recipes/finetune.py``). The parts that travel together are small objects
+of their own: ``DevicePlacement`` (ranks, device, dtype, threads), ``StepParts`` (what an optimizer step
+works on, made once per run), ``Inputs`` (tokenizer, data), ``Span`` (how many steps),
 ``Progress`` (where the run is), ``Optimization`` (``checkpoint/run_state.py``: optimizer, schedule, loss
 scaler) and ``Sinks`` (metrics.jsonl, trackers, memory figures, progress bar). ``FinetuneResult`` is
 what a run leaves behind.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,7 +30,6 @@ from slimtune.distributed import Ranks
 from slimtune.formats.hub import ModelSource
 from slimtune.memory import HeapTrim, PeakMemory
 from slimtune.model import config_dtype
-from slimtune.step import step_heap_trim
 from slimtune.tracking import MetricsLog, Trackers
 
 
@@ -51,8 +52,34 @@ class FinetuneResult:
     plot_path: Path | None = None
 
 
+TRIM_COST_SHARE = 0.02  # the step's heap trims may cost ~2% of the training time (memory.HeapTrim)
+
+
+def step_heap_trim() -> HeapTrim:
+    """The heap trim a run keeps across its steps (``StepParts.trim``): after each micro-batch's backward,
+    what the step freed goes back to the system once the process grew 64 MB, at most as often as keeps
+    the re-faulting under ``TRIM_COST_SHARE`` of the time.
+
+    Example: ``parts = StepParts(..., trim=step_heap_trim())``"""
+    return HeapTrim(cost_share=TRIM_COST_SHARE)
+
+
+@dataclass
+class StepParts:
+    """What an optimizer step works on (``train_loop.optimizer_step``), made once per run (``Run.parts``)."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    params: list[nn.Parameter]
+    max_grad_norm: float | None
+    device: torch.device
+    trim: HeapTrim = field(default_factory=step_heap_trim)  # the run's, kept across its steps
+
+
 @dataclass(frozen=True)
-class Placement:
+class DevicePlacement:
     """Where the run computes: this process's ranks, the device, the compute dtype, the CPU threads."""
 
     ranks: Ranks
@@ -111,11 +138,11 @@ class Sinks:
 
 @dataclass(kw_only=True)
 class Run:
-    """Everything a run holds between its steps: made by a recipe's ``setup`` (keyword arguments only),
-    advanced by the other steps."""
+    """Everything a run holds between its steps: made by ``run_steps.prepare`` (keyword arguments only),
+    advanced by the other steps. Its ``parts`` (what the optimizer step works on) are made here, once."""
 
     cfg: Config
-    where: Placement
+    where: DevicePlacement
     manager: CheckpointManager
     resume: ResumePoint | None  # None: a fresh start
     inputs: Inputs
@@ -129,8 +156,14 @@ class Run:
     sinks: Sinks = field(default_factory=Sinks)
     result: FinetuneResult | None = None
     saver: BackgroundSaver | None = None  # checkpoint.async: the background writer
-    extra_state: dict = field(default_factory=dict)  # a recipe's own facts in each checkpoint's recipe state (plain containers, tensors)
-    trim: HeapTrim = field(default_factory=step_heap_trim)  # the steps' heap trim, kept across them (memory.HeapTrim)
+    extra_state: dict = field(default_factory=dict)  # the objective's own facts in every checkpoint's recipe state (containers, tensors)
+    objective: Any = None  # the run's Objective (recipes/objective.py), set by finetune.setup
+    parts: StepParts = field(init=False)  # the optimizer step's, with the heap trim kept across the steps
+
+    def __post_init__(self):
+        params = [p for g in self.optim.optimizer.param_groups for p in g["params"]]
+        optim, max_norm = self.optim, self.cfg.training.max_grad_norm
+        self.parts = StepParts(self.model, optim.optimizer, optim.scheduler, optim.scaler, params, max_norm, self.where.device)
 
     @property
     def base_dtype(self) -> torch.dtype:

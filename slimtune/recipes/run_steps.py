@@ -1,24 +1,23 @@
-"""The steps every recipe shares, around its own data reading, training step and evaluation: where the run
+"""The run's steps every objective shares, around the objective's own batching, loss and evaluation: where the run
 computes (``place``), its run directory and resume point (``open_run_dir``), the embedded tiny base
 (``write_tiny_base``), the tokenizer and data (``read_data``: SFT rows or preference pairs), the step
 arithmetic (``plan_span``), the QLoRA model (``load_model``), AdamW and its
 schedule (``make_optimization``), then ``restore`` (a fresh output_dir or the checkpoint's state),
 ``save_step`` (a checkpoint), ``log_step`` (a step's record to every sink) and ``finish``. ``prepare``
-runs the set-up steps in order and returns the ``Run``; a recipe's ``setup`` calls it, then adds its own
-parts. The loop calls the rest.
+runs the set-up steps in order and returns the ``Run``; ``finetune.setup`` calls it, then the objective's
+own set-up. The loop (``recipes/finetune.py``) calls the rest.
 
 What a run holds between its steps is ``Run`` (``recipes/run.py``).
 
-Example (a recipe's set-up)::
+Example (``finetune.setup``)::
 
-    run = prepare(cfg, ranks, dropped="example(s) skipped")  # the shared steps, in order
-    my_own_setup(run)
+    run = prepare(cfg, ranks, dropped=objective.dropped)  # the shared steps, in order
+    objective.setup(run)
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -58,7 +57,7 @@ from slimtune.gguf.export import export_checkpoint_gguf
 from slimtune.lora import LoRAConfig, lora_modules, lora_parameters
 from slimtune.memory import PeakMemory
 from slimtune.model import load_qlora_model, load_tokenizer, nf4_report, nf4_summary_line, pick_device, pick_dtype
-from slimtune.recipes.run import FinetuneResult, Inputs, Placement, Run, Span
+from slimtune.recipes.run import DevicePlacement, FinetuneResult, Inputs, Run, Span
 from slimtune.runtime import choose_num_threads, compile_decoder_layers, enable_activation_checkpointing
 from slimtune.schedule import warmup_cosine
 from slimtune.tensors import DTYPES
@@ -72,7 +71,7 @@ log = logging.getLogger(__name__)
 # Set-up steps
 
 
-def place(cfg: Config, ranks: Ranks) -> Placement:
+def place(cfg: Config, ranks: Ranks) -> DevicePlacement:
     """The device (this rank's GPU under torchrun), the compute dtype and the CPU threads.
 
     Example: ``where = place(cfg, SINGLE)``"""
@@ -82,7 +81,7 @@ def place(cfg: Config, ranks: Ranks) -> Placement:
     dtype = pick_dtype(cfg.dtype, device)
     if ranks.distributed and dtype == torch.float16:
         raise SlimtuneError("dtype fp16 (loss scaling) is for one process; with several ranks use bf16 or fp32")
-    return Placement(ranks, device, dtype, choose_num_threads(cfg.training.num_threads))
+    return DevicePlacement(ranks, device, dtype, choose_num_threads(cfg.training.num_threads))
 
 
 def open_run_dir(cfg: Config) -> tuple[CheckpointManager, ResumePoint | None]:
@@ -197,7 +196,7 @@ def lora_config(cfg: Config) -> LoRAConfig:
     return LoRAConfig(cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.use_rslora, list(cfg.lora.target_modules))
 
 
-def load_model(cfg: Config, where: Placement, base: ModelSource) -> nn.Module:
+def load_model(cfg: Config, where: DevicePlacement, base: ModelSource) -> nn.Module:
     """NF4 base + fp32 adapters, frozen weights in the compute dtype, on the device. Under a process group
     the model comes out FSDP2-sharded, NF4 base and adapters alike (model.py says how).
 
@@ -284,7 +283,7 @@ def prepare(cfg: Config, ranks: Ranks, dropped: str) -> Run:
     return Run(cfg=cfg, where=where, manager=manager, resume=resume, inputs=inputs, model=model, optim=optim, span=span)
 
 
-def make_optimization(model: nn.Module, cfg: Config, total_steps: int, where: Placement) -> Optimization:
+def make_optimization(model: nn.Module, cfg: Config, total_steps: int, where: DevicePlacement) -> Optimization:
     """AdamW on the adapters, linear warmup then cosine decay over ``total_steps``, and the loss scaler
     (enabled for fp16 only).
 
@@ -477,21 +476,6 @@ def merged_dtype(run: Run) -> torch.dtype | None:
     if run.cfg.checkpoint.merged_dtype:
         return DTYPES[run.cfg.checkpoint.merged_dtype]
     return None if run.where.dtype == run.base_dtype else run.base_dtype
-
-
-def timed_record(run: Run, loss: float, lr: float, tokens: int, started: float) -> dict:
-    """The step's metrics record (also ``run.record``, which evaluation and the checkpoint add to): step,
-    epoch, loss, lr, tokens/s and step seconds since ``started``, and where this invocation resumed.
-
-    Example: ``record = timed_record(run, step_loss, lr, tokens, started)``"""
-    seconds = time.perf_counter() - started
-    run.record = {"step": run.at.global_step, "epoch": run.at.epoch + 1, "loss": loss, "lr": lr}
-    run.record.update(tokens_per_s=tokens / seconds, step_s=seconds)
-    if run.at.global_step == run.at.first_step and run.resume is not None:
-        run.record["resumed_from"] = run.resume.state["global_step"]
-    if run.at.global_step == run.at.first_step and run.cfg.training.compile:
-        log.info(f"compile: cold start, the first step (compiling the decoder layer) took {seconds:.1f} s")
-    return run.record
 
 
 def _saves_before_the_end(run: Run) -> bool:

@@ -215,7 +215,7 @@ def write_docstring_data(out_dir: Path) -> tuple[Path, Path]:
     return paths[0], paths[1]
 
 
-def main(argv: list[str] | None = None) -> None:
+def _main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", type=Path, default=None, help=f"converted model directory (default: ${ENV_VAR} or the user's cache)")
     args = parser.parse_args(argv)
@@ -227,4 +227,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    _main()

@@ -201,12 +201,12 @@ def policy_loss(logps: torch.Tensor, batch: dict, loss: GRPOLoss, counts: StepCo
     return total, sums
 
 
-def metric_means(sums: torch.Tensor, loss: GRPOLoss, prefix: str = "") -> dict[str, float]:
+def grpo_metric_means(sums: torch.Tensor, loss: GRPOLoss, prefix: str = "") -> dict[str, float]:
     """TRL's logged means from summed ``policy_loss`` sums: ``kl`` (when beta > 0), ``entropy`` and
     ``clip_ratio/{low,high,region}_mean``, per trained token (per completion for the clip ratios at the
     sequence level).
 
-    Example: ``record.update(metric_means(all_sum(sums, ranks), GRPOLoss()))``"""
+    Example: ``record.update(grpo_metric_means(all_sum(sums, ranks), GRPOLoss()))``"""
     values = dict(zip(SUMS, sums.tolist(), strict=True))
     tokens, sequences = max(1.0, values["tokens"]), max(1.0, values["sequences"])
     per_clip = sequences if loss.importance_sampling_level == "sequence" else tokens

@@ -114,11 +114,11 @@ def pair_loss(logits: torch.Tensor, batch: dict, loss: PreferenceLoss, pairs: in
     return total, metrics
 
 
-def metric_means(sums: torch.Tensor, chosen_tokens: int, loss: PreferenceLoss, prefix: str = "") -> dict[str, float]:
+def pair_metric_means(sums: torch.Tensor, chosen_tokens: int, loss: PreferenceLoss, prefix: str = "") -> dict[str, float]:
     """TRL's logged means from the summed ``pair_loss`` metrics (``prefix`` "eval_" for evaluation); SimPO
     with cpo_alpha also logs ``nll_loss``, as TRL's CPO trainer does.
 
-    Example: ``record.update(metric_means(all_sum(sums, ranks), tokens, loss))``"""
+    Example: ``record.update(pair_metric_means(all_sum(sums, ranks), tokens, loss))``"""
     values = sums.tolist()
     count = max(1.0, values[0])
     out = {f"{prefix}{name}": v / count for name, v in zip(METRICS, values[1:7], strict=True)}

@@ -22,7 +22,7 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
-from slimtune.grpo_loss import GRPOLoss, StepCounts, completion_batch, completion_logps, group_advantages, metric_means, policy_loss
+from slimtune.grpo_loss import GRPOLoss, StepCounts, completion_batch, completion_logps, group_advantages, grpo_metric_means, policy_loss
 from slimtune.lora import LoRAConfig, adapter_weights, lora_modules, swapped_adapters
 from slimtune.model import load_qlora_model
 from slimtune.quant import base_rows
@@ -118,7 +118,7 @@ def test_one_generation_batch_equals_trl(loss_type, level, beta, mu, scale, epsi
     tokens = int((batch["labels"] != -100).sum())
     loss, sums = policy_loss(logps, parts, loss_of, StepCounts(len(completion_ids), tokens, 1))
     loss.backward()
-    ours = {"loss": loss.item(), **metric_means(sums, loss_of), "reward": adv.reward, "reward_std": adv.reward_std}
+    ours = {"loss": loss.item(), **grpo_metric_means(sums, loss_of), "reward": adv.reward, "reward_std": adv.reward_std}
     grads = {name: (m.lora_a.weight.grad.clone(), m.lora_b.weight.grad.clone()) for name, m in lora_modules(model).items()}
 
     # TRL

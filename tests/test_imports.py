@@ -160,11 +160,6 @@ def test_every_module_imports_in_a_fresh_interpreter():
     assert done.stdout.strip() == f"imported {len(names)}"
 
 
-# Public names that collide today and are being renamed by the recipes' rework (recipes/run.py's
-# Placement beside families.py's; the objectives' setup, train_step and evaluate in recipes/); nothing else.
-_RENAMED_ELSEWHERE = {"Placement", "setup", "train_step", "evaluate"}
-
-
 def public_names(mods: dict[str, Path]) -> dict[str, list[str]]:
     """Public (no leading ``_``) top-level class and function name -> the modules that define it."""
     names: dict[str, list[str]] = {}
@@ -186,5 +181,5 @@ def test_no_two_modules_define_the_same_public_name():
     """One name, one meaning: no two slimtune modules define a public class or function of the same name."""
     names = public_names(_modules())
     assert names["MergeSource"] == ["slimtune.formats.merge_source"] and len(names) > 300  # the scan saw the package
-    shared = {n: mods for n, mods in sorted(names.items()) if len(mods) > 1 and n not in _RENAMED_ELSEWHERE}
+    shared = {n: mods for n, mods in sorted(names.items()) if len(mods) > 1}
     assert not shared, f"public names defined in more than one module: {shared}"

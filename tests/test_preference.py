@@ -29,7 +29,7 @@ from slimtune.distributed import SINGLE
 from slimtune.errors import SlimtuneError
 from slimtune.formats.peft import lora_key
 from slimtune.lora import lora_modules
-from slimtune.preference_loss import PreferenceLoss, metric_means, pair_loss
+from slimtune.preference_loss import PreferenceLoss, pair_loss, pair_metric_means
 from slimtune.quant import base_rows
 from slimtune.recipes.finetune import setup
 from slimtune.tiny import byte_tokenizer
@@ -163,7 +163,7 @@ def test_one_batch_equals_trl(objective, start, kind, tiny_base, pair_files, tmp
         model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits, batch, loss_of, 4, _chosen(batch)
     )
     loss.backward()
-    ours = {"loss": loss.item(), **metric_means(sums, _chosen(batch), loss_of)}
+    ours = {"loss": loss.item(), **pair_metric_means(sums, _chosen(batch), loss_of)}
     grads = {name: (m.lora_a.weight.grad.clone(), m.lora_b.weight.grad.clone()) for name, m in lora_modules(model).items()}
 
     tok = chat_tokenizer()

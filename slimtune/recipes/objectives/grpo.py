@@ -41,7 +41,7 @@ from torch import nn
 
 from slimtune.data import PromptRow, parse_json
 from slimtune.errors import SlimtuneError
-from slimtune.grpo_loss import GRPOLoss, StepCounts, completion_batch, completion_logps, group_advantages, metric_means, policy_loss
+from slimtune.grpo_loss import GRPOLoss, StepCounts, completion_batch, completion_logps, group_advantages, grpo_metric_means, policy_loss
 from slimtune.lora import adapter_weights, qlora_linears, swapped_adapters
 from slimtune.recipes.objective import Objective, StepBatches
 from slimtune.recipes.run import Run
@@ -132,7 +132,7 @@ class GRPOObjective(Objective):
 
     def step_metrics(self, sums: torch.Tensor, step: StepBatches) -> dict:
         """TRL's kl, entropy and clip ratios over the step's completions, then the generation's reward figures."""
-        return {**metric_means(sums, self.loss_of), **step.counts["metrics"]}
+        return {**grpo_metric_means(sums, self.loss_of), **step.counts["metrics"]}
 
     def evaluate(self, run: Run) -> dict:
         """The held-out prompts' completions (the same draws every time) scored: ``eval_reward`` ...; a few to completions.jsonl."""

@@ -30,7 +30,7 @@ from torch import nn
 from slimtune.data import PreferencePair, model_inputs, rank_pairs
 from slimtune.distributed import all_sum, split_rows
 from slimtune.errors import SlimtuneError
-from slimtune.preference_loss import PreferenceLoss, metric_means, pair_loss, sequence_logps
+from slimtune.preference_loss import PreferenceLoss, pair_loss, pair_metric_means, sequence_logps
 from slimtune.recipes.objective import Objective, StepBatches
 from slimtune.recipes.run import Run
 from slimtune.recipes.train_loop import no_grad_batches
@@ -76,7 +76,7 @@ class PreferenceObjective(Objective):
 
     def step_metrics(self, sums: torch.Tensor, step: StepBatches) -> dict:
         """TRL's reward and log-probability means over the step's pairs."""
-        return metric_means(sums, step.counts["chosen_tokens"], self.loss_of)
+        return pair_metric_means(sums, step.counts["chosen_tokens"], self.loss_of)
 
     def evaluate(self, run: Run) -> dict:
         """The objective's mean loss and TRL's metric means over the held-out pairs, ``eval_`` prefixed."""
@@ -88,7 +88,7 @@ class PreferenceObjective(Objective):
             loss, sums = pair_loss(logits, inputs, self.loss_of, len(pairs), chosen_tokens)
             totals += torch.cat([loss.reshape(1), sums])
         totals = all_sum(totals, run.where.ranks).cpu()
-        means = metric_means(totals[1:], chosen_tokens, self.loss_of, prefix="eval_")
+        means = pair_metric_means(totals[1:], chosen_tokens, self.loss_of, prefix="eval_")
         return {"eval_loss": float(totals[0]), **means, "eval_pairs": len(pairs)}
 
     def figures(self, run: Run) -> dict:

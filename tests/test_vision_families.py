@@ -368,3 +368,18 @@ def test_targets_and_layout_by_name():
     assert patch.whole and patch.param == "model.visual.patch_embed.proj.weight" and len(patch.shape) == 5
     assert layout["model.layers.0.self_attn.q_proj.weight"].param == "model.language_model.layers.0.self_attn.q_proj.weight"
     assert type(meta_model(tiny_config(family_of("idefics3")))).__name__ == "Idefics3ForConditionalGeneration"
+
+
+def test_lora_vision_config_key(tmp_path):
+    """`lora.vision` (default false) is LoRAConfig.vision where the recipe builds the model; not a bool is one error naming it."""
+    from slimtune.config import load_config
+    from slimtune.recipes.steps import lora_config
+
+    out = f"output_dir={tmp_path / 'run'}"
+    assert lora_config(load_config("tiny", [out])).vision is False
+    lora = lora_config(load_config("tiny", [out, "lora.vision=true", "lora.target_modules=[all-linear]"]))
+    assert lora.vision is True
+    model = build_qlora_skeleton(tiny_config(family_of("qwen2_5_vl")), lora)
+    assert len([n for n in lora_modules(model) if vision_parts("qwen2_5_vl").in_tower(n)]) == CASES["qwen2_5_vl"].tower_adapters
+    with pytest.raises(SlimtuneError, match="lora.vision"):
+        load_config("tiny", [out, "lora.vision=3"])

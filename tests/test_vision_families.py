@@ -23,7 +23,16 @@ from slimtune.checkpoint.save import save_checkpoint
 from slimtune.checkpoint.writer import WriteOptions
 from slimtune.errors import SlimtuneError
 from slimtune.facts import facts_of
-from slimtune.families import VISION_FAMILIES, checkpoint_layout, default_targets, family_of, meta_model, resolve_targets, tiny_config
+from slimtune.families import (
+    VISION_FAMILIES,
+    checkpoint_layout,
+    default_targets,
+    family_of,
+    meta_model,
+    model_key_names,
+    resolve_targets,
+    tiny_config,
+)
 from slimtune.formats.merge_source import MergeSource
 from slimtune.lora import LoRAConfig, lora_modules, lora_parameters, qlora_linears
 from slimtune.merge import merge_from_files
@@ -353,6 +362,22 @@ def test_explicit_vision_targets(tmp_path):
         [f"model.visual.blocks.{i}.attn.qkv" for i in range(2)]
         + [f"model.{part}.{i}.mlp.gate_proj" for part in ("visual.blocks", "language_model.layers") for i in range(2)]
     )
+
+
+def test_model_key_names(tmp_path):
+    """A vision base's keys in the model's names (transformers' load renamings); a text base's are its own
+    (empty: nothing renamed); two keys that would be one model tensor are one error naming both."""
+    tiny_config(family_of("qwen2_5_vl")).save_pretrained(tmp_path / "vl")
+    names = model_key_names(tmp_path / "vl", ["model.layers.0.mlp.up_proj.weight", "visual.blocks.0.attn.qkv.weight", "lm_head.weight"])
+    assert names == {
+        "model.layers.0.mlp.up_proj.weight": "model.language_model.layers.0.mlp.up_proj.weight",
+        "visual.blocks.0.attn.qkv.weight": "model.visual.blocks.0.attn.qkv.weight",
+        "lm_head.weight": "lm_head.weight",
+    }
+    with pytest.raises(SlimtuneError, match=r"model\.layers\.0\.mlp\.up_proj\.weight and model\.language_model\.layers\.0"):
+        model_key_names(tmp_path / "vl", ["model.layers.0.mlp.up_proj.weight", "model.language_model.layers.0.mlp.up_proj.weight"])
+    tiny_config(family_of("llama")).save_pretrained(tmp_path / "text")
+    assert model_key_names(tmp_path / "text", ["model.layers.0.mlp.up_proj.weight"]) == {}
 
 
 def test_targets_and_layout_by_name():

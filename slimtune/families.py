@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from slimtune.errors import SlimtuneError, first_line
+from slimtune.formats.hf import read_config_dict, read_model_config
 from slimtune.formats.peft_config import ALL_LINEAR
 from slimtune.quant import base_rows, is_nf4
 from slimtune.vision_families import tiny_values, vision_parts
@@ -341,6 +342,25 @@ def forward_renamings(model: nn.Module):
         return key
 
     return rename
+
+
+def model_key_names(model_dir, keys) -> dict[str, str]:
+    """A vision-language base's tensor ``keys`` -> the model's names for them (transformers' load-time
+    renamings, ``forward_renamings``): PEFT names an adapter's modules as the model does
+    (``model.language_model.layers.0...``) where the file has the published keys (``model.layers.0...``).
+    Empty for a text family, whose file keys are the model's names (and transformers is not imported).
+
+    Example: ``model_key_names("qwen-vl", ["model.layers.0.mlp.up_proj.weight"])`` ->
+    ``{"model.layers.0.mlp.up_proj.weight": "model.language_model.layers.0.mlp.up_proj.weight"}``"""
+    if vision_parts(read_config_dict(model_dir).get("model_type", "")) is None:
+        return {}
+    rename = forward_renamings(meta_model(read_model_config(model_dir)))
+    names = {k: rename(k) for k in keys}
+    seen: dict[str, str] = {}
+    for key, name in names.items():
+        if seen.setdefault(name, key) != key:
+            raise SlimtuneError(f"{model_dir}: tensors {seen[name]} and {key} are both the model's {name}")
+    return names
 
 
 def _numel(shape) -> int:

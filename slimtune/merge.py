@@ -19,7 +19,7 @@ from slimtune.checkpoint.writer import WriteOptions
 from slimtune.diskio import DEFAULT_CHUNK_BYTES
 from slimtune.distributed import SINGLE, Ranks
 from slimtune.errors import SlimtuneError
-from slimtune.families import frozen_nf4_keys
+from slimtune.families import frozen_nf4_keys, model_key_names
 from slimtune.formats.base_checkpoint import BaseCheckpoint
 from slimtune.formats.hf import export_config_dict, read_model_config
 from slimtune.formats.manifest import checks_done, read_check
@@ -105,6 +105,25 @@ def check_fits(key: str, shape: tuple[int, ...], m: AdapterModule, adapter: Adap
     return out_f, in_f
 
 
+def adapter_targets(adapter: Adapter, base: BaseCheckpoint) -> tuple[dict[str, AdapterModule], dict[str, SavedTensor]]:
+    """The adapter resolved against ``base`` as PEFT would (``resolve``), in the model's names (a
+    vision-language base's keys renamed as transformers loads them, ``model_key_names``): its LoRA modules
+    and modules_to_save tensors keyed by the base's tensor keys (a key the base lacks, such as a tied
+    ``lm_head.weight``, as it is).
+
+    Example: ``targets, saved = adapter_targets(read_adapter("run/step-10"), BaseCheckpoint("base"))``"""
+    kinds, output_name = base.module_kinds
+    present = set(base.location) | set(base.bnb)
+    names = model_key_names(base.dir, present)
+    if names:
+        kinds = {names.get(f"{m}.weight", f"{m}.weight").removesuffix(".weight"): kind for m, kind in kinds.items()}
+        present = set(names.values())
+    resolve(adapter, kinds, output_name, present)
+    to_base = {name: key for key, name in names.items()}
+    targets = {to_base.get(f"{name}.weight", f"{name}.weight"): m for name, m in adapter.modules.items()}
+    return targets, {to_base.get(key, key): t for key, t in adapter.saved_modules.items()}
+
+
 def _merged_source(
     key: str,
     base: BaseCheckpoint,
@@ -159,10 +178,7 @@ def merged_file_stream(
     ``keep_dtype``, the tensors no adapter computes (read as they are stored) keep their stored dtype
     rather than ``dtype``: no rounding and no wider copy of them (the GGUF export widens a piece at a
     time, in its quantizer's cache-sized pieces)."""
-    kinds, output_name = base.module_kinds
-    resolve(adapter, kinds, output_name, set(base.location) | set(base.bnb))
-    targets = {f"{name}.weight": m for name, m in adapter.modules.items()}
-    saved = dict(adapter.saved_modules)
+    targets, saved = adapter_targets(adapter, base)
     keys = list(base.keys)
     tied = base.config.get("tie_word_embeddings", False)
     wanted_extra = [k for k in list(targets) + list(saved) if k not in base.location and k not in keys]

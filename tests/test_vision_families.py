@@ -13,16 +13,29 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+import PIL.Image
 import pytest
 import torch
 from transformers import AutoModelForImageTextToText
 
+from slimtune.checkpoint.atomic import read_manifest
 from slimtune.checkpoint.save import save_checkpoint
 from slimtune.checkpoint.writer import WriteOptions
 from slimtune.errors import SlimtuneError
 from slimtune.facts import facts_of
-from slimtune.families import VISION_FAMILIES, checkpoint_layout, default_targets, family_of, meta_model, resolve_targets, tiny_config
+from slimtune.families import (
+    VISION_FAMILIES,
+    checkpoint_layout,
+    default_targets,
+    family_of,
+    meta_model,
+    model_key_names,
+    resolve_targets,
+    tiny_config,
+)
+from slimtune.formats.merge_source import MergeSource
 from slimtune.lora import LoRAConfig, lora_modules, lora_parameters, qlora_linears
+from slimtune.merge import merge_from_files
 from slimtune.model import build_qlora_skeleton, load_qlora_model
 from slimtune.quant import is_nf4
 from slimtune.tiny import byte_tokenizer
@@ -78,7 +91,29 @@ def write_base(family, path, **overrides):
     tok = byte_tokenizer()
     tok.add_tokens([name for name, _ in IMAGE_TOKENS[family.model_type]], special_tokens=True)
     tok.save_pretrained(path)
+    write_processor(family.model_type, tok, path)
     return tok
+
+
+def write_processor(model_type: str, tok, path) -> None:
+    """The processor files of the checkpoint. Idefics3: its whole processor (the image processor at the
+    test's 64-pixel images, unsplit; 4 image tokens); Qwen2.5-VL: its image processor's
+    preprocessor_config.json only, as transformers' Qwen2_5_VLProcessor needs torchvision, not installed here."""
+    from transformers import Idefics3ImageProcessor, Idefics3Processor, Qwen2VLImageProcessor
+
+    if model_type == "idefics3":
+        size = {"longest_edge": 64}
+        image = Idefics3ImageProcessor(size=size, max_image_size=size, do_image_splitting=False)
+        Idefics3Processor(image_processor=image, tokenizer=byte_tokenizer_like(tok), image_seq_len=4).save_pretrained(path)
+    else:
+        Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=56 * 56).save_pretrained(path)
+
+
+def byte_tokenizer_like(tok):
+    """A copy of ``tok``: the processor adds its own tokens to the tokenizer it is given."""
+    copy = byte_tokenizer()
+    copy.add_tokens([t.content for t in tok.added_tokens_decoder.values() if t.content not in copy.get_vocab()], special_tokens=True)
+    return copy
 
 
 def image_batch(model_type: str, tok, answer: str = "") -> dict[str, torch.Tensor]:
@@ -209,6 +244,71 @@ def test_peft_oracle_logits_and_merge_and_unload(trained, tmp_path):
         assert t.dtype == theirs[p.param].dtype and torch.equal(t.view(torch.uint8), theirs[p.param].view(torch.uint8)), p.key
 
 
+def manifest_digests(path) -> dict[str, str]:
+    return {f["path"]: f["sha256"] for f in read_manifest(path)["files"]}
+
+
+def assert_merge_is_the_save(ckpt, out):
+    """The merge of the save's adapter onto the base on disk (published keys, the adapter in the model's
+    names) wrote the in-training save's bytes, file for file."""
+    saved, merged = manifest_digests(ckpt), manifest_digests(out)
+    assert set(saved) - set(merged) == {"adapter/adapter_config.json", "adapter/adapter_model.safetensors"}
+    assert {"config.json", "tokenizer.json"} <= set(merged) <= set(saved)
+    assert any(p.startswith("model") and p.endswith(".safetensors") for p in merged)
+    assert {p: saved[p] for p in merged} == merged
+
+
+def test_offline_merge_of_the_adapter_is_the_in_training_save(trained, tmp_path):
+    base, ckpt = trained["root"] / "base", trained["root"] / "ckpt"
+    out = tmp_path / "quantized"
+    merge_from_files(MergeSource(base, ckpt / "adapter", "quantized"), out, WriteOptions(progress=False))
+    assert_merge_is_the_save(ckpt, out)
+    # --merge-base original: W + s * B @ A from the file's own W; the vision tower and projector as stored
+    merge_from_files(MergeSource(base, ckpt / "adapter", "original"), tmp_path / "original", WriteOptions(progress=False))
+    model, original, merged = trained["model"], read_tensors(base), read_tensors(tmp_path / "original")
+    assert merged.keys() == original.keys()
+    modules = lora_modules(model)
+    adapted = {
+        p.key: modules[p.param.removesuffix(".weight")] for p in facts_of(model).layout if p.param.removesuffix(".weight") in modules
+    }
+    assert len(adapted) == 7 * 2
+    for key, t in merged.items():
+        if key not in adapted:
+            assert torch.equal(t, original[key]), key
+            continue
+        m = adapted[key]
+        expected = (original[key].float() + m.scaling * (m.lora_b.weight.detach() @ m.lora_a.weight.detach())).to(torch.bfloat16)
+        assert torch.equal(t.view(torch.int16), expected.view(torch.int16)), key
+
+
+PROCESSOR_FILES = {"qwen2_5_vl": {"preprocessor_config.json"}, "idefics3": {"processor_config.json", "tokenizer.json"}}
+
+
+def test_merged_checkpoint_carries_the_processor(trained, tmp_path):
+    """The base's processor files are in the in-training save and the offline merge, byte for byte; the
+    merged directory loads with AutoProcessor (Idefics3: the whole processor), whose image + text inputs
+    give the in-memory model's logits on the merged model."""
+    from transformers import AutoImageProcessor, AutoProcessor
+
+    base, ckpt = trained["root"] / "base", trained["root"] / "ckpt"
+    merge_from_files(MergeSource(base, ckpt / "adapter"), tmp_path / "merged", WriteOptions(progress=False))
+    for name in PROCESSOR_FILES[trained["type"]]:
+        for out in (ckpt, tmp_path / "merged"):
+            assert (out / name).read_bytes() == (base / name).read_bytes(), (out, name)
+    if trained["type"] == "qwen2_5_vl":
+        assert AutoImageProcessor.from_pretrained(tmp_path / "merged").size["longest_edge"] == 56 * 56
+        return
+    processor = AutoProcessor.from_pretrained(ckpt)
+    assert type(processor).__name__ == "Idefics3Processor"
+    image = PIL.Image.fromarray(torch.randint(0, 256, (64, 64, 3), generator=torch.Generator().manual_seed(2), dtype=torch.uint8).numpy())
+    inputs = processor(images=[image], text=["Read the chart: <image> The value is "], return_tensors="pt")
+    assert (inputs["input_ids"] == trained["model"].config.image_token_id).sum() == 4
+    merged = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=torch.bfloat16).eval()
+    batch = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in inputs.items()}
+    gap = bf16_ulps(logits(merged, batch), logits(trained["model"], batch))
+    assert gap <= TOLERANCE_ULPS, gap
+
+
 @pytest.mark.parametrize("model_type", FAMILY_IDS)
 def test_lora_vision_adapts_the_tower_and_loads_in_peft(model_type, tmp_path):
     peft = pytest.importorskip("peft")
@@ -231,6 +331,9 @@ def test_lora_vision_adapts_the_tower_and_loads_in_peft(model_type, tmp_path):
     gap = bf16_ulps(logits(peft_model, batch), logits(model, batch))
     print(f"{model.config.model_type}: {gap:.2f} bf16 ulps of the largest logit")
     assert gap <= TOLERANCE_ULPS, gap
+    source = MergeSource(tmp_path / "base", tmp_path / "ckpt" / "adapter", "quantized")
+    merge_from_files(source, tmp_path / "merged", WriteOptions(progress=False))
+    assert_merge_is_the_save(tmp_path / "ckpt", tmp_path / "merged")  # the tower's adapters too
 
 
 @pytest.mark.parametrize("model_type", FAMILY_IDS)
@@ -261,6 +364,22 @@ def test_explicit_vision_targets(tmp_path):
     )
 
 
+def test_model_key_names(tmp_path):
+    """A vision base's keys in the model's names (transformers' load renamings); a text base's are its own
+    (empty: nothing renamed); two keys that would be one model tensor are one error naming both."""
+    tiny_config(family_of("qwen2_5_vl")).save_pretrained(tmp_path / "vl")
+    names = model_key_names(tmp_path / "vl", ["model.layers.0.mlp.up_proj.weight", "visual.blocks.0.attn.qkv.weight", "lm_head.weight"])
+    assert names == {
+        "model.layers.0.mlp.up_proj.weight": "model.language_model.layers.0.mlp.up_proj.weight",
+        "visual.blocks.0.attn.qkv.weight": "model.visual.blocks.0.attn.qkv.weight",
+        "lm_head.weight": "lm_head.weight",
+    }
+    with pytest.raises(SlimtuneError, match=r"model\.layers\.0\.mlp\.up_proj\.weight and model\.language_model\.layers\.0"):
+        model_key_names(tmp_path / "vl", ["model.layers.0.mlp.up_proj.weight", "model.language_model.layers.0.mlp.up_proj.weight"])
+    tiny_config(family_of("llama")).save_pretrained(tmp_path / "text")
+    assert model_key_names(tmp_path / "text", ["model.layers.0.mlp.up_proj.weight"]) == {}
+
+
 def test_targets_and_layout_by_name():
     """The class, the all-linear targets with and without the tower, and the vision tensors in the layout."""
     model = meta_model(tiny_config(family_of("qwen2_5_vl")))
@@ -274,3 +393,18 @@ def test_targets_and_layout_by_name():
     assert patch.whole and patch.param == "model.visual.patch_embed.proj.weight" and len(patch.shape) == 5
     assert layout["model.layers.0.self_attn.q_proj.weight"].param == "model.language_model.layers.0.self_attn.q_proj.weight"
     assert type(meta_model(tiny_config(family_of("idefics3")))).__name__ == "Idefics3ForConditionalGeneration"
+
+
+def test_lora_vision_config_key(tmp_path):
+    """`lora.vision` (default false) is LoRAConfig.vision where the recipe builds the model; not a bool is one error naming it."""
+    from slimtune.config import load_config
+    from slimtune.recipes.steps import lora_config
+
+    out = f"output_dir={tmp_path / 'run'}"
+    assert lora_config(load_config("tiny", [out])).vision is False
+    lora = lora_config(load_config("tiny", [out, "lora.vision=true", "lora.target_modules=[all-linear]"]))
+    assert lora.vision is True
+    model = build_qlora_skeleton(tiny_config(family_of("qwen2_5_vl")), lora)
+    assert len([n for n in lora_modules(model) if vision_parts("qwen2_5_vl").in_tower(n)]) == CASES["qwen2_5_vl"].tower_adapters
+    with pytest.raises(SlimtuneError, match="lora.vision"):
+        load_config("tiny", [out, "lora.vision=3"])

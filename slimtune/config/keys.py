@@ -50,6 +50,12 @@ class LoraSection:
         "resolved per family and printed at start) or layer names such as [q_proj, v_proj].",
         fixed=True,
     )
+    vision: bool = setting(
+        False,
+        "Vision-language models: LoRA (on NF4) on the vision tower's linears too; by default the tower and projector stay "
+        "frozen in the base dtype. The projector is never adapted.",
+        fixed=True,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoint directories: config.json, safetensors shards and their index, tokenizer files."""
+"""Hugging Face checkpoint directories: config.json, safetensors shards and their index, tokenizer and processor files."""
 
 from __future__ import annotations
 
@@ -28,6 +28,11 @@ TOKENIZER_FILES = (
     "added_tokens.json",
     "chat_template.jinja",
     "generation_config.json",
+    # a vision-language model's processor (AutoProcessor): image and video preprocessing, its chat template
+    "processor_config.json",
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "chat_template.json",
 )
 
 
@@ -349,5 +354,9 @@ def index_dict(weight_map: dict[str, str], total_size: int) -> dict:
 
 
 def tokenizer_files(model_dir: str | Path) -> list[Path]:
+    """The tokenizer's and processor's files (``TOKENIZER_FILES``) that ``model_dir`` holds: what a merged
+    checkpoint carries beside its weights so ``AutoTokenizer`` / ``AutoProcessor`` load it unchanged.
+
+    Example: ``[p.name for p in tokenizer_files("base")]`` -> ``["tokenizer.json", "tokenizer_config.json"]``"""
     model_dir = Path(model_dir)
     return [model_dir / n for n in TOKENIZER_FILES if (model_dir / n).is_file()]

@@ -36,13 +36,13 @@ from slimtune.errors import SlimtuneError
 from slimtune.formats.base_checkpoint import BaseCheckpoint
 from slimtune.formats.manifest import checks_done, read_check
 from slimtune.formats.merge_source import MergeSource
-from slimtune.formats.peft import Adapter, read_adapter, resolve
+from slimtune.formats.peft import Adapter, read_adapter
 from slimtune.formats.strict_json import safe_name
 from slimtune.gguf.arch import gguf_arch
 from slimtune.gguf.export import TYPES, GGUFOptions, GGUFResult, plan_slots, planned_size, write_gguf
 from slimtune.gguf.types import ADAPTER_TYPES
 from slimtune.gguf.vocab import modelfile_path, write_modelfile
-from slimtune.merge import check_fits
+from slimtune.merge import adapter_targets, check_fits
 from slimtune.tensors import StreamTensor
 
 Q = gguf.GGMLQuantizationType
@@ -55,13 +55,11 @@ def _fixed(name: str, shape: tuple[int, ...], rows: torch.Tensor) -> StreamTenso
 
 def adapter_tensors(lora: Adapter, base: BaseCheckpoint, arch) -> list[tuple[str, StreamTensor]]:
     """(HF key, GGUF entry) of every lora_a / lora_b tensor, in the base's tensor order."""
-    kinds, output_name = base.module_kinds
-    resolve(lora, kinds, output_name, set(base.location) | set(base.bnb))
+    targets, saved_modules = adapter_targets(lora, base)
     where = f"adapter {lora.path}"
     if lora.use_dora:
         raise SlimtuneError(f"{where}: a DoRA adapter has no llama.cpp adapter form; export the merged model instead")
-    targets = {f"{name}.weight": m for name, m in lora.modules.items()}
-    for key, saved in lora.saved_modules.items():
+    for key, saved in saved_modules.items():
         if key not in targets or not _same_as_base(saved, base, key):
             raise SlimtuneError(
                 f"{where}: modules_to_save tensor {safe_name(key)} replaces the base's; llama.cpp's adapters hold LoRA pairs only: "

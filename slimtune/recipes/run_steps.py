@@ -193,7 +193,9 @@ def plan_span(cfg: Config, num_examples: int) -> Span:
 
 def lora_config(cfg: Config) -> LoRAConfig:
     """The config's lora section as the model loader takes it."""
-    return LoRAConfig(cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.use_rslora, list(cfg.lora.target_modules))
+    return LoRAConfig(
+        cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.use_rslora, list(cfg.lora.target_modules), vision=cfg.lora.vision
+    )
 
 
 def load_model(cfg: Config, where: DevicePlacement, base: ModelSource) -> nn.Module:

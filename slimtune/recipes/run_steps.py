@@ -193,9 +193,8 @@ def plan_span(cfg: Config, num_examples: int) -> Span:
 
 def lora_config(cfg: Config) -> LoRAConfig:
     """The config's lora section as the model loader takes it."""
-    return LoRAConfig(
-        cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.use_rslora, list(cfg.lora.target_modules), vision=cfg.lora.vision
-    )
+    lora = cfg.lora
+    return LoRAConfig(lora.rank, lora.alpha, lora.dropout, lora.use_rslora, list(lora.target_modules), vision=lora.vision)
 
 
 def load_model(cfg: Config, where: DevicePlacement, base: ModelSource) -> nn.Module:

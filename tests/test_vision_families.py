@@ -397,9 +397,8 @@ def test_targets_and_layout_by_name():
 
 def test_lora_vision_config_key(tmp_path):
     """`lora.vision` (default false) is LoRAConfig.vision where the recipe builds the model; not a bool is one error naming it."""
-    from slimtune.recipes.steps import lora_config
-
     from slimtune.config import load_config
+    from slimtune.recipes.run_steps import lora_config
 
     out = f"output_dir={tmp_path / 'run'}"
     assert lora_config(load_config("tiny", [out])).vision is False

@@ -18,9 +18,9 @@ import traceback
 from pathlib import Path
 
 from slimtune.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_OK, EXIT_PROBLEMS, REPORT_HINT, SlimtuneError
+from slimtune.formats.gguf_types import ADAPTER_TYPES, types_help
 from slimtune.formats.merge_source import MERGE_BASES, MergeSource
 from slimtune.formats.strict_json import safe_text
-from slimtune.gguf.types import ADAPTER_TYPES, types_help
 from slimtune.logs import configure_logging
 from slimtune.memory import DEFAULT_SHARD_SIZE, parse_size
 

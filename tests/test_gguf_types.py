@@ -1,4 +1,4 @@
-"""slimtune.gguf.types, the one list of GGUF type names, and every reader of it: the config's
+"""slimtune.formats.gguf_types, the one list of GGUF type names, and every reader of it: the config's
 ``checkpoint.gguf``, ``slimtune export --type`` (its help) and ``--adapter-only``, the export's types and
 file types, the mixes. Each takes the same names, and each name means the type llama.cpp gives it."""
 
@@ -13,7 +13,7 @@ import gguf
 import pytest
 
 from slimtune.errors import SlimtuneError
-from slimtune.gguf.types import ADAPTER_TYPES, MIX_TYPES, PLAIN_TYPES, TYPE_NAMES
+from slimtune.formats.gguf_types import ADAPTER_TYPES, MIX_TYPES, PLAIN_TYPES, TYPE_NAMES
 
 Q, FT = gguf.GGMLQuantizationType, gguf.LlamaFileType
 _NAME = re.compile(r"\b(?:f32|f16|bf16|q\d_[0-9a-z_]+)\b")
@@ -90,6 +90,6 @@ def test_the_export_and_the_mixes_give_each_name_llama_cpps_types():
 
 def test_the_names_load_without_the_gguf_package():
     """The config and the CLI read the names: importing them loads neither ``gguf`` nor torch."""
-    code = "import sys, slimtune.gguf.types; print(sorted({'gguf', 'torch', 'numpy'} & set(sys.modules)))"
+    code = "import sys, slimtune.formats.gguf_types; print(sorted({'gguf', 'torch', 'numpy'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

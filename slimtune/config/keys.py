@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from slimtune.config.schema import PLACEHOLDER, REQUIRED, ConfigPath, DataPath, Key, ModelPath, RunDir, Size, setting, walk
 from slimtune.errors import SlimtuneError
-from slimtune.gguf.types import GgufType
+from slimtune.formats.gguf_types import GgufType
 from slimtune.lora import DEFAULT_TARGETS
 from slimtune.memory import DEFAULT_SHARD_SIZE
 
@@ -292,7 +292,7 @@ class CheckpointSection:
         "the run's last step.",
         name="async",
     )
-    gguf: GgufType | None = setting(  # the names of `slimtune export --type` (slimtune.gguf.types)
+    gguf: GgufType | None = setting(  # the names of `slimtune export --type` (slimtune.formats.gguf_types)
         None,
         "Also write model-TYPE.gguf (+ an Ollama Modelfile) beside the run's final checkpoint, for llama.cpp/Ollama (docs/gguf.md).",
     )

@@ -34,13 +34,13 @@ import torch
 
 from slimtune.errors import SlimtuneError
 from slimtune.formats.base_checkpoint import BaseCheckpoint
+from slimtune.formats.gguf_types import ADAPTER_TYPES
 from slimtune.formats.manifest import checks_done, read_check
 from slimtune.formats.merge_source import MergeSource
 from slimtune.formats.peft import Adapter, read_adapter
 from slimtune.formats.strict_json import safe_name
 from slimtune.gguf.arch import gguf_arch
 from slimtune.gguf.export import TYPES, GGUFOptions, GGUFResult, plan_slots, planned_size, write_gguf
-from slimtune.gguf.types import ADAPTER_TYPES
 from slimtune.gguf.vocab import modelfile_path, write_modelfile
 from slimtune.merge import adapter_targets, check_fits
 from slimtune.tensors import StreamTensor

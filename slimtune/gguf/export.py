@@ -36,6 +36,7 @@ from slimtune.diskio import DEFAULT_CHUNK_BYTES, DEFAULT_INFLIGHT_BYTES, DirectA
 from slimtune.errors import SlimtuneError
 from slimtune.fileio import atomic_file, check_free_space, os_errors
 from slimtune.formats.base_checkpoint import BaseCheckpoint
+from slimtune.formats.gguf_types import PLAIN_TYPES, TYPE_NAMES
 from slimtune.formats.hf import export_config_dict, read_model_config
 from slimtune.formats.layout import CheckpointLayout
 from slimtune.formats.manifest import ReadCheck, checks_done, read_check
@@ -44,14 +45,13 @@ from slimtune.gguf import ggml
 from slimtune.gguf.arch import GGUFArch, gguf_arch
 from slimtune.gguf.header import TensorInfo, write_head
 from slimtune.gguf.mix import MIXES, MixModel, mix_types
-from slimtune.gguf.types import PLAIN_TYPES, TYPE_NAMES
 from slimtune.gguf.vocab import vocab_fields, write_modelfile
 from slimtune.merge import MergeBase, merged_file_stream
 from slimtune.tensors import StreamTensor, all_finite, dtype_size, row_chunks, scalar_source
 
 Q = gguf.GGMLQuantizationType
 TYPES = {name: Q[name.upper()] for name in PLAIN_TYPES}
-"""Plain type name (``slimtune.gguf.types``) -> the GGML type every 2-D weight takes: ``q8_0`` is Q8_0."""
+"""Plain type name (``slimtune.formats.gguf_types``) -> the GGML type every 2-D weight takes: ``q8_0`` is Q8_0."""
 _FILE_TYPES = {
     **{name: gguf.LlamaFileType.ALL_F32 if name == "f32" else gguf.LlamaFileType[f"MOSTLY_{name.upper()}"] for name in PLAIN_TYPES},
     **{name: ftype for name, (_, ftype) in MIXES.items()},
@@ -66,7 +66,7 @@ class GGUFOptions:
     """How a GGUF file is written (what it is written from: ``MergeSource``). Example: ``GGUFOptions("q8_0", overwrite=True)``."""
 
     type: str = "f16"
-    """One of ``slimtune.gguf.types.TYPE_NAMES``: a plain type (``PLAIN_TYPES``), the type of every 2-D
+    """One of ``slimtune.formats.gguf_types.TYPE_NAMES``: a plain type (``PLAIN_TYPES``), the type of every 2-D
     weight (norms, biases and position embeddings stay f32, as llama.cpp's converter keeps them); or a
     K-quant mix (``MIX_TYPES``): each tensor's type as llama-quantize chooses it (``slimtune.gguf.mix``)."""
     overwrite: bool = False

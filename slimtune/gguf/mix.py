@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import gguf
 
-from slimtune.gguf.types import MIX_TYPES
+from slimtune.formats.gguf_types import MIX_TYPES
 
 Q = gguf.GGMLQuantizationType
 FT = gguf.LlamaFileType

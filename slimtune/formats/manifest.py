@@ -218,9 +218,9 @@ class _FileTap:
 
 class ReadCheck:
     """The sha256 of every file a command reads from a checkpoint with a manifest, against the manifest.
-    By default computed in one sequential pass by a background thread while the command works (hashlib
-    releases the GIL: the pass runs beside the work on another core, and reads what the page cache mostly
-    holds already). With ``fold``, no pass: the command hands the files it reads in file order to
+    By default computed in one pass by a background thread while the command works, the files hashed
+    ``hash_lanes`` at a time (hashlib releases the GIL: the pass runs beside the work on other cores, and
+    reads what the page cache mostly holds already). With ``fold``, no pass: the command hands the files it reads in file order to
     ``tap(path)`` and gives the tap every byte it reads (``SafetensorsReader(path, observe=tap.seen)``), so
     those bytes are hashed from its own buffers and read once; the files it did not tap are hashed by
     ``done()``. ``done()`` waits for the check and raises the first mismatch as one ``SlimtuneError``

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import socket
 import struct
@@ -74,8 +75,8 @@ class WriteOptions:
 class _FileHash:
     """The sha256 of one file that one rank writes whole, front to back, computed on a thread of its own
     that trails the writer and never holds it up: the writer reports how far the file is written
-    (``written``), the thread reads those bytes back (from the page cache: ``WriteBack`` keeps what is
-    not hashed yet, ``pos``) and hashes them, 8 MB at a time. So the writer goes on to the next file
+    (``written``), the thread hashes those bytes from the page cache (``WriteBack`` keeps what is not
+    hashed yet, ``pos``), 8 MB windows mapped one at a time (``_hash_window``). So the writer goes on to the next file
     while this one's hash finishes, and the files of a save are hashed several at once (``hash_lanes``),
     each a plain sha256 of the bytes in the file, in bounded memory (one buffer per thread)."""
 
@@ -120,7 +121,6 @@ class _FileHash:
         return self.sha.hexdigest()
 
     def _run(self) -> None:
-        view = memoryview(bytearray(self.BLOCK))
         try:
             while True:
                 with self._cond:
@@ -129,12 +129,7 @@ class _FileHash:
                 if self.stopped:
                     return
                 while self.pos < end:
-                    n = os.preadv(self._fd, [view[: min(len(view), end - self.pos)]], self.pos)
-                    if n <= 0:
-                        raise SlimtuneError(f"{self.path}: short read at byte {self.pos} while hashing")
-                    with stage("hash", device_work=False):
-                        self.sha.update(view[:n])
-                    self.pos += n
+                    self._hash_window(min(end, self.pos + self.BLOCK))
                 if last:
                     if can_advise():  # the pages read here go once they are written (those still dirty stay)
                         drop_cached(self._fd, 0, self.pos)
@@ -143,6 +138,16 @@ class _FileHash:
             self.error = e
         finally:
             os.close(self._fd)
+
+    def _hash_window(self, end: int) -> None:
+        """Hash bytes [pos, end) straight from the page cache: the window mapped read-only (its pages
+        faulted in at once where the platform can), hashed, unmapped (no copy, no read() call)."""
+        start = self.pos // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        with mmap.mmap(self._fd, end - start, flags=flags, prot=mmap.PROT_READ, offset=start) as window:
+            with memoryview(window) as view, stage("hash", device_work=False):
+                self.sha.update(view[self.pos - start :])
+        self.pos = end
 
 
 class _RowSink:

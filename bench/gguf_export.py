@@ -12,7 +12,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from bench.common import disk_direct_write_mb_s, disk_write_mb_s, real_model_dir, run_child, synthetic_base_and_adapter
+from bench.common import disk_write_mb_s, real_model_dir, run_child, synthetic_base_and_adapter
+from bench.floors import floors, ratio_floor
 from bench.merge import merge_in_child
 from slimtune.gguf.mix import MIXES
 from slimtune.tiny import byte_tokenizer
@@ -129,7 +130,9 @@ def bench_gguf(
     path on the same base + adapter (``_llama_cpp_peer``), its figures added. ``verify``: the export checks
     the sha256 of the base's and the adapter's files against their manifests while reading (``--no-verify``: not).
     Two disk figures: ``disk_mb_s`` (2 GB buffered + fsync, before the export; ``ratio``) and ``disk_direct_mb_s``
-    (the file's size with O_DIRECT + fsync, after it, as the export writes; ``ratio_direct``).
+    (the file's size with O_DIRECT + fsync, after it, as the export writes; ``ratio_direct``). ``floors``
+    (bench/floors.py, after the export): the cold O_DIRECT read of the base, that O_DIRECT write, and the CPU
+    floor; ``ratio_floor`` = the floor of the run's mode (with or without the check) / ``export_s``.
 
     Example: ``bench_gguf("tiny", Path("bench-out"), "q8_0", peer="llama.cpp")``"""
     if peer is not None:
@@ -151,7 +154,8 @@ def bench_gguf(
         stats = _gguf_in_child(base, adapter, target, qtype, verify)
         size = target.stat().st_size
         target.unlink()
-        direct = disk_direct_write_mb_s(out, size)  # the file's volume, past the page cache, as the export writes
+        floor = floors(sorted(base.glob("*.safetensors")), out, size, verify_bytes=base_bytes, quantize=(qtype, base_bytes // 2))
+        direct = None if floor["write_s"] is None else size / floor["write_s"] / 1e6  # the file's volume, O_DIRECT
         peer_stats = _llama_cpp_peer(base, adapter, out, tag, qtype) if peer else {}  # the merge copies the tokenizer
     finally:
         for f in copied:
@@ -174,6 +178,8 @@ def bench_gguf(
         "ratio": round(write_mb_s / disk, 3),
         "disk_direct_mb_s": None if direct is None else round(direct, 1),
         "ratio_direct": None if direct is None else round(write_mb_s / direct, 3),
+        "floors": floor,  # bench/floors.py: the base's bf16 values quantized at the type's main block type
+        "ratio_floor": ratio_floor(floor, stats["export_s"], verify),
         "rss_before_mb": round(stats["rss_before_mb"], 1),
         "peak_rss_mb": round(stats["peak_rss_mb"], 1),
         "overhead_mb": round(stats["peak_rss_mb"] - stats["rss_before_mb"], 1),

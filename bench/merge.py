@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from bench.common import child_env, disk_write_mb_s, run_child, synthetic_base_and_adapter
+from bench.floors import floors, ratio_floor
 
 
 def merge_in_child(base: Path, adapter: Path, merged: Path, device: str = "cpu", verify: bool = True) -> dict:
@@ -24,7 +25,9 @@ def bench_merge(preset: str, out: Path, layers: int | None = None, device: str =
     """Synthetic base + adapter on disk (made once, reused), then the merge in a fresh child process,
     (with ``verify``, as ``slimtune merge`` by default, the base's sha256 pass beside it), which reports
     its own peak RSS (VmHWM of its whole life: interpreter, imports, merge), the figure
-    /usr/bin/time -v reports. (The parent's ru_maxrss for children is not used: the kernel folds the
+    /usr/bin/time -v reports. ``floors`` (bench/floors.py, after the merge): the cold O_DIRECT read of
+    the base, the O_DIRECT write of the output's size, the CPU floor; ``ratio_floor`` = the run's floor / ``merge_s``.
+    (The parent's ru_maxrss for children is not used: the kernel folds the
     parent's own high-water mark into it when the child is started with vfork.)"""
 
     tag, base, adapter = synthetic_base_and_adapter(preset, out, layers)
@@ -34,6 +37,8 @@ def bench_merge(preset: str, out: Path, layers: int | None = None, device: str =
     stats = merge_in_child(base, adapter, merged, device, verify)
     write_mb_s = stats["bytes_written"] / stats["merge_s"] / 1e6
     shutil.rmtree(merged, ignore_errors=True)
+    output = stats["output_bytes"]
+    floor = floors(sorted(base.glob("*.safetensors")), out, output, hashed_bytes=output, verify_bytes=base_bytes)
     return {
         "preset": preset + (f"[{layers} layers]" if layers else ""),
         "base_bytes": base_bytes,
@@ -48,6 +53,8 @@ def bench_merge(preset: str, out: Path, layers: int | None = None, device: str =
         "device": device,
         "verify": verify,
         "stages_s": stats["stages_s"],
+        "floors": floor,
+        "ratio_floor": ratio_floor(floor, stats["merge_s"], verify),
     }
 
 
@@ -80,7 +87,9 @@ def bench_merge_cold(preset: str, out: Path, layers: int | None = None, rounds: 
     run, ``cp -r BASE DST && sync`` vs ``slimtune merge`` (a fresh CLI process, default sha256 check, then
     ``--no-verify``), alternated ``rounds`` times in one run; then one cold run of each merge in the
     stage-timing child (bench/merge_child.py) for the stage table. ratio = copy seconds / merge seconds
-    (>= 1: the merge is at least as fast as copying the base)."""
+    (>= 1: the merge is at least as fast as copying the base). ``floors`` (bench/floors.py): the cold
+    O_DIRECT read of the base, the O_DIRECT write of the output's size, the CPU floor; ``ratio_floor`` and
+    ``ratio_floor_no_verify``: each mode's floor / its median CLI merge seconds."""
     tag, base, adapter = synthetic_base_and_adapter(preset, out, layers)
     dst = out / f"cold-{tag}"
     base_bytes = sum(p.stat().st_size for p in base.rglob("*") if p.is_file())
@@ -103,8 +112,11 @@ def bench_merge_cold(preset: str, out: Path, layers: int | None = None, rounds: 
         child = merge_in_child(base, adapter, dst, "cpu", verify)
         figures = {"merge_s": round(child["merge_s"], 3), "bytes_read": child["bytes_read"], **child["stages_s"]}
         stages["verify" if verify else "no_verify"] = figures
+    output = sum(p.stat().st_size for p in dst.rglob("*") if p.is_file())
     shutil.rmtree(dst, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in seconds.items()}
+    weights = sum(p.stat().st_size for p in base.glob("*.safetensors"))
+    floor = floors(sorted(base.glob("*.safetensors")), out, output, hashed_bytes=output, verify_bytes=weights)
     return {
         "preset": preset + (f"[{layers} layers]" if layers else ""),
         "base_bytes": base_bytes,
@@ -113,4 +125,7 @@ def bench_merge_cold(preset: str, out: Path, layers: int | None = None, rounds: 
         "ratio_merge": round(med["copy"] / med["merge"], 3),
         "ratio_merge_no_verify": round(med["copy"] / med["merge_no_verify"], 3),
         "stages_s": stages,
+        "floors": floor,
+        "ratio_floor": ratio_floor(floor, med["merge"]),
+        "ratio_floor_no_verify": ratio_floor(floor, med["merge_no_verify"], verify=False),
     }

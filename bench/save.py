@@ -1,6 +1,8 @@
 """``python -m bench save``: the merged save of a synthetic QLoRA model in this process (peak RSS over its RSS
 before, bytes written, seconds against the disk's own speed; when slower than the disk, one more save timed
-by stage). ``python -m bench dist-save`` (``--nproc 2``): the cooperative export by 2 gloo ranks of an
+by stage; its floors, bench/floors.py: the O_DIRECT write of the output's size and one core's hashing of it
+over the usable cores, ``ratio_floor`` = floor / save seconds).
+``python -m bench dist-save`` (``--nproc 2``): the cooperative export by 2 gloo ranks of an
 FSDP2-sharded model next to the single-process save of the same model (torchtune's way beside it:
 bench/peers/fsdp_gather_merge.py)."""
 
@@ -17,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from bench.common import disk_write_mb_s
+from bench.floors import floors, ratio_floor
 from slimtune.checkpoint.save import save_checkpoint
 from slimtune.checkpoint.writer import WriteOptions
 from slimtune.distributed import current_ranks, shard_model
@@ -60,6 +63,7 @@ def bench_save(preset: str, out: Path, layers: int | None = None, device: str = 
     write_mb_s = output_bytes / result.seconds / 1e6
     if write_mb_s < disk:  # slower than the disk: where the time goes, from one more save timed by stage
         vram["stages_s"] = _save_stages(model, target, cuda)
+    floor = floors(None, out, output_bytes, hashed_bytes=result.total_bytes)  # the base is the model in memory
     return {
         "preset": preset + (f"[{layers} layers]" if layers else ""),
         "params": params,
@@ -74,6 +78,8 @@ def bench_save(preset: str, out: Path, layers: int | None = None, device: str = 
         "overhead_mb": round(peak - before, 1),
         "device": device,
         **vram,
+        "floors": floor,
+        "ratio_floor": ratio_floor(floor, result.seconds),
     }
 
 

@@ -19,7 +19,7 @@ import errno
 import os
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -110,11 +110,13 @@ class WriteBack:
     left to wait for (otherwise nothing is written before the kernel's dirty threshold, then writers are
     throttled). DONTNEED starts the writeback of dirty pages but drops only clean ones, so each range is
     advised again ``_DROP_LAG`` bytes later, once the disk has written it: then its pages go at once
-    instead of being found by the kernel's page reclaim. Example: ``wb = WriteBack(fd); ...;
+    instead of being found by the kernel's page reclaim; never bytes at or past ``kept_from()`` (those a
+    hash that trails the writer has still to read). Example: ``wb = WriteBack(fd); ...;
     wb.written(end_offset)`` after each write."""
 
-    def __init__(self, fd: int):
+    def __init__(self, fd: int, kept_from: Callable[[], int] | None = None):
         self.fd = fd
+        self.kept_from = kept_from  # bytes from this offset on are still to be read (by a hash): kept
         self.released = 0  # bytes [0, released) of the file were handed to writeback
         self.dropped = 0  # and [0, dropped) advised again, to be let go
 
@@ -127,6 +129,8 @@ class WriteBack:
             drop_cached(self.fd, self.released, upto - self.released)
             self.released = upto
         drop = self.released - _DROP_LAG
+        if self.kept_from is not None:
+            drop = min(drop, self.kept_from())
         if drop - self.dropped >= _WRITEBACK_BYTES:
             drop_cached(self.fd, self.dropped, drop - self.dropped)
             self.dropped = drop

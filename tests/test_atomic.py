@@ -108,6 +108,41 @@ def test_the_manifest_is_written_last_and_read_back_checked(tmp_path):
     assert manifest_problems(tmp_path) == [f"{tmp_path / 'a.bin'}: sha256 differs from the manifest (changed or corrupted bytes)"]
 
 
+def test_the_manifest_check_hashes_files_at_once_and_reports_in_order(tmp_path, monkeypatch):
+    """formats/manifest.manifest_problems: the files are hashed on several threads at once (each file's
+    first hash waits, up to 20 s, for another file's to begin: only concurrent hashing passes without
+    that wait), each a plain sha256, the problems in the files' order."""
+    import hashlib
+    import threading
+
+    import slimtune.formats.manifest as manifest
+
+    monkeypatch.setattr(manifest, "usable_cores", lambda: 4)
+    blobs = {f"s{i}.bin": bytes([i]) * (1000 + i) for i in range(4)}
+    for name, blob in blobs.items():
+        (tmp_path / name).write_bytes(blob)
+    write_manifest(tmp_path, [FileRecord(n, len(b), hashlib.sha256(b).hexdigest()) for n, b in blobs.items()])
+    (tmp_path / "s3.bin").write_bytes(b"\x00" * 1003)
+    (tmp_path / "s1.bin").write_bytes(b"\x00" * 1001)
+    begun, lock, waited_out = set(), threading.Lock(), []
+    other = threading.Event()
+    real = manifest.sha256_file
+
+    def concurrent_only(path, *a, **k):
+        with lock:
+            begun.add(path)
+            if len(begun) > 1:
+                other.set()
+        if not other.wait(20):
+            waited_out.append(path)
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(manifest, "sha256_file", concurrent_only)
+    changed = "sha256 differs from the manifest (changed or corrupted bytes)"
+    assert manifest_problems(tmp_path) == [f"{tmp_path / 's1.bin'}: {changed}", f"{tmp_path / 's3.bin'}: {changed}"]
+    assert waited_out == [] and len(begun) == 4
+
+
 def test_a_folded_read_check_hashes_the_reads_in_any_order(tmp_path):
     """formats/manifest.ReadCheck with fold: the bytes a command reads, handed to the file's tap, are
     hashed as they are read; reads in file order read nothing more, any other order (overlaps, re-reads,

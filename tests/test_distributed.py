@@ -103,7 +103,8 @@ def test_plan_order_is_canonical_whatever_the_stream_order():
 
 
 def test_world_size_one_writes_through_the_plan(qlora_model, tmp_path, monkeypatch):
-    """The single-process save is the world of size 1: every shard hashed while written, never read back."""
+    """The single-process save is the world of size 1: every shard hashed as it is written (a thread trailing
+    the writer, from the page cache), never by a read-back pass of its own."""
     import slimtune.checkpoint.writer as writer
 
     def no_read_back(path, *a, **k):

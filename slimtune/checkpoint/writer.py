@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import socket
 import struct
@@ -20,10 +21,10 @@ import torch
 from tqdm.auto import tqdm
 
 from slimtune.checkpoint.plan import SavePlan, TensorSlot, plan_files
-from slimtune.diskio import DEFAULT_CHUNK_BYTES, DEFAULT_INFLIGHT_BYTES, WriteBack, pipelined_write, pwrite_all
+from slimtune.diskio import DEFAULT_CHUNK_BYTES, DEFAULT_INFLIGHT_BYTES, WriteBack, can_advise, drop_cached, pipelined_write, pwrite_all
 from slimtune.distributed import SINGLE, Ranks
 from slimtune.errors import SlimtuneError
-from slimtune.formats.manifest import FileRecord, sha256_bytes, sha256_file
+from slimtune.formats.manifest import FileRecord, hash_lanes, sha256_bytes, sha256_file
 from slimtune.memory import DEFAULT_SHARD_SIZE, parse_size
 from slimtune.profiler import in_context, stage
 from slimtune.tensors import DTYPES, StreamTensor, row_chunks, tensor_bytes
@@ -71,21 +72,96 @@ class WriteOptions:
         return self.dtype
 
 
+class _FileHash:
+    """The sha256 of one file that one rank writes whole, front to back, computed on a thread of its own
+    that trails the writer and never holds it up: the writer reports how far the file is written
+    (``written``), the thread hashes those bytes from the page cache (``WriteBack`` keeps what is not
+    hashed yet, ``pos``), 8 MB windows mapped one at a time (``_hash_window``). So the writer goes on to the next file
+    while this one's hash finishes, and the files of a save are hashed several at once (``hash_lanes``),
+    each a plain sha256 of the bytes in the file, in bounded memory (one buffer per thread)."""
+
+    BLOCK = 8 * 1024 * 1024
+
+    def __init__(self, path: Path, header: bytes):
+        self.path = path
+        self.sha = hashlib.sha256(header)
+        self.pos = self.end = len(header)  # bytes [0, pos) hashed, [0, end) written
+        self.closed = self.stopped = False
+        self.error: BaseException | None = None
+        self._fd = os.open(path, os.O_RDONLY)
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=in_context(self._run), name="slimtune-hash", daemon=True)
+        self._thread.start()
+
+    def written(self, end: int) -> None:
+        """Bytes [0, end) of the file are written."""
+        with self._cond:
+            self.end = end
+            if end - self.pos >= self.BLOCK:
+                self._cond.notify()
+
+    def close(self) -> None:
+        """The writer is done: the file ends at the last ``written`` end."""
+        with self._cond:
+            self.closed = True
+            self._cond.notify()
+
+    def stop(self) -> None:
+        """The save failed: end the thread, hashing nothing more."""
+        with self._cond:
+            self.stopped = True
+            self._cond.notify()
+        self._thread.join()
+
+    def hexdigest(self) -> str:
+        """Wait for the hash of the whole file; its error (a short read) is raised here."""
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.sha.hexdigest()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    self._cond.wait_for(lambda: self.stopped or self.closed or self.end - self.pos >= self.BLOCK)
+                    end, last = self.end, self.closed
+                if self.stopped:
+                    return
+                while self.pos < end:
+                    self._hash_window(min(end, self.pos + self.BLOCK))
+                if last:
+                    if can_advise():  # the pages read here go once they are written (those still dirty stay)
+                        drop_cached(self._fd, 0, self.pos)
+                    return
+        except BaseException as e:  # noqa: BLE001 - raised by hexdigest
+            self.error = e
+        finally:
+            os.close(self._fd)
+
+    def _hash_window(self, end: int) -> None:
+        """Hash bytes [pos, end) straight from the page cache: the window mapped read-only (its pages
+        faulted in at once where the platform can), hashed, unmapped (no copy, no read() call)."""
+        start = self.pos // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        with mmap.mmap(self._fd, end - start, flags=flags, prot=mmap.PROT_READ, offset=start) as window:
+            with memoryview(window) as view, stage("hash", device_work=False):
+                self.sha.update(view[self.pos - start :])
+        self.pos = end
+
+
 class _RowSink:
     """Takes one rank's chunks of one file in plan order and writes each at its offset with pwrite
-    (hashing them too when this rank writes the whole file, so that file needs no read back). Each
-    finished tensor is reported to ``done(global_slot)`` (the progress other ranks' hashers follow).
-    A file hashed here is never read back: its written bytes go to the kernel's writeback as the save
-    works (``WriteBack``). The hash of a chunk runs on a thread of the sink's own while the chunk is
-    written (both release the GIL), and the chunk is let go only when both are done, so the hash stays
-    in order; ``close`` ends that thread (before the fsync: the process holds no idle thread there)."""
+    (reporting them to the file's ``_FileHash`` when this rank writes the whole file and hashes it).
+    Each finished tensor is reported to ``done(global_slot)`` (the progress other ranks' hashers follow).
+    A file this rank hashes goes to the kernel's writeback as the save works (``WriteBack``), behind
+    its hash."""
 
-    def __init__(self, fd: int, path: Path, slots: list[tuple[int, TensorSlot, int, int]], sha=None, done=None):
-        self.fd, self.path, self.sha, self.done_fn = fd, path, sha, done
+    def __init__(self, fd: int, path: Path, slots: list[tuple[int, TensorSlot, int, int]], file_hash: _FileHash | None = None, done=None):
+        self.fd, self.path, self.file_hash, self.done_fn = fd, path, file_hash, done
         self.pieces = [(g, s, s.offset + a * s.row_bytes, (b - a) * s.row_bytes) for g, s, a, b in slots if b > a]
         self.index, self.done = 0, 0
-        self.writeback = WriteBack(fd) if sha is not None else None
-        self._hasher = None if sha is None else ThreadPoolExecutor(1, thread_name_prefix="slimtune-hash")
+        self.writeback = None if file_hash is None else WriteBack(fd, kept_from=lambda: file_hash.pos)
 
     def write(self, chunk: torch.Tensor) -> None:
         if self.index >= len(self.pieces):
@@ -96,30 +172,17 @@ class _RowSink:
         data = tensor_bytes(chunk)
         if self.done + len(data) > nbytes:
             raise SlimtuneError(f"{self.path}: tensor {slot.name}: more bytes than its rows {list(slot.shape)}")
-        hashed = None if self._hasher is None else self._hasher.submit(in_context(self._hash), data)
-        try:
-            with stage("write", device_work=False):
-                pwrite_all(self.fd, data, offset + self.done)
-                if self.writeback is not None:
-                    self.writeback.written(offset + self.done + len(data))
-        finally:
-            if hashed is not None:
-                hashed.result()  # before the next chunk, and before this one is let go
+        with stage("write", device_work=False):
+            pwrite_all(self.fd, data, offset + self.done)
+            if self.writeback is not None:
+                self.writeback.written(offset + self.done + len(data))
+        if self.file_hash is not None:
+            self.file_hash.written(offset + self.done + len(data))
         self.done += len(data)
         if self.done == nbytes:
             self.index, self.done = self.index + 1, 0
             if self.done_fn is not None:
                 self.done_fn(g)
-
-    def _hash(self, data: memoryview) -> None:
-        with stage("hash", device_work=False):
-            self.sha.update(data)
-
-    def close(self) -> None:
-        """End the hash thread (the hash so far is kept)."""
-        if self._hasher is not None:
-            self._hasher.shutdown()
-            self._hasher = None
 
     def check_complete(self) -> None:
         if self.index < len(self.pieces):
@@ -161,33 +224,30 @@ class _Progress:
             os.close(fd)
 
 
-def _trailing_hash(directory: Path, plan: SavePlan, files: list[int], progress: _Progress, stop: threading.Event, hashes, errors) -> None:
-    """Hash ``files`` (indices) in order, each tensor as soon as every rank has written it."""
+def _trailing_hash(directory: Path, plan: SavePlan, fi: int, progress: _Progress, stop: threading.Event) -> str:
+    """The sha256 of file ``fi`` (an index), each tensor read back as soon as every rank has written it."""
     buf = bytearray(8 * 1024 * 1024)
     view = memoryview(buf)
+    f = plan.files[fi]
+    g0 = next((g for g, (i, _) in enumerate(progress.slots) if i == fi), 0)
+    h = hashlib.sha256(f.header)
+    fd = os.open(directory / f.path, os.O_RDONLY)
     try:
-        g0 = {fi: next(g for g, (f, _) in enumerate(progress.slots) if f == fi) for fi in files if plan.files[fi].slots}
-        for fi in files:
-            f = plan.files[fi]
-            h = hashlib.sha256(f.header)
-            fd = os.open(directory / f.path, os.O_RDONLY)
-            try:
-                for k, slot in enumerate(f.slots):
-                    while progress.complete_below() <= g0[fi] + k:
-                        if stop.wait(0.02):
-                            return
-                    pos, end = slot.offset, slot.offset + slot.nbytes
-                    while pos < end:
-                        n = os.preadv(fd, [view[: min(len(buf), end - pos)]], pos)
-                        if n <= 0:
-                            raise SlimtuneError(f"{directory / f.path}: short read at byte {pos} while hashing")
-                        h.update(view[:n])
-                        pos += n
-            finally:
-                os.close(fd)
-            hashes[f.path] = h.hexdigest()
-    except BaseException as e:  # noqa: BLE001 - reported at the next status exchange
-        errors.append(e)
+        for k, slot in enumerate(f.slots):
+            while progress.complete_below() <= g0 + k:
+                if stop.wait(0.02):
+                    raise SlimtuneError(f"{directory / f.path}: the save stopped before the file was hashed")
+            pos, end = slot.offset, slot.offset + slot.nbytes
+            while pos < end:
+                n = os.preadv(fd, [view[: min(len(buf), end - pos)]], pos)
+                if n <= 0:
+                    raise SlimtuneError(f"{directory / f.path}: short read at byte {pos} while hashing")
+                with stage("hash", device_work=False):
+                    h.update(view[:n])
+                pos += n
+    finally:
+        os.close(fd)
+    return h.hexdigest()
 
 
 def create_files(directory: Path, plan: SavePlan) -> None:
@@ -204,26 +264,33 @@ def create_files(directory: Path, plan: SavePlan) -> None:
 def write_planned(directory: Path, plan: SavePlan, ranks: Ranks, options: WriteOptions, bar: tqdm | None = None) -> list[FileRecord]:
     """Every rank's part: its rows of every tensor, file by file, straight at their offsets; fsync; then
     one status exchange per file (a failed rank stops every rank there). A file written whole by one
-    rank is hashed as it is written. Any other file is read back once by its planned hasher rank, in a
+    rank is hashed as it is written, by a thread that trails the writer (``_FileHash``) while the writer
+    goes on with the next file. Any other file is read back once by its planned hasher rank, in a
     thread: on one host it trails the writers tensor by tensor (``_Progress``: the bytes are still in
-    the page cache); across hosts it starts after every rank's fsync of the file. Returns every file's
-    record, on every rank."""
+    the page cache); across hosts it starts after every rank's fsync of the file. Either way the files
+    are hashed ``hash_lanes`` at a time, each a plain sha256. Returns every file's record, on every rank."""
     rank = ranks.rank
     hashes: dict[str, str] = {}
     errors: list[BaseException] = []
-    threads: list[threading.Thread] = []
     stop = threading.Event()
     mine = [i for i, h in enumerate(plan.hashers) if h == rank]
     read_back = [i for i in mine if plan.files[i].sole_writer(plan.world_size) != rank]
     trailing = ranks.world_size > 1 and len(set(ranks.gather(socket.gethostname(), "planning the hashes"))) == 1
+    lanes = hash_lanes(len(mine))
+    pool = ThreadPoolExecutor(lanes, thread_name_prefix="slimtune-hash")
+    pending: dict[str, object] = {}  # path -> the Future or _FileHash of its sha256
+    live: list[tuple[str, _FileHash]] = []  # files hashed as written, not finished yet
     progress = None
 
-    def after_fsync(path: str) -> None:
+    def settle(path: str, job) -> None:
         try:
-            with stage("hash", device_work=False):
-                hashes[path] = sha256_file(directory / path)
+            hashes[path] = job.hexdigest() if isinstance(job, _FileHash) else job.result()
         except BaseException as e:  # noqa: BLE001 - reported at the next status exchange
             errors.append(e)
+
+    def read_whole(path: str) -> str:
+        with stage("hash", device_work=False):
+            return sha256_file(directory / path)
 
     try:
         if trailing:
@@ -234,28 +301,33 @@ def write_planned(directory: Path, plan: SavePlan, ranks: Ranks, options: WriteO
                 error = e
             ranks.agree(error, "starting the hashers")
             progress.open_peers()
-            if read_back:
-                args = (directory, plan, read_back, progress, stop, hashes, errors)
-                threads.append(threading.Thread(target=_trailing_hash, args=args, name="slimtune-hash", daemon=True))
-                threads[-1].start()
+            for i in read_back:
+                pending[plan.files[i].path] = pool.submit(in_context(_trailing_hash), directory, plan, i, progress, stop)
         for i, (f, hasher) in enumerate(zip(plan.files, plan.hashers, strict=True)):
             error = None
+            hash_now = hasher == rank and i not in read_back
+            while hash_now and len(live) >= lanes:  # at most ``lanes`` hash threads at once
+                settle(*live.pop(0))
             try:
-                _write_file_part(directory, plan, i, rank, hasher == rank and i not in read_back, options, bar, hashes, progress)
+                file_hash = _write_file_part(directory, plan, i, rank, hash_now, options, bar, progress)
+                if file_hash is not None:
+                    live.append((f.path, file_hash))
             except Exception as e:  # noqa: BLE001 - every rank learns of it at the exchange below
                 error = e
             ranks.agree(error, f"writing {f.path}")
             if not trailing and i in read_back:
-                threads.append(threading.Thread(target=in_context(after_fsync), args=(f.path,), name="slimtune-hash", daemon=True))
-                threads[-1].start()
+                pending[f.path] = pool.submit(in_context(read_whole), f.path)
     except BaseException:
         stop.set()
+        for _, file_hash in live:
+            file_hash.stop()
         raise
     finally:
-        for t in threads:
-            t.join()
+        pool.shutdown(wait=True)
         if progress is not None:
             progress.close()
+    for path, job in [*live, *pending.items()]:
+        settle(path, job)
     ranks.agree(errors[0] if errors else None, "hashing the files")
     for part in ranks.gather(hashes, "collecting the hashes"):
         hashes.update(part)
@@ -273,30 +345,35 @@ def _write_file_part(
     hash_now: bool,
     options: WriteOptions,
     bar: tqdm | None,
-    hashes: dict[str, str],
     progress: _Progress | None,
-) -> None:
+) -> _FileHash | None:
+    """This rank's rows of file ``index``, fsynced; with ``hash_now`` (this rank writes it whole), the
+    ``_FileHash`` that hashes it, still running (None otherwise)."""
     f = plan.files[index]
     first = sum(len(p.slots) for p in plan.files[:index])  # global index of the file's first tensor
     mine = [(first + k, s, *s.ranges[rank]) for k, s in enumerate(f.slots)]
     if not f.bytes_of(rank) and not hash_now:
-        return
+        return None
     path = directory / f.path
     fd = os.open(path, os.O_WRONLY)
+    file_hash = None
     try:
-        sink = _RowSink(fd, path, mine, hashlib.sha256(f.header) if hash_now else None, progress.finished if progress else None)
-        try:
-            chunks = (c for _, s, a, b in mine for c in row_chunks(s.source, options.chunk_bytes, a, b))
-            pipelined_write(sink, chunks, options.inflight_bytes, bar)
-        finally:
-            sink.close()
+        file_hash = _FileHash(path, f.header) if hash_now else None
+        sink = _RowSink(fd, path, mine, file_hash, progress.finished if progress else None)
+        chunks = (c for _, s, a, b in mine for c in row_chunks(s.source, options.chunk_bytes, a, b))
+        pipelined_write(sink, chunks, options.inflight_bytes, bar)
         sink.check_complete()
+        if file_hash is not None:
+            file_hash.close()
         with stage("fsync", device_work=False):
             os.fsync(fd)
+    except BaseException:
+        if file_hash is not None:
+            file_hash.stop()
+        raise
     finally:
         os.close(fd)
-    if sink.sha is not None:
-        hashes[f.path] = sink.sha.hexdigest()
+    return file_hash
 
 
 def write_safetensors(path: Path, tensors: list[StreamTensor], options: WriteOptions = WriteOptions()) -> FileRecord:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path, PurePosixPath
 
@@ -22,10 +23,12 @@ from slimtune.errors import SlimtuneError
 from slimtune.fileio import write_atomic
 from slimtune.formats.layout import MANIFEST_NAME
 from slimtune.formats.strict_json import json_kind, load_json, safe_name
-from slimtune.profiler import stage
+from slimtune.profiler import in_context, stage
+from slimtune.runtime import usable_cores
 
 MANIFEST_FORMAT = "slimtune-checkpoint/1"
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+_MAX_HASH_LANES = 8  # threads hashing files at once, each with an 8 MB buffer: at most 64 MB
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,31 @@ def sha256_file(path: str | Path, block: int = 8 * 1024 * 1024) -> str:
         while n := f.readinto(buf):
             h.update(view[:n])
     return h.hexdigest()
+
+
+def hash_lanes(files: int) -> int:
+    """How many files are hashed at once: one thread per file, at most one per usable core (and 8):
+    hashlib releases the GIL on large buffers, so the threads run on as many cores.
+    Example: ``hash_lanes(4)`` -> 2 where the process may use 2 cores"""
+    return max(1, min(files, usable_cores(), _MAX_HASH_LANES))
+
+
+def in_lanes(fn: Callable, items: list) -> Iterator:
+    """``fn`` of every item, yielded in the items' order, computed ``hash_lanes(len(items))`` at a time
+    on threads (each in a copy of the caller's context, so hashing counts toward its profile); the
+    first exception is raised in its turn, once every thread has stopped.
+    Example: ``list(in_lanes(sha256_file, paths))``"""
+    if len(items) <= 1:
+        yield from map(fn, items)
+        return
+    with ThreadPoolExecutor(hash_lanes(len(items)), thread_name_prefix="slimtune-sha256") as pool:
+        futures = [pool.submit(in_context(fn), item) for item in items]
+        try:
+            for f in futures:
+                yield f.result()
+        finally:
+            for f in futures:
+                f.cancel()
 
 
 def sha256_bytes(data: bytes | str) -> str:
@@ -98,7 +126,8 @@ def _is_inside(rel: str) -> bool:
 def manifest_problems(directory: str | Path, only: Iterable[str] | None = None, progress: bool = False, extra: bool = True) -> list[str]:
     """Every way the directory differs from its manifest: unreadable manifest, missing files, sizes and
     sha256 (of the files in ``only``, or all), and (``extra``) files on disk the manifest does not list.
-    Empty when the checkpoint is exactly as written."""
+    Empty when the checkpoint is exactly as written. Files are hashed ``hash_lanes`` at a time, each
+    with a plain sha256 of its bytes; the problems come in the files' order."""
     directory = Path(directory)
     try:
         manifest = read_manifest(directory)
@@ -110,13 +139,16 @@ def manifest_problems(directory: str | Path, only: Iterable[str] | None = None, 
         on_disk = {p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST_NAME}
         problems += [f"{directory / safe_name(rel)}: not listed in the manifest" for rel in sorted(on_disk - set(listed))]
     wanted = sorted(listed) if only is None else list(only)
-    for rel in tqdm(wanted, desc="sha256", unit="file", disable=not progress):
-        entry = listed.get(rel)
+
+    def check(rel: str) -> list[str]:
         path = directory / rel
         try:
-            problems += _file_problems(path, entry)
+            return _file_problems(path, listed.get(rel))
         except OSError as e:
-            problems.append(f"{path}: cannot read: {e.strerror or e}")
+            return [f"{path}: cannot read: {e.strerror or e}"]
+
+    for found in tqdm(in_lanes(check, wanted), total=len(wanted), desc="sha256", unit="file", disable=not progress):
+        problems += found
     return problems
 
 
@@ -186,9 +218,9 @@ class _FileTap:
 
 class ReadCheck:
     """The sha256 of every file a command reads from a checkpoint with a manifest, against the manifest.
-    By default computed in one sequential pass by a background thread while the command works (hashlib
-    releases the GIL: the pass runs beside the work on another core, and reads what the page cache mostly
-    holds already). With ``fold``, no pass: the command hands the files it reads in file order to
+    By default computed in one pass by a background thread while the command works, the files hashed
+    ``hash_lanes`` at a time (hashlib releases the GIL: the pass runs beside the work on other cores, and
+    reads what the page cache mostly holds already). With ``fold``, no pass: the command hands the files it reads in file order to
     ``tap(path)`` and gives the tap every byte it reads (``SafetensorsReader(path, observe=tap.seen)``), so
     those bytes are hashed from its own buffers and read once; the files it did not tap are hashed by
     ``done()``. ``done()`` waits for the check and raises the first mismatch as one ``SlimtuneError``

@@ -1,0 +1,129 @@
+"""The floors a streaming bench (``gguf``, ``save``, ``merge``) is judged against, measured in the same run:
+the cold read of the base at O_DIRECT speed, the O_DIRECT write of a file the size of the output, and the
+CPU floor (one core's time to hash, and to quantize, a sample, scaled to the whole job and divided by the
+cores the job may use). The floor is the largest; ``ratio_floor = floor_s / job seconds`` (1.0: the job
+runs at the floor). One helper per job: ``direct_read_s``, ``direct_write_s``, ``hash_core_s``,
+``quantize_core_s``; ``floors`` puts them together.
+
+Example::
+
+    f = floors(base_files, out, output_bytes, hashed_bytes=output_bytes, verify_bytes=base_bytes)
+    ratio_floor(f, export_s), ratio_floor(f, export_s, verify=False)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+import time
+from pathlib import Path
+
+from bench.common import disk_direct_write_mb_s
+from slimtune.runtime import usable_cores
+
+_BLOCK = 8 * 1024 * 1024
+_HASH_SAMPLE = 256 * 1024 * 1024
+_QUANT_ROWS, _QUANT_COLS = 64, 4096
+_MAIN_TYPE = {"q4_k_m": "Q4_K", "q4_k_s": "Q4_K", "q5_k_m": "Q5_K", "q5_k_s": "Q5_K", "q6_k": "Q6_K", "q2_k": "Q2_K"}
+_MAIN_TYPE |= {"q3_k_s": "Q3_K", "q3_k_m": "Q3_K", "q3_k_l": "Q3_K"}
+
+
+def direct_read_s(paths: list[Path]) -> float | None:
+    """Seconds to read every file in ``paths`` once with O_DIRECT (past the page cache: a cold read
+    whatever the cache holds), 8 MB at a time; None where the platform or filesystem refuses O_DIRECT."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return None
+    buf = mmap.mmap(-1, _BLOCK)  # page-aligned, as O_DIRECT needs
+    start = time.perf_counter()
+    try:
+        for path in paths:
+            fd = os.open(path, os.O_RDONLY | flag)
+            try:
+                pos = 0
+                while n := os.preadv(fd, [buf], pos):
+                    pos += n
+            finally:
+                os.close(fd)
+    except OSError:  # EINVAL: a filesystem without O_DIRECT
+        return None
+    finally:
+        buf.close()
+    return time.perf_counter() - start
+
+
+def direct_write_s(directory: Path, nbytes: int) -> float | None:
+    """Seconds to write ``nbytes`` with O_DIRECT and fsync under ``directory`` (``disk_direct_write_mb_s``)."""
+    mb_s = disk_direct_write_mb_s(directory, nbytes) if nbytes else None
+    return None if mb_s is None else nbytes / (mb_s * 1e6)
+
+
+def hash_core_s(nbytes: int) -> float:
+    """One core's seconds to sha256 ``nbytes``: a sample of at most 256 MB hashed, scaled."""
+    sample = min(max(nbytes, _BLOCK), _HASH_SAMPLE)
+    block = os.urandom(_BLOCK)
+    h = hashlib.sha256()
+    start = time.perf_counter()
+    for _ in range(sample // _BLOCK):
+        h.update(block)
+    return (time.perf_counter() - start) * nbytes / (sample // _BLOCK * _BLOCK)
+
+
+def quantize_core_s(qtype: str, values: int) -> float | None:
+    """One core's seconds to quantize ``values`` to ``qtype`` (an export --type; a mix at its main block
+    type): 64 rows of 4096 Gaussian values (std 0.02) quantized on one thread, scaled. None for the
+    float types (f32, f16, bf16: a cast, not a quantizer)."""
+    import torch
+
+    from slimtune.gguf import ggml
+
+    name = _MAIN_TYPE.get(qtype, qtype.upper())
+    if name in ("F32", "F16", "BF16"):
+        return None
+    rows = torch.randn(_QUANT_ROWS, _QUANT_COLS, generator=torch.Generator().manual_seed(0)) * 0.02
+    ggml.quantize(rows[:1], name, threads=1)  # the native loop built or loaded before the clock
+    start = time.perf_counter()
+    ggml.quantize(rows, name, threads=1)
+    return (time.perf_counter() - start) * values / rows.numel()
+
+
+def floors(
+    base_files: list[Path] | None,
+    out: Path,
+    output_bytes: int,
+    hashed_bytes: int = 0,
+    verify_bytes: int = 0,
+    quantize: tuple[str, int] | None = None,
+) -> dict:
+    """The floors of one job: ``base_files`` read (None: the job reads no base, as a live model's save),
+    ``output_bytes`` written under ``out``, ``hashed_bytes`` hashed in any case (the written checkpoint),
+    ``verify_bytes`` more with the hash check (the base), ``quantize``: (type, values) quantized. Seconds:
+    ``read_s``, ``write_s``, one core's ``hash_core_s`` and ``quantize_core_s``, ``cores``, the CPU floor
+    with and without the check (``cpu_s``, ``cpu_no_verify_s``), and ``floor_s`` / ``floor_no_verify_s``,
+    the largest of read, write and CPU."""
+    cores = usable_cores()
+    read = direct_read_s(base_files) if base_files else None
+    write = direct_write_s(out, output_bytes)
+    hash_s = hash_core_s(hashed_bytes + verify_bytes) if hashed_bytes + verify_bytes else 0.0
+    quant = quantize_core_s(*quantize) if quantize else None
+    plain_hash = hash_s * hashed_bytes / (hashed_bytes + verify_bytes) if hashed_bytes + verify_bytes else 0.0
+    cpu = (hash_s + (quant or 0.0)) / cores
+    cpu_plain = (plain_hash + (quant or 0.0)) / cores
+    disk = [s for s in (read, write) if s is not None]
+    return {
+        "read_s": None if read is None else round(read, 3),
+        "write_s": None if write is None else round(write, 3),
+        "hash_core_s": round(hash_s, 3),
+        "quantize_core_s": None if quant is None else round(quant, 3),
+        "cores": cores,
+        "cpu_s": round(cpu, 3),
+        "cpu_no_verify_s": round(cpu_plain, 3),
+        "floor_s": round(max([cpu, *disk]), 3),
+        "floor_no_verify_s": round(max([cpu_plain, *disk]), 3),
+    }
+
+
+def ratio_floor(figures: dict, seconds: float, verify: bool = True) -> float:
+    """``floor_s / seconds`` of a job run with the hash check (``verify``) or without."""
+    return round(figures["floor_s" if verify else "floor_no_verify_s"] / seconds, 3)

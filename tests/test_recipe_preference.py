@@ -207,6 +207,7 @@ def test_dpo_on_conversational_pairs_records_and_chats_in_the_chat_format(conver
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from slimtune.formats.merge_source import MergeSource
     from slimtune.generate import load_for_generation
 
     record = json.loads((conversational_run / "slimtune_format.json").read_text())
@@ -221,7 +222,7 @@ def test_dpo_on_conversational_pairs_records_and_chats_in_the_chat_format(conver
     tok = AutoTokenizer.from_pretrained(str(conversational_run), local_files_only=True)
     ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False)
     assert ids != tok.encode(tok.bos_token + prompt, add_special_tokens=False)  # the template changes the prompt
-    dtype = load_for_generation(conversational_run, device="cpu").model.dtype
+    dtype = load_for_generation(MergeSource(checkpoint=conversational_run), device="cpu").model.dtype
     model = AutoModelForCausalLM.from_pretrained(str(conversational_run), dtype=dtype, local_files_only=True).eval()
     with torch.no_grad():
         ends = dict(pad_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)

@@ -373,7 +373,7 @@ def test_file_is_the_same_with_the_headers_fast_path_or_the_public_writer(family
     calls = len(packed)
     assert export(src, "q8_0", tmp_path / "public.gguf").read_bytes() == fast
     assert len(packed) == calls  # the public writer wrote the second head
-    assert export_gguf(tmp_path / "plan.gguf", GGUFOptions("q8_0", dry_run=True), src=src).bytes == len(fast)
+    assert export_gguf(tmp_path / "plan.gguf", GGUFOptions("q8_0", dry_run=True), MergeSource(checkpoint=src)).bytes == len(fast)
 
 
 def test_adapter_merged_on_the_fly_equals_export_of_the_merged_model(family_dirs, tmp_path):

@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from slimtune.checkpoint.train_state import load_train_state, rng_state, seed_everything, set_rng_state
-from slimtune.config import KEYS, MODEL, PATH, PLACEHOLDER, Config
+from slimtune.config import DATA, KEYS, MODEL, PATH, PLACEHOLDER, Config
 from slimtune.distributed import Ranks
 from slimtune.errors import SlimtuneError
 
@@ -68,7 +68,7 @@ def portable_config(values: dict) -> dict:
     portable = {}
     for k, v in values.items():
         key = KEYS.get(k)
-        if key is not None and key.kind in (PATH, MODEL) and isinstance(v, str):
+        if key is not None and key.kind in (PATH, MODEL, DATA) and isinstance(v, str):
             v = v.replace(PLACEHOLDER, root)
             if Path(v).is_relative_to(root):
                 v = str(PLACEHOLDER / Path(v).relative_to(root))

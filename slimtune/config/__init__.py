@@ -20,10 +20,11 @@ from typing import Any
 import yaml
 
 from slimtune.config.keys import KEYS, SCHEMA, Config
-from slimtune.config.schema import MODEL, PATH, PLACEHOLDER, Key, build
+from slimtune.config.schema import DATA, MODEL, PATH, PLACEHOLDER, Key, build
 from slimtune.errors import SlimtuneError
 
 __all__ = [
+    "DATA",
     "KEYS",
     "MODEL",
     "PATH",

@@ -230,25 +230,12 @@ def _tokenize_pairs(
 ) -> tuple[list[PreferencePair], int]:
     """Preference rows as TRL tokenizes them (``data/pairs.py``); a bad pair is an error, or with
     ``spec.drop_bad_pairs`` skipped and counted."""
-    pairs, dropped = [], 0
-    for record in records:
-        record = _renamed(record, spec.columns)
-        try:
-            pair = tokenize_pair(record, tokenizer, spec.pairs)
-        except BadPair:
-            if not spec.drop_bad_pairs:
-                raise
-            dropped += 1
-            continue
-        top = max(int(pair.chosen.input_ids.max()), int(pair.rejected.input_ids.max()))
-        if vocab_size is not None and top >= vocab_size:
-            raise SlimtuneError(
-                f"{record.where}: the tokenizer produced token id {top}, but the model's vocab_size is {vocab_size} "
-                "(the tokenizer does not belong to this model)"
-            )
-        shapes[pair.shape] += 1
-        pairs.append(pair)
-    return pairs, dropped
+
+    def pair(record: Record) -> tuple[PreferencePair, int]:
+        made = tokenize_pair(record, tokenizer, spec.pairs)
+        return made, max(int(made.chosen.input_ids.max()), int(made.rejected.input_ids.max()))
+
+    return _tokenize_rows(records, spec, shapes, vocab_size, pair, BadPair)
 
 
 def _tokenize_prompts(
@@ -256,17 +243,29 @@ def _tokenize_prompts(
 ) -> tuple[list[PromptRow], int]:
     """Prompt-only rows as TRL tokenizes them (``data/prompt_rows.py``); a bad row is an error, or with
     ``spec.drop_bad_pairs`` (grpo.bad_rows=drop) skipped and counted."""
+
+    def prompt(record: Record) -> tuple[PromptRow, int]:
+        made = tokenize_prompt(record, tokenizer, spec.prompts)
+        return made, int(made.prompt_ids.max())
+
+    return _tokenize_rows(records, spec, shapes, vocab_size, prompt, BadPrompt)
+
+
+def _tokenize_rows(
+    records: Iterable[Record], spec: DataSpec, shapes: Counter, vocab_size: int | None, tokenize, bad: type
+) -> tuple[list, int]:
+    """Each record renamed and ``tokenize``d (the row and its largest token id); a ``bad`` row is an error,
+    or with ``spec.drop_bad_pairs`` skipped and counted; a token id beyond ``vocab_size`` is one line."""
     rows, dropped = [], 0
     for record in records:
         record = _renamed(record, spec.columns)
         try:
-            row = tokenize_prompt(record, tokenizer, spec.prompts)
-        except BadPrompt:
+            row, top = tokenize(record)
+        except bad:
             if not spec.drop_bad_pairs:
                 raise
             dropped += 1
             continue
-        top = int(row.prompt_ids.max())
         if vocab_size is not None and top >= vocab_size:
             raise SlimtuneError(
                 f"{record.where}: the tokenizer produced token id {top}, but the model's vocab_size is {vocab_size} "

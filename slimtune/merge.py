@@ -124,6 +124,15 @@ def adapter_targets(adapter: Adapter, base: BaseCheckpoint) -> tuple[dict[str, A
     return targets, {to_base.get(key, key): t for key, t in adapter.saved_modules.items()}
 
 
+@dataclass(frozen=True)
+class MergeDevice:
+    """Where the merge math of each chunk runs and how its rows come back to the host (``ToHost``): the
+    two travel together. Example: ``MergeDevice(torch.device("cuda"), pool.to_host)``"""
+
+    device: torch.device = torch.device("cpu")
+    to_host: ToHost = plain_to_host
+
+
 def _merged_source(
     key: str,
     base: BaseCheckpoint,
@@ -131,8 +140,7 @@ def _merged_source(
     adapter: Adapter,
     dtype: torch.dtype,
     merge_base: MergeBase,
-    device: torch.device,
-    to_host: ToHost,
+    on: MergeDevice,
     replaced: SavedTensor | None = None,
 ):
     shape = base.shape(key)
@@ -146,6 +154,7 @@ def _merged_source(
         read_rows = replaced.rows
     else:
         read_rows = merge_base.reader(base, key)
+    device, to_host = on.device, on.to_host
     a, b = m.lora_a.float().to(device), m.lora_b.float().to(device)
     magnitude = None if m.magnitude is None else m.magnitude.to(device)
     merged = lora_row_merge(a, b, m.scaling, transposed=m.transposed, magnitude=magnitude)  # W [in, out] when transposed
@@ -168,16 +177,18 @@ def merged_file_stream(
     adapter: Adapter,
     dtype: torch.dtype | None = None,
     merge_base: MergeBase = MergeBase(),
-    device: str | torch.device = "cpu",
-    to_host: ToHost = plain_to_host,
+    on: MergeDevice = MergeDevice(),
     keep_dtype: bool = False,
 ) -> list[StreamTensor]:
     """The merged model as a tensor stream, in the base's tensor order. Every adapter module must land
     on a base weight of the right shape; errors name the module, the tensor and the shapes. With a CUDA
-    ``device`` the merge math of each chunk runs there (reads and writes stay on the host). With
+    device in ``on`` the merge math of each chunk runs there (reads and writes stay on the host). With
     ``keep_dtype``, the tensors no adapter computes (read as they are stored) keep their stored dtype
     rather than ``dtype``: no rounding and no wider copy of them (the GGUF export widens a piece at a
-    time, in its quantizer's cache-sized pieces)."""
+    time, in its quantizer's cache-sized pieces).
+
+    Example: ``stream = merged_file_stream(BaseCheckpoint(base_dir), read_adapter(adapter_dir), torch.bfloat16)``"""
+    to_host = on.to_host
     targets, saved = adapter_targets(adapter, base)
     keys = list(base.keys)
     tied = base.config.get("tie_word_embeddings", False)
@@ -221,7 +232,7 @@ def merged_file_stream(
             if source_key != key:
                 raise SlimtuneError(f"adapter {adapter.path}: LoRA on tied {key} is not supported; untie the model first")
             replaced = saved.pop(key, None)  # an adapted embedding's weight saved with the adapter replaces the base's
-            stream.append(_merged_source(key, base, m, adapter, out_dtype, merge_base, torch.device(device), to_host, replaced))
+            stream.append(_merged_source(key, base, m, adapter, out_dtype, merge_base, on, replaced))
         elif key in frozen_nf4 and key not in base.bnb:
             read = merge_base.reader(base, key)
             stream.append(StreamTensor(key, tuple(base.shape(key)), read_dtype, lambda s, e, r=read, d=read_dtype: to_host(r(s, e), d)))
@@ -284,7 +295,7 @@ def merge_from_files(source: MergeSource, out_dir: str | Path, options: WriteOpt
         adapter = read_adapter(source.adapter_dir)
         if ranks.is_coordinator:  # the adapter is small and read whole already: checked now
             checks_done(read_check(adapter.path, verify))
-        stream = merged_file_stream(base, adapter, dtype, rows_of, device, pool.to_host)
+        stream = merged_file_stream(base, adapter, dtype, rows_of, MergeDevice(torch.device(device), pool.to_host))
         parts = CheckpointParts(
             merged=stream,
             config=export_config_dict(base.config, stream),

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from slimtune.data import IGNORE_INDEX
-from slimtune.token_loss import chunk_rows
+from slimtune.token_loss import token_logps
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
 IMPORTANCE_LEVELS = ("token", "sequence")
@@ -128,7 +128,7 @@ def completion_logps(logits: torch.Tensor, labels: torch.Tensor, temperature: fl
     Example: ``logps, entropy = completion_logps(model(input_ids).logits, labels, temperature=0.9)``"""
     targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).to(logits.device)
     entropy = torch.zeros(targets.shape, dtype=torch.float32, device=logits.device)
-    logps = _ScaledTokenLogps.apply(logits, targets, float(temperature), entropy)
+    logps = token_logps(logits, targets, temperature, entropy)
     return logps, entropy
 
 
@@ -234,42 +234,3 @@ def _reduce(masked: torch.Tensor, row_tokens: torch.Tensor, mask: torch.Tensor, 
 def _clip_sum(flags: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """A clip indicator's count: per completion at the sequence level ([rows, 1]), per trained token else."""
     return flags.sum() if flags.shape[1] == 1 else (flags * mask).sum()
-
-
-class _ScaledTokenLogps(torch.autograd.Function):
-    """log softmax(logits / temperature)[target] per position (0 where the target is IGNORE_INDEX), fp32,
-    [rows, T]; the entropy of the same distribution is written into the ``entropy`` buffer (no gradient).
-    The backward writes g (onehot - softmax) / temperature chunk by chunk in the logits' dtype."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: torch.Tensor) -> torch.Tensor:
-        vocab = logits.shape[-1]
-        flat, flat_targets, flat_entropy = logits.reshape(-1, vocab), targets.reshape(-1), entropy.view(-1)
-        out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
-        rows = chunk_rows(logits)
-        for start in range(0, flat.shape[0], rows):
-            x = flat[start : start + rows].float() / temperature
-            t = flat_targets[start : start + rows]
-            live = t != IGNORE_INDEX
-            logp = torch.log_softmax(x, dim=-1)
-            picked = logp.gather(1, t.clamp(min=0).unsqueeze(1)).squeeze(1)
-            out[start : start + rows] = torch.where(live, picked, 0.0)
-            flat_entropy[start : start + rows] = torch.where(live, -(logp.exp() * logp).sum(dim=-1), 0.0)
-        ctx.temperature = temperature
-        ctx.save_for_backward(logits, targets)
-        return out.view(targets.shape)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        logits, targets = ctx.saved_tensors
-        vocab = logits.shape[-1]
-        flat, flat_targets, flat_grad = logits.reshape(-1, vocab), targets.reshape(-1), grad.reshape(-1)
-        out = torch.empty_like(flat)
-        rows = chunk_rows(logits)
-        for start in range(0, flat.shape[0], rows):
-            t = flat_targets[start : start + rows]
-            g = torch.where(t != IGNORE_INDEX, flat_grad[start : start + rows], 0.0).unsqueeze(1) / ctx.temperature
-            p = torch.log_softmax(flat[start : start + rows].float() / ctx.temperature, dim=-1).exp_()
-            p.mul_(-g).scatter_add_(1, t.clamp(min=0).unsqueeze(1), g)  # g (onehot - softmax) / temperature
-            out[start : start + rows] = p
-        return out.view_as(logits), None, None, None

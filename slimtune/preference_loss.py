@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from slimtune.data import IGNORE_INDEX
-from slimtune.token_loss import chunk_rows
+from slimtune.token_loss import token_logps
 
 OBJECTIVES = ("dpo", "ipo", "simpo")
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected")
@@ -62,7 +62,7 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
 
     Example: ``logps, counts = sequence_logps(model(input_ids).logits, labels)``"""
     targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).to(logits.device)
-    per_token = _ChunkedTokenLogps.apply(logits, targets)
+    per_token = token_logps(logits, targets)
     return per_token.sum(dim=1), (targets != IGNORE_INDEX).sum(dim=1)
 
 
@@ -125,37 +125,3 @@ def pair_metric_means(sums: torch.Tensor, chosen_tokens: int, loss: PreferenceLo
     if loss.objective == "simpo" and loss.cpo_alpha:
         out[f"{prefix}nll_loss"] = values[7] / max(1, chosen_tokens)
     return out
-
-
-class _ChunkedTokenLogps(torch.autograd.Function):
-    """log softmax(logits)[target] per position (0 where the target is IGNORE_INDEX), fp32, [rows, T]; the
-    backward writes g (onehot - softmax) chunk by chunk in the logits' dtype."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        vocab = logits.shape[-1]
-        flat, flat_targets = logits.reshape(-1, vocab), targets.reshape(-1)
-        out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
-        rows = chunk_rows(logits)
-        for start in range(0, flat.shape[0], rows):
-            x = flat[start : start + rows].float()
-            t = flat_targets[start : start + rows]
-            picked = x.gather(1, t.clamp(min=0).unsqueeze(1)).squeeze(1)
-            out[start : start + rows] = torch.where(t != IGNORE_INDEX, picked - torch.logsumexp(x, dim=-1), 0.0)
-        ctx.save_for_backward(logits, targets)
-        return out.view(targets.shape)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        logits, targets = ctx.saved_tensors
-        vocab = logits.shape[-1]
-        flat, flat_targets, flat_grad = logits.reshape(-1, vocab), targets.reshape(-1), grad.reshape(-1)
-        out = torch.empty_like(flat)
-        rows = chunk_rows(logits)
-        for start in range(0, flat.shape[0], rows):
-            t = flat_targets[start : start + rows]
-            g = torch.where(t != IGNORE_INDEX, flat_grad[start : start + rows], 0.0).unsqueeze(1)
-            p = torch.log_softmax(flat[start : start + rows].float(), dim=-1).exp_()
-            p.mul_(-g).scatter_add_(1, t.clamp(min=0).unsqueeze(1), g)  # g (onehot - softmax)
-            out[start : start + rows] = p
-        return out.view_as(logits), None

@@ -21,9 +21,14 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
-__all__ = ["load"]
+T = TypeVar("T")
+
+__all__ = ["load", "once"]
 
 _SHARED = ("-shared", "-fPIC")
 
@@ -75,3 +80,20 @@ def load(source: Path, flags: tuple[str, ...]) -> tuple[ctypes.CDLL | None, str]
         return None, f"{cc} failed: {first[0] if first else f'exit {e.returncode}'}"
     except (OSError, subprocess.TimeoutExpired) as e:
         return None, f"the C loop could not be built or loaded: {e}"
+
+
+def once(loader: Callable[[], T]) -> Callable[[], T]:
+    """``loader`` called at most once per process, on the first call of the result, under a lock (a pool's
+    threads may ask at the same time); later calls return its value.
+
+    Example: ``_library = once(lambda: load(SOURCE, FLAGS))``"""
+    lock, box = threading.Lock(), []
+
+    def get() -> T:
+        if not box:
+            with lock:
+                if not box:
+                    box.append(loader())
+        return box[0]
+
+    return get

@@ -33,7 +33,7 @@ LEGACY = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 def path(request, monkeypatch):
     """The K-quants' C loop, or torch's code with the loop switched off (forked workers inherit it)."""
     if request.param == "torch":
-        monkeypatch.setattr(kquant_kernel, "_loaded", (None, "torch (switched off for the test)"))
+        monkeypatch.setattr(kquant_kernel, "_library", lambda: (None, "torch (switched off for the test)"))
     elif kquant_kernel.loop_status() != "C":
         # with a compiler (every machine the suite runs on) a failed build must not pass as the fallback
         assert native._compiler() is None or os.environ.get("SLIMTUNE_NATIVE", "1") == "0", kquant_kernel.loop_status()

@@ -23,7 +23,6 @@ Example::
 from __future__ import annotations
 
 import ctypes
-import threading
 from pathlib import Path
 
 import torch
@@ -38,8 +37,6 @@ TYPES = {"Q2_K": (0, 84, 256), "Q3_K": (1, 110, 256), "Q4_K": (2, 144, 256), "Q5
 TYPES |= {"Q4_0": (5, 18, 32), "Q4_1": (6, 20, 32), "Q5_0": (7, 22, 32), "Q5_1": (8, 24, 32)}
 """type: (the C's number, block bytes, block values); Q8_0 is not here (torch's six passes keep up with ggml's C)."""
 
-_lock = threading.Lock()
-_loaded: tuple[ctypes.CDLL | None, str] | None = None  # (library, status line), once per process
 
 
 def _load() -> tuple[ctypes.CDLL | None, str]:
@@ -54,13 +51,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     return lib, "C"
 
 
-def _library() -> tuple[ctypes.CDLL | None, str]:
-    global _loaded
-    if _loaded is None:
-        with _lock:
-            if _loaded is None:
-                _loaded = _load()
-    return _loaded
+_library = native.once(_load)  # (library, ...status), once per process
 
 
 def loop_status() -> str:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ctypes
 import platform
-import threading
 from pathlib import Path
 
 import torch
@@ -33,8 +32,6 @@ FLAGS = ("-O2", "-ffp-contract=off")  # no fused multiply-adds: torch's float32 
 KINDS = {0: "plain C", 1: "SSE4.1", 2: "AVX-512 BW"}
 _MIN_KIND = 1  # the plain C loop is slower than torch's ops: it only stands in for the vector loops in the tests
 
-_lock = threading.Lock()
-_loaded: tuple[ctypes.CDLL | None, int, str] | None = None  # (library, kind, status line), once per process
 
 
 def _load() -> tuple[ctypes.CDLL | None, int, str]:
@@ -51,13 +48,7 @@ def _load() -> tuple[ctypes.CDLL | None, int, str]:
     return lib, best, f"C, {KINDS[best]}"
 
 
-def _library() -> tuple[ctypes.CDLL | None, int, str]:
-    global _loaded
-    if _loaded is None:
-        with _lock:
-            if _loaded is None:
-                _loaded = _load()
-    return _loaded
+_library = native.once(_load)  # (library, ...status), once per process
 
 
 def kind() -> int:

@@ -140,13 +140,12 @@ def test_edge_rows_byte_identical_to_ggml(type_name):
         _assert_blocks_equal(rows if type_name in KQUANTS else _fp16_safe(rows), type_name)
 
 
+@pytest.mark.parametrize("path", ["torch"], indirect=True)
 @pytest.mark.parametrize("type_name", ["Q2_K", "Q4_K", "Q5_K"])
 def test_scale_search_falls_back_to_checked_levels_only_where_needed(type_name, monkeypatch, path):
     """make_qkx2's candidates take the unchecked fast levels and keep their reach: random rows finish in
     that search; edge rows (spans that overflow, 3e38) leave the fast range, so the search runs again with
     every candidate's levels checked, and both give ggml's bytes. (torch's code only: the C has no such paths.)"""
-    if path == "C":
-        pytest.skip("torch's search only")
     runs = []
     search = kquants._qkx2_search
 
@@ -313,11 +312,10 @@ def test_the_c_loop_runs_where_it_is_built(path, monkeypatch):
     assert kquant_kernel.loop_status() == "C" if path == "C" else kquant_kernel.loop_status().startswith("torch (")
 
 
+@pytest.mark.parametrize("path", ["C"], indirect=True)
 def test_c_fp16_rounding_is_ggmls(path):
     """The C loop's fp32 -> fp16 (its block scales) equals ggml_fp32_to_fp16_row on bit patterns of every
     exponent: subnormal results, ties, overflow to inf, NaN."""
-    if path == "torch":
-        pytest.skip("the C loop's own conversion")
     g = np.random.default_rng(2)
     bits = g.integers(0, 2**32, 1 << 20, dtype=np.uint64).astype(np.uint32)
     ties = (np.arange(-40, 20, dtype=np.int64)[:, None] + 127 << 23 | np.array([0x1000, 0x3000, 0x0FFF, 0x1001])).reshape(-1)

@@ -183,3 +183,14 @@ def test_no_two_modules_define_the_same_public_name():
     assert names["MergeSource"] == ["slimtune.formats.merge_source"] and len(names) > 300  # the scan saw the package
     shared = {n: mods for n, mods in sorted(names.items()) if len(mods) > 1}
     assert not shared, f"public names defined in more than one module: {shared}"
+
+
+def test_every_data_file_of_the_package_ships():
+    """The files slimtune reads beside its modules (configs, C loops) are package data: a wheel install
+    has them, not only an editable one."""
+    import fnmatch
+    import tomllib
+
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["slimtune"]
+    data = [p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*") if p.is_file() and p.suffix not in (".py", ".pyc")]
+    assert data and [f for f in data if not any(fnmatch.fnmatch(f, pat) for pat in patterns)] == []

@@ -43,7 +43,7 @@ from slimtune.data.shapes import (
     segments,
     tokenize,
 )
-from slimtune.data.vision import PIXEL_INPUTS, ImageInputs, ImageRef, is_vision_row
+from slimtune.data.vision import PIXEL_INPUTS, ImageInputs, ImageRef, decode_image, is_vision_row, read_image_bytes
 from slimtune.errors import SlimtuneError
 from slimtune.formats.hub import is_dataset_id, resolve_dataset
 from slimtune.formats.manifest import sha256_bytes, sha256_file
@@ -72,6 +72,7 @@ __all__ = [
     "alpaca_prompt",
     "builtin_tiny_records",
     "collate",
+    "decode_image",
     "detect_format",
     "encode_prefix",
     "is_vision_row",
@@ -87,6 +88,7 @@ __all__ = [
     "parse_json",
     "parse_json_object",
     "read_dataset",
+    "read_image_bytes",
     "read_jsonl",
     "read_rows",
     "segments",
@@ -148,9 +150,7 @@ class Data:
     images: ImageInputs | None = None  # a vision-language model's processor: vision rows' images, decoded per batch
 
 
-def load_data(
-    spec: DataSpec, tokenizer, rows: dict[str, list[dict]] | None = None, vocab_size: int | None = None, processor=None
-) -> Data:
+def load_data(spec: DataSpec, tokenizer, rows: dict[str, list[dict]] | None = None, vocab_size: int | None = None, processor=None) -> Data:
     """Read, tokenize, split, weight and (optionally) pack every file of ``spec``. ``rows`` supplies the
     content of paths that are not files (the built-in dataset before it is written). Token ids at or
     above ``vocab_size`` (a tokenizer that does not belong to the model) are an error naming the row.

@@ -128,20 +128,38 @@ class ImageInputs:
         return list(out["input_ids"][0])
 
     def _open(self, ref: ImageRef, hashed: bool = True):
-        """The image ``ref`` names, decoded (PIL); a missing or unreadable image is one line."""
-        import PIL.Image  # lazy: only runs with vision rows import PIL
-
-        try:
-            raw = Path(ref.source).read_bytes() if isinstance(ref.source, str) else ref.source
-            image = PIL.Image.open(io.BytesIO(raw))
-            image.load()
-        except FileNotFoundError:
-            raise SlimtuneError(f"{ref.where}: no such image file") from None
-        except Exception as e:  # noqa: BLE001 - PIL raises many types for a corrupt image
-            raise SlimtuneError(f"{ref.where}: cannot read the image ({_line(e)})") from None
+        raw = read_image_bytes(ref)
         if hashed:
             self._digest.update(hashlib.sha256(raw).digest())
-        return image
+        return decode_image(raw, ref.where)
+
+
+def read_image_bytes(ref: ImageRef) -> bytes:
+    """The encoded bytes of the image ``ref`` names; a missing or unreadable file is one line.
+
+    Example: ``decode_image(read_image_bytes(ImageRef("/data/cat.png", "--image cat.png")), "--image cat.png")``"""
+    if isinstance(ref.source, bytes):
+        return ref.source
+    try:
+        return Path(ref.source).read_bytes()
+    except FileNotFoundError:
+        raise SlimtuneError(f"{ref.where}: no such image file") from None
+    except OSError as e:
+        raise SlimtuneError(f"{ref.where}: cannot read the image file ({_line(e)})") from None
+
+
+def decode_image(raw: bytes, where: str):
+    """``raw`` decoded as an image (PIL, fully loaded); a corrupt or unknown format is one line naming ``where``.
+
+    Example: ``decode_image(Path("cat.png").read_bytes(), "cat.png").size``"""
+    import PIL.Image  # lazy: only runs with vision rows import PIL
+
+    try:
+        image = PIL.Image.open(io.BytesIO(raw))
+        image.load()
+    except Exception as e:  # noqa: BLE001 - PIL raises many types for a corrupt image
+        raise SlimtuneError(f"{where}: cannot read the image ({_line(e)})") from None
+    return image
 
 
 def _line(e: Exception) -> str:

@@ -79,21 +79,22 @@ class ImageInputs:
         images = [self._open(ref) for ref in refs]
         if getattr(self.processor, "chat_template", None) is None:
             raise SlimtuneError(f"{record.where}: the model's processor has no chat template (chat_template.jinja); vision rows need one")
+        pieces = templated_segments(record, messages, trained, self.processor)
+        counts = [text.count(self.image_token) if self.image_token else 0 for text, _ in pieces]
+        if sum(counts) != len(images):
+            raise SlimtuneError(
+                f"{record.where}: the chat template rendered {sum(counts)} image token(s) {self.image_token!r} for {len(images)} "
+                "image part(s) (a text part holding the image token?)"
+            )
         ids: list[int] = []
         labels: list[int] = []
         used = 0
-        for text, train in templated_segments(record, messages, trained, self.processor):
-            count = text.count(self.image_token) if self.image_token else 0
+        for (text, train), count in zip(pieces, counts, strict=True):
             piece = self._expand(record, text, images[used : used + count])
             used += count
             ids += piece
             kept = train or train_on_inputs  # image tokens are never targets
             labels += [IGNORE_INDEX if t == self.image_token_id or not kept else t for t in piece]
-        if used != len(images):
-            raise SlimtuneError(
-                f"{record.where}: the chat template rendered {used} image token(s) {self.image_token!r} for {len(images)} image part(s) "
-                "(a text part holding the image token?)"
-            )
         if len(ids) > max_seq_len:
             if images:
                 raise SlimtuneError(

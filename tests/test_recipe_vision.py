@@ -1,0 +1,146 @@
+"""`slimtune finetune` on a vision-language model: the tiny SmolVLM (tiny.make_tiny_vision_checkpoint) trained
+as QLoRA on image + text rows (and a text row) through the one loop: the vision tower runs in every
+micro-batch that holds an image; the merged save carries the vision weights as the base has them and loads
+in plain transformers (``AutoModelForImageTextToText`` + ``AutoProcessor``) with the in-memory model's greedy
+tokens on an image prompt; a run stopped mid-epoch resumes bit-exactly; `slimtune generate --image` and
+`chat` answer from the checkpoint (merged and on the NF4 base) as the in-memory model does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import PIL.Image
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForImageTextToText, AutoProcessor
+from transformers.models.idefics3 import modeling_idefics3
+
+from slimtune.cli import main
+from slimtune.config import load_config
+from slimtune.data import epoch_order, epoch_steps
+from slimtune.formats.merge_source import MergeSource
+from slimtune.generate import SamplingOptions, chat_loop, generate, image_prompt, load_for_generation
+from slimtune.recipes.finetune import run_finetune
+from slimtune.tiny import make_tiny_vision_checkpoint
+from tests.test_recipe import assert_same_adapters, metrics
+from tests.test_vision_data import image_row, write_rows
+
+TEXT_ROW = {"messages": [{"role": "user", "content": "No image here."}, {"role": "assistant", "content": "Fine."}]}
+ROWS = [image_row("Color?", "Red.", ["red.png"]), image_row("Color?", "Blue.", ["blue.png"])] * 2 + [TEXT_ROW]
+VISION_PREFIXES = ("model.vision_model.", "model.connector.")
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vision-recipe")
+    base = make_tiny_vision_checkpoint(root / "base")
+    PIL.Image.new("RGB", (48, 40), (220, 30, 30)).save(root / "red.png")
+    PIL.Image.new("RGB", (30, 60), (30, 30, 220)).save(root / "blue.png")
+    data = write_rows(root / "train.jsonl", ROWS)
+    settings = [
+        f"model.path={base}",
+        "model.create_tiny=false",
+        f"dataset.path={data}",
+        "dataset.create_builtin=false",
+        "training.batch_size=2",
+        "training.total_epochs=2",  # 5 rows, batch 2: 3 steps an epoch, the last of one row
+        "lora.dropout=0.1",  # the RNG restore matters
+        "logging.progress_bar=false",
+    ]
+    return dict(root=root, base=base, settings=settings)
+
+
+@pytest.fixture(scope="module")
+def straight(inputs):
+    """All 6 steps in one run, the vision tower's forward passes counted."""
+    calls = []
+    forward = modeling_idefics3.Idefics3VisionTransformer.forward
+
+    def counted(self, pixel_values, *args, **kwargs):
+        calls.append(pixel_values.shape[0])
+        return forward(self, pixel_values, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(modeling_idefics3.Idefics3VisionTransformer, "forward", counted)
+        result = run_finetune(load_config("tiny", [f"output_dir={inputs['root'] / 'straight'}", *inputs["settings"]]))
+    return dict(result=result, calls=calls)
+
+
+def prompt(loaded, image: Path):
+    return image_prompt(loaded, [image], prompt="Color?")
+
+
+def greedy(model, ids: list[int], pixels: dict, n: int = 6) -> list[int]:
+    batch = torch.tensor([ids])
+    with torch.no_grad():
+        out = model.generate(batch, attention_mask=torch.ones_like(batch), do_sample=False, max_new_tokens=n, pad_token_id=256, **pixels)
+    return out[0, len(ids) :].tolist()
+
+
+def test_training_runs_the_vision_tower_in_every_micro_batch_with_an_image(straight):
+    result, calls = straight["result"], straight["calls"]
+    assert result.global_step == 6 and all(torch.isfinite(torch.tensor(result.losses)))
+    plan = [mb for epoch in (0, 1) for step in epoch_steps(epoch_order(5, 0, epoch), 2, 1) for mb in step]
+    with_images = [[i for i in mb if i < 4] for mb in plan]
+    assert calls == [len(mb) for mb in with_images if mb]  # the images of each micro-batch, into the tower (row 4: text only)
+
+
+def test_the_merged_save_keeps_the_vision_weights_and_loads_in_transformers_with_the_same_tokens(straight, inputs):
+    result, ckpt, base = straight["result"], straight["result"].checkpoint, inputs["base"]
+    merged, original = load_file(str(ckpt / "model-00001-of-00001.safetensors")), load_file(str(base / "model.safetensors"))
+    assert merged.keys() == original.keys()
+    vision = [k for k in merged if k.startswith(VISION_PREFIXES)]
+    assert len(vision) > 20 and all(torch.equal(merged[k], original[k]) for k in vision)  # frozen, streamed as stored
+    assert not torch.equal(
+        merged["model.text_model.layers.0.self_attn.q_proj.weight"], original["model.text_model.layers.0.self_attn.q_proj.weight"]
+    )
+    processor = AutoProcessor.from_pretrained(ckpt)  # the checkpoint's processor files, unchanged
+    model = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=torch.bfloat16).eval()
+    untrained = AutoModelForImageTextToText.from_pretrained(base, dtype=torch.bfloat16).eval()
+    adapter = load_for_generation(MergeSource(checkpoint=ckpt), form="adapter")
+    for image in ("red.png", "blue.png"):
+        ids, pixels = prompt(adapter, inputs["root"] / image)
+        text = processor.apply_chat_template(
+            [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Color?"}]}], add_generation_prompt=True
+        )
+        plain = processor(text=[text], images=[[PIL.Image.open(inputs["root"] / image)]], add_special_tokens=False, return_tensors="pt")
+        assert plain["input_ids"][0].tolist() == ids  # slimtune's image prompt is the processor's
+        result.model.eval()
+        in_memory = greedy(result.model, ids, pixels)
+        assert greedy(adapter.model, ids, pixels) == in_memory  # the NF4 base + adapter: what training computed
+        assert greedy(model, ids, {k: plain[k] for k in pixels}) == in_memory
+        # the merged model's logits are the in-memory model's up to the merge's one rounding, far from the base's
+        logits = [logits_of(m, plain) for m in (result.model, model, untrained)]
+        assert (logits[1] - logits[0]).abs().max() < 0.1 * (logits[2] - logits[0]).abs().max(), image
+
+
+def logits_of(model, batch) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**batch).logits.float()
+
+
+def test_a_run_stopped_mid_epoch_resumes_bit_exactly(straight, inputs):
+    out, settings = inputs["root"] / "resumed", inputs["settings"]
+    first = run_finetune(load_config("tiny", [f"output_dir={out}", *settings, "training.stop_after_steps=1"]))
+    assert first.global_step == 1
+    second = run_finetune(load_config("tiny", [f"output_dir={out}", *settings, "resume=true"]))
+    assert second.global_step == 6
+    reference = metrics(inputs["root"] / "straight")
+    assert [m["loss"] for m in metrics(out)] == [m["loss"] for m in reference]  # bit-identical floats
+    assert_same_adapters(out / "step-000006", inputs["root"] / "straight" / "step-000006")
+
+
+def test_generate_and_chat_take_an_image(straight, inputs, capsys):
+    ckpt, image = straight["result"].checkpoint, inputs["root"] / "red.png"
+    loaded = load_for_generation(MergeSource(checkpoint=ckpt))  # merged
+    options = SamplingOptions(max_new_tokens=6, temperature=0.0)
+    expected = generate(loaded, *prompt(loaded, image)[:1], options, pixels=prompt(loaded, image)[1])
+    code = main(["generate", str(ckpt), "--prompt", "Color?", "--image", str(image), "--temperature", "0", "--max-new-tokens", "6"])
+    assert code == 0 and capsys.readouterr().out == expected + "\n"
+    lines, shown = iter(["Color?", "/exit"]), []
+    chat_loop(loaded, options, read=lambda _: next(lines), write=shown.append, images=[image])
+    assert "".join(shown).splitlines()[1] == expected
+    code = main(["generate", str(ckpt), "--prompt", "Color?", "--image", str(inputs["root"] / "nope.png")])
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and error == f"slimtune generate: error: --image {inputs['root'] / 'nope.png'}: no such image file"

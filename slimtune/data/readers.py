@@ -128,7 +128,7 @@ def _read_with_datasets(path: Path, kind: str) -> Iterator[Record]:
     builder = {"parquet": "parquet", "arrow": "arrow", "csv": "csv"}[kind]
     count = 0
     try:
-        stream = datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True).decode(False)  # images: bytes
+        stream = _undecoded(datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True))
         for count, row in enumerate(stream, start=1):  # noqa: B007
             yield Record(dict(row), f"{path}: row {count}")
     except SlimtuneError:
@@ -138,6 +138,12 @@ def _read_with_datasets(path: Path, kind: str) -> Iterator[Record]:
         raise SlimtuneError(f"{path}: cannot read as {kind} ({type(e).__name__}: {message})") from None
     if count == 0:
         raise SlimtuneError(f"{path}: no examples (the file is empty)")
+
+
+def _undecoded(stream):
+    """``stream`` with its image (and audio) features undecoded: an ``Image`` is ``{"bytes", "path"}``, decoded
+    per batch by ``data/vision.py``; a stream of unknown features (CSV) decodes nothing anyway."""
+    return stream.decode(False) if stream.features is not None else stream
 
 
 def read_dataset(source: DatasetSource) -> Iterator[Record]:
@@ -156,7 +162,7 @@ def read_dataset(source: DatasetSource) -> Iterator[Record]:
         if source.split not in splits:
             named = f" of subset {source.subset!r}" if source.subset else ""
             raise SlimtuneError(f"{label}: no split {source.split!r}{named}; the dataset has {', '.join(splits) or 'none'}")
-        stream = builder.as_streaming_dataset(split=source.split).decode(False)  # an Image feature: its encoded bytes (data/vision.py)
+        stream = _undecoded(builder.as_streaming_dataset(split=source.split))
         count = 0
         for count, row in enumerate(stream, start=1):  # noqa: B007
             yield Record(dict(row), f"{label}: row {count}")

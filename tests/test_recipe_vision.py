@@ -3,10 +3,12 @@ as QLoRA on image + text rows (and a text row) through the one loop: the vision 
 micro-batch that holds an image; the merged save carries the vision weights as the base has them and loads
 in plain transformers (``AutoModelForImageTextToText`` + ``AutoProcessor``) with the in-memory model's greedy
 tokens on an image prompt; a run stopped mid-epoch resumes bit-exactly; `slimtune generate --image` and
-`chat` answer from the checkpoint (merged and on the NF4 base) as the in-memory model does."""
+`chat` answer from the checkpoint (merged and on the NF4 base) as the in-memory model does; 2 ranks (FSDP2)
+follow the one-rank curve."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import PIL.Image
@@ -23,6 +25,8 @@ from slimtune.formats.merge_source import MergeSource
 from slimtune.generate import SamplingOptions, chat_loop, generate, image_prompt, load_for_generation
 from slimtune.recipes.finetune import run_finetune
 from slimtune.tiny import make_tiny_vision_checkpoint
+from tests.conftest import run_cli
+from tests.test_dist_train import LOSS_RTOL
 from tests.test_recipe import assert_same_adapters, metrics
 from tests.test_vision_data import image_row, write_rows
 
@@ -144,3 +148,24 @@ def test_generate_and_chat_take_an_image(straight, inputs, capsys):
     code = main(["generate", str(ckpt), "--prompt", "Color?", "--image", str(inputs["root"] / "nope.png")])
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == 2 and error == f"slimtune generate: error: --image {inputs['root'] / 'nope.png'}: no such image file"
+
+
+@pytest.mark.multiprocess
+def test_two_ranks_on_image_rows_follow_the_one_rank_curve(inputs):
+    """FSDP2 on 2 ranks (gloo, CPU), one epoch without dropout (each rank draws its own masks): each rank's
+    half of a micro-batch carries its rows' images (a rank without a row runs a filler row with its images
+    and no trained token); the curve is the one-rank run's up to reduction order (tests/test_dist_train.py's
+    bound) and the vision weights are saved as stored."""
+    root, settings = inputs["root"], [*inputs["settings"], "training.total_epochs=1", "lora.dropout=0.0"]
+    run_finetune(load_config("tiny", [f"output_dir={root / 'one-rank'}", *settings]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = run_cli("finetune", "--nproc", "2", "--config", "tiny", f"output_dir={root / 'two-ranks'}", *settings, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "2 ranks (FSDP2)" in proc.stdout
+    one, two = metrics(root / "one-rank"), metrics(root / "two-ranks")
+    assert [m["step"] for m in two] == [1, 2, 3]
+    assert [m["loss"] for m in two] == pytest.approx([m["loss"] for m in one], rel=LOSS_RTOL)
+    merged = load_file(str(root / "two-ranks" / "step-000003" / "model-00001-of-00001.safetensors"))
+    original = load_file(str(inputs["base"] / "model.safetensors"))
+    assert merged.keys() == original.keys()
+    assert all(torch.equal(merged[k], original[k]) for k in merged if k.startswith(VISION_PREFIXES))

@@ -29,6 +29,7 @@ from tests.conftest import run_cli
 from tests.test_dist_train import LOSS_RTOL
 from tests.test_recipe import assert_same_adapters, metrics
 from tests.test_vision_data import image_row, write_rows
+from tests.test_vision_families import manifest_digests
 
 TEXT_ROW = {"messages": [{"role": "user", "content": "No image here."}, {"role": "assistant", "content": "Fine."}]}
 ROWS = [image_row("Color?", "Red.", ["red.png"]), image_row("Color?", "Blue.", ["blue.png"])] * 2 + [TEXT_ROW]
@@ -169,3 +170,16 @@ def test_two_ranks_on_image_rows_follow_the_one_rank_curve(inputs):
     original = load_file(str(inputs["base"] / "model.safetensors"))
     assert merged.keys() == original.keys()
     assert all(torch.equal(merged[k], original[k]) for k in merged if k.startswith(VISION_PREFIXES))
+
+
+def test_the_offline_merge_of_the_runs_adapter_is_its_merged_save(straight, inputs, tmp_path, capsys):
+    """`slimtune merge --merge-base quantized` of the run's adapter onto the base on disk writes the
+    checkpoint's merged files byte for byte, the vision tensors and the processor files included."""
+    ckpt, out = straight["result"].checkpoint, tmp_path / "merged"
+    code = main(
+        ["merge", "--base", str(inputs["base"]), "--adapter", str(ckpt / "adapter"), "--out", str(out), "--merge-base", "quantized"]
+    )
+    assert code == 0, capsys.readouterr().err
+    saved, merged = manifest_digests(ckpt), manifest_digests(out)
+    assert {"model-00001-of-00001.safetensors", "processor_config.json", "chat_template.jinja"} <= set(merged) <= set(saved)
+    assert {p: saved[p] for p in merged} == merged

@@ -181,6 +181,8 @@ def prompt_ids(
     fmt = fmt or loaded.prompt_format
     if messages is None and fmt == "chat":
         messages = [{"role": "user", "content": prompt or ""}]
+    if messages is not None and loaded.processor is not None:  # a vision checkpoint: as training rendered chat rows
+        return image_prompt(loaded, [], messages=messages)[0]
     if messages is not None:
         template = getattr(tokenizer, "chat_template", None) or FALLBACK_CHAT_TEMPLATE
         try:
@@ -215,7 +217,7 @@ def image_prompt(
     processor = loaded.processor
     try:
         text = processor.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
-        out = processor(text=[text], images=[opened], add_special_tokens=False, return_tensors="pt")
+        out = processor(text=[text], images=[opened] if opened else None, add_special_tokens=False, return_tensors="pt")
     except Exception as e:  # noqa: BLE001 - jinja errors, images the processor cannot take
         raise SlimtuneError(f"the processor failed on this prompt and its images ({first_line(e)})") from None
     return out["input_ids"][0].tolist(), {k: v for k, v in out.items() if k in PIXEL_INPUTS}

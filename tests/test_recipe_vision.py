@@ -8,7 +8,9 @@ follow the one-rank curve."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from pathlib import Path
 
 import PIL.Image
@@ -183,3 +185,23 @@ def test_the_offline_merge_of_the_runs_adapter_is_its_merged_save(straight, inpu
     saved, merged = manifest_digests(ckpt), manifest_digests(out)
     assert {"model-00001-of-00001.safetensors", "processor_config.json", "chat_template.jinja"} <= set(merged) <= set(saved)
     assert {p: saved[p] for p in merged} == merged
+
+
+def test_a_base_whose_chat_template_is_the_processors_only_trains_and_its_checkpoint_keeps_it(inputs, tmp_path):
+    """The legacy processor layout: the chat template in chat_template.json (the processor's), none for the
+    tokenizer. Chat rows render with the processor's template, and the checkpoint carries the processor's
+    files as the base has them: `AutoProcessor` loads it and `generate --image` runs on it."""
+    base = tmp_path / "base"
+    shutil.copytree(inputs["base"], base)
+    template = (base / "chat_template.jinja").read_text()
+    (base / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    (base / "chat_template.jinja").unlink()
+    settings = [f"model.path={base}", *inputs["settings"][1:], "training.max_steps=1", "checkpoint.async=false"]
+    result = run_finetune(load_config("tiny", [f"output_dir={tmp_path / 'run'}", *settings]))
+    ckpt = result.checkpoint
+    assert (ckpt / "chat_template.json").read_bytes() == (base / "chat_template.json").read_bytes()
+    assert (ckpt / "processor_config.json").read_bytes() == (base / "processor_config.json").read_bytes()
+    assert AutoProcessor.from_pretrained(ckpt).chat_template == template
+    loaded = load_for_generation(MergeSource(checkpoint=ckpt))
+    ids, pixels = prompt(loaded, inputs["root"] / "red.png")
+    assert ids.count(loaded.processor.image_token_id) == 4 and "pixel_values" in pixels

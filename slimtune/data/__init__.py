@@ -234,7 +234,7 @@ def _tokenize_all(
     for record in records:
         record = _renamed(record, spec.columns)
         shape = detect_format(record, spec.fmt)
-        if shape == "chat" and is_vision_row(record):
+        if shape == "chat" and (vision is not None or is_vision_row(record)):  # a vision model's processor renders every chat row
             if vision is None:
                 raise SlimtuneError(f"{record.where}: a row with images (content parts) needs a vision-language model's processor")
             example = vision(record)

@@ -175,6 +175,8 @@ def read_data(cfg: Config, resume: ResumePoint | None, base: ModelSource) -> Inp
         tokenizer = load_tokenizer(base.path)
         if vision_parts(getattr(hf_config, "model_type", "")) and cfg.training.objective == "sft":  # image rows: SFT only
             processor = load_processor(base.path)
+            if not getattr(tokenizer, "chat_template", None):  # the processor's (chat_template.json): the one chat rows render with
+                tokenizer.chat_template = getattr(processor, "chat_template", None)
     rows = {str(dataset_path): builtin_rows} if builtin_rows is not None else None
     vocab_size = getattr(hf_config.get_text_config(), "vocab_size", None)  # a vision model's: its language model's
     data = load_data(DataSpec.from_config(cfg), tokenizer, rows=rows, vocab_size=vocab_size, processor=processor)

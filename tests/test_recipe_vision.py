@@ -25,6 +25,7 @@ from slimtune.config import load_config
 from slimtune.data import epoch_order, epoch_steps
 from slimtune.formats.merge_source import MergeSource
 from slimtune.generate import SamplingOptions, chat_loop, generate, image_prompt, load_for_generation
+from slimtune.lora import lora_modules
 from slimtune.recipes.finetune import run_finetune
 from slimtune.tiny import make_tiny_vision_checkpoint
 from tests.conftest import run_cli
@@ -205,3 +206,19 @@ def test_a_base_whose_chat_template_is_the_processors_only_trains_and_its_checkp
     loaded = load_for_generation(MergeSource(checkpoint=ckpt))
     ids, pixels = prompt(loaded, inputs["root"] / "red.png")
     assert ids.count(loaded.processor.image_token_id) == 4 and "pixel_values" in pixels
+
+
+def test_lora_vision_adapters_on_the_tower_load_for_generation_on_the_nf4_base(inputs, tmp_path):
+    """`lora.vision: true` with all-linear: the adapter holds the tower's linears too, and `generate --form
+    adapter` puts every one of them back on the NF4 base (none silently left out): its logits on an image
+    prompt are the merged checkpoint's up to the merge's one rounding."""
+    settings = [*inputs["settings"], "lora.vision=true", "lora.target_modules=all-linear", "training.max_steps=1", "checkpoint.async=false"]
+    ckpt = run_finetune(load_config("tiny", [f"output_dir={tmp_path / 'run'}", *settings])).checkpoint
+    adapter, merged = (load_for_generation(MergeSource(checkpoint=ckpt), form=f) for f in ("adapter", "merged"))
+    tower = [n for n in lora_modules(adapter.model) if n.startswith("model.vision_model.encoder.")]
+    assert len(tower) == 6 * 2 and len(lora_modules(adapter.model)) == 7 * 2 + 6 * 2
+    ids, pixels = prompt(adapter, inputs["root"] / "red.png")
+    batch = {"input_ids": torch.tensor([ids]), **pixels}
+    ours, theirs = logits_of(adapter.model, batch), logits_of(merged.model, batch)
+    base = logits_of(AutoModelForImageTextToText.from_pretrained(inputs["base"], dtype=torch.bfloat16).eval(), batch)
+    assert (ours - theirs).abs().max() < 0.1 * (ours - base).abs().max()

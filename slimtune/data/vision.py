@@ -6,7 +6,8 @@ image parts: local paths (relative to the data file's directory) or a ``datasets
 (Parquet, Arrow: ``{"bytes", "path"}``, read undecoded). The checkpoint's own processor
 (``AutoProcessor``) renders the conversation with its chat template, expands each image part into the
 image's tokens and makes the pixel values; only assistant turns are trained on (``train_on_inputs``:
-every text token), image tokens never.
+every text token), image tokens never. On a vision-language model every chat row takes this path (a
+string content is one text part), so text and image rows render with the same template.
 
 Images are decoded row by row: loading a row decodes its images once (their token count is checked
 against ``max_seq_len``; a row that does not fit is an error, never cut through an image), then keeps
@@ -65,7 +66,7 @@ class ImageInputs:
         self.image_token = getattr(processor, "image_token", None)
         self.image_token_id = getattr(processor, "image_token_id", None)
         self._digest = hashlib.sha256()
-        self.rows = 0  # vision rows tokenized
+        self.rows = 0  # rows with images tokenized
 
     @property
     def digest(self) -> str:
@@ -102,7 +103,7 @@ class ImageInputs:
                     "(a row with images is never cut; raise max_seq_len or use smaller images)"
                 )
             ids, labels = ids[:max_seq_len], labels[:max_seq_len]
-        self.rows += 1
+        self.rows += bool(refs)
         return Example(torch.tensor(ids, dtype=torch.int32), torch.tensor(labels, dtype=torch.int32), images=tuple(refs))
 
     def pixels(self, examples: list[Example]) -> dict[str, torch.Tensor]:

@@ -77,14 +77,18 @@ def _sampling(args: argparse.Namespace):
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from slimtune.generate import generate, load_for_generation, prompt_ids, read_messages  # lazy
+    from slimtune.generate import generate, image_prompt, load_for_generation, prompt_ids, read_messages  # lazy
 
     options = _sampling(args)
     messages = read_messages(args.messages) if args.messages is not None else None
     loaded = load_for_generation(MergeSource.from_args(args), args.form, args.device)
     print(f"[{loaded.form} model, {args.format if args.format != 'auto' else loaded.prompt_format} format]", file=sys.stderr)
-    ids = prompt_ids(loaded, prompt=args.prompt, messages=messages, fmt=None if args.format == "auto" else args.format)
-    generate(loaded, ids, options, on_text=lambda text: print(text, end="", flush=True))
+    pixels = None
+    if args.image:
+        ids, pixels = image_prompt(loaded, args.image, prompt=args.prompt, messages=messages)
+    else:
+        ids = prompt_ids(loaded, prompt=args.prompt, messages=messages, fmt=None if args.format == "auto" else args.format)
+    generate(loaded, ids, options, on_text=lambda text: print(text, end="", flush=True), pixels=pixels)
     print()
 
 
@@ -92,7 +96,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
     from slimtune.generate import chat_loop, load_for_generation  # lazy
 
     options = _sampling(args)
-    chat_loop(load_for_generation(MergeSource.from_args(args), args.form, args.device), options)
+    chat_loop(load_for_generation(MergeSource.from_args(args), args.form, args.device), options, images=args.image)
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
@@ -253,10 +257,12 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument(
         "--format", choices=["auto", "chat", "alpaca", "text"], default="auto", help="prompt format (default: the one training used)"
     )
+    generate.add_argument("--image", type=Path, action="append", default=None, help=_IMAGE_HELP)
     generate.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="talk to a checkpoint interactively (replies streamed)")
     _generation_args(chat, 0.7)
+    chat.add_argument("--image", type=Path, action="append", default=None, help=_IMAGE_HELP)
     chat.set_defaults(func=cmd_chat)
 
     _add_merge(sub)
@@ -307,6 +313,9 @@ def _add_verify(sub) -> None:
     )
     verify.add_argument("--all", action="store_true", help="print the max |diff| of every tensor, not the 10 largest")
     verify.set_defaults(func=cmd_verify)
+
+
+_IMAGE_HELP = "an image for a vision-language checkpoint (repeat for several): it goes first in the first user turn"
 
 
 def _generation_args(p: argparse.ArgumentParser, temperature: float) -> None:

@@ -9,6 +9,8 @@ Two forms of the same checkpoint:
 Prompts are rendered as training rendered them: messages with the checkpoint tokenizer's chat template
 (the fallback ``<|role|>`` template when the base tokenizer had none), a plain prompt in the format the
 training data used (chat, Alpaca, or raw text) as recorded in the checkpoint's ``slimtune_format.json``.
+A vision-language checkpoint also takes images (``--image``): its processor renders the first user turn
+with them (``image_prompt``), as training rendered vision rows, and makes their pixel values.
 
 Example::
 
@@ -25,19 +27,21 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 from transformers.generation.streamers import BaseStreamer
 
-from slimtune.data import FALLBACK_CHAT_TEMPLATE, alpaca_prompt, parse_json
-from slimtune.errors import SlimtuneError
+from slimtune.data import FALLBACK_CHAT_TEMPLATE, PIXEL_INPUTS, ImageRef, alpaca_prompt, decode_image, parse_json, read_image_bytes
+from slimtune.errors import SlimtuneError, first_line
 from slimtune.formats.format_record import read_format_record
+from slimtune.formats.hf import read_config_dict
 from slimtune.formats.hub import is_hub_id, resolve_model
 from slimtune.formats.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS, CheckpointLayout
 from slimtune.formats.manifest import checks_done, read_check
 from slimtune.formats.merge_source import MergeSource
 from slimtune.formats.peft import read_adapter
 from slimtune.lora import LoRAConfig
-from slimtune.model import load_adapter_weights, load_qlora_model, load_tokenizer, pick_device, pick_dtype
+from slimtune.model import load_adapter_weights, load_processor, load_qlora_model, load_tokenizer, pick_device, pick_dtype
+from slimtune.vision_families import vision_parts
 
 PROMPT_FORMATS = ("chat", "alpaca", "text")
 
@@ -61,6 +65,7 @@ class Loaded:
     form: str  # "merged" or "adapter"
     prompt_format: str  # chat, alpaca or text
     device: torch.device
+    processor: object | None = None  # a vision-language checkpoint's (AutoProcessor): prompts with images
 
 
 def load_for_generation(source: MergeSource, form: str = "auto", device: str = "auto", dtype: str = "bf16") -> Loaded:
@@ -83,8 +88,10 @@ def load_for_generation(source: MergeSource, form: str = "auto", device: str = "
     compute = pick_dtype(dtype, dev)
     checks = [read_check(path if form == "merged" else adapter_dir, verify)]
     if form == "merged":
+        vision = vision_parts(str(read_config_dict(path).get("model_type", ""))) is not None
+        auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
         try:
-            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=compute, local_files_only=True)
+            model = auto.from_pretrained(str(path), dtype=compute, local_files_only=True)
         except (OSError, ValueError) as e:
             raise SlimtuneError(f"{path}: cannot load the merged model ({e})") from None
         tokenizer_dir = path
@@ -93,7 +100,8 @@ def load_for_generation(source: MergeSource, form: str = "auto", device: str = "
     checks_done(*checks)
     model.to(dev).eval()
     tokenizer = load_tokenizer(tokenizer_dir)
-    return Loaded(model, tokenizer, form, _recorded_prompt_format(path, tokenizer), dev)
+    processor = load_processor(tokenizer_dir) if vision_parts(getattr(model.config, "model_type", "")) else None
+    return Loaded(model, tokenizer, form, _recorded_prompt_format(path, tokenizer), dev, processor)
 
 
 def _load_adapter_on_nf4(source: MergeSource, dtype: torch.dtype, on_base: Callable[[Path], None]) -> tuple[nn.Module, Path]:
@@ -109,7 +117,9 @@ def _load_adapter_on_nf4(source: MergeSource, dtype: torch.dtype, on_base: Calla
     if not targets:
         raise SlimtuneError(f"{adapter_dir / ADAPTER_CONFIG}: target_modules must be a list of module names here")
     on_base(base_dir)
-    lora = LoRAConfig(int(config["r"]), float(config["lora_alpha"]), 0.0, bool(config.get("use_rslora")), targets)
+    parts = vision_parts(str(read_config_dict(base_dir).get("model_type", "")))
+    vision = parts is not None and any(parts.in_tower(name) for name in read_adapter(adapter_dir).modules)  # trained with lora.vision
+    lora = LoRAConfig(int(config["r"]), float(config["lora_alpha"]), 0.0, bool(config.get("use_rslora")), targets, vision=vision)
     model = load_qlora_model(base_dir, lora, seed=0, progress=False, dtype=dtype)
     weights = adapter_dir / ADAPTER_WEIGHTS
     if not weights.is_file():
@@ -171,6 +181,8 @@ def prompt_ids(
     fmt = fmt or loaded.prompt_format
     if messages is None and fmt == "chat":
         messages = [{"role": "user", "content": prompt or ""}]
+    if messages is not None and loaded.processor is not None:  # a vision checkpoint: as training rendered chat rows
+        return image_prompt(loaded, [], messages=messages)[0]
     if messages is not None:
         template = getattr(tokenizer, "chat_template", None) or FALLBACK_CHAT_TEMPLATE
         try:
@@ -183,9 +195,42 @@ def prompt_ids(
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def generate(loaded: Loaded, ids: list[int], options: SamplingOptions, on_text: Callable[[str], None] | None = None) -> str:
-    """The continuation of ``ids`` (without the prompt), streamed piece by piece to ``on_text``. The
-    global RNG is left as it was (sampling draws from a forked, seeded generator)."""
+def image_prompt(
+    loaded: Loaded, images: list[Path], prompt: str | None = None, messages: list[dict] | None = None
+) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """Token ids and image inputs of a prompt with ``images`` on a vision-language checkpoint: the images
+    go first in the first user turn (TRL's content parts), the conversation is rendered by the processor's
+    chat template and each image expanded into its tokens, as training rendered vision rows. A missing or
+    unreadable image, or a text-only checkpoint, is one line.
+
+    Example: ``ids, pixels = image_prompt(loaded, [Path("chart.png")], prompt="What does it show?")``"""
+    if loaded.processor is None:
+        raise SlimtuneError(f"--image needs a vision-language checkpoint; this one's model ({loaded.model.config.model_type}) is text-only")
+    opened = [decode_image(read_image_bytes(ImageRef(str(p), f"--image {p}")), f"--image {p}") for p in images]
+    turns = [dict(m) for m in (messages or [{"role": "user", "content": prompt or ""}])]
+    first = next((i for i, m in enumerate(turns) if m["role"] == "user"), None)
+    if first is None:
+        raise SlimtuneError("--image needs a user message to attach the images to")
+    for i, m in enumerate(turns):
+        text = [{"type": "text", "text": m["content"]}] if isinstance(m["content"], str) else list(m["content"])
+        m["content"] = [{"type": "image"}] * len(images) * (i == first) + text
+    processor = loaded.processor
+    try:
+        text = processor.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+        out = processor(text=[text], images=[opened] if opened else None, add_special_tokens=False, return_tensors="pt")
+    except Exception as e:  # noqa: BLE001 - jinja errors, images the processor cannot take
+        raise SlimtuneError(f"the processor failed on this prompt and its images ({first_line(e)})") from None
+    return out["input_ids"][0].tolist(), {k: v for k, v in out.items() if k in PIXEL_INPUTS}
+
+
+def generate(
+    loaded: Loaded, ids: list[int], options: SamplingOptions, on_text: Callable[[str], None] | None = None, pixels: dict | None = None
+) -> str:
+    """The continuation of ``ids`` (without the prompt), streamed piece by piece to ``on_text``; ``pixels``:
+    the image inputs of a vision prompt (``image_prompt``). The global RNG is left as it was (sampling
+    draws from a forked, seeded generator).
+
+    Example: ``generate(loaded, *image_prompt(loaded, [Path("cat.png")], prompt="What is it?"), SamplingOptions())``"""
     tokenizer = loaded.tokenizer
     produced: list[int] = []
     shown = [""]
@@ -228,6 +273,7 @@ def generate(loaded: Loaded, ids: list[int], options: SamplingOptions, on_text: 
             eos_token_id=tokenizer.eos_token_id,
             use_cache=True,
             streamer=_Stream(),
+            **{k: v.to(loaded.device) for k, v in (pixels or {}).items()},
             **kwargs,
         )
     text = tokenizer.decode(out[0, len(ids) :].tolist(), skip_special_tokens=True)
@@ -236,10 +282,17 @@ def generate(loaded: Loaded, ids: list[int], options: SamplingOptions, on_text: 
 
 
 def chat_loop(
-    loaded: Loaded, options: SamplingOptions, read: Callable[[str], str] = input, write: Callable[[str], None] | None = None
+    loaded: Loaded,
+    options: SamplingOptions,
+    read: Callable[[str], str] = input,
+    write: Callable[[str], None] | None = None,
+    images: list[Path] | None = None,
 ) -> None:
     """An interactive conversation: each reply streamed as it is generated; /reset starts over, /exit
-    (or end of input) leaves. Without a chat format (trained on Alpaca or plain text) each turn stands alone."""
+    (or end of input) leaves. Without a chat format (trained on Alpaca or plain text) each turn stands alone.
+    ``images`` (a vision-language checkpoint) go with the conversation's first user turn.
+
+    Example: ``chat_loop(load_for_generation(MergeSource(checkpoint=Path("runs/1/step-000100"))), SamplingOptions())``"""
 
     def out(text: str) -> None:
         (write or sys.stdout.write)(text)
@@ -261,12 +314,16 @@ def chat_loop(
             continue
         if not line.strip():
             continue
-        if loaded.prompt_format == "chat":
+        pixels = None
+        if images:
+            messages.append({"role": "user", "content": line})
+            ids, pixels = image_prompt(loaded, images, messages=messages)
+        elif loaded.prompt_format == "chat":
             messages.append({"role": "user", "content": line})
             ids = prompt_ids(loaded, messages=messages)
         else:
             ids = prompt_ids(loaded, prompt=line)
-        reply = generate(loaded, ids, options, on_text=out)
+        reply = generate(loaded, ids, options, on_text=out, pixels=pixels)
         out("\n")
-        if loaded.prompt_format == "chat":
+        if loaded.prompt_format == "chat" or images:
             messages.append({"role": "assistant", "content": reply})

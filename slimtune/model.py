@@ -470,6 +470,22 @@ def load_tokenizer(model_dir: Path, chat_template: str | None = None):
     return tokenizer
 
 
+def load_processor(model_dir: Path):
+    """A vision-language model's processor (``AutoProcessor``: tokenizer, image processor, chat template)
+    from its local directory; unusable or missing files are one ``SlimtuneError`` line.
+
+    Example: ``processor = load_processor(Path("runs/vlm-base"))``"""
+    from transformers import AutoProcessor  # lazy: text models never build one
+
+    try:
+        processor = AutoProcessor.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - transformers raises many types (ImportError for a missing backend, ...)
+        raise SlimtuneError(f"{model_dir}: no usable processor files ({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
+    if getattr(processor, "image_processor", None) is None:
+        raise SlimtuneError(f"{model_dir}: the processor has no image processor (preprocessor_config.json or processor_config.json)")
+    return processor
+
+
 def load_adapter_weights(model: nn.Module, path: Path) -> None:
     """The fp32 adapters from the checkpoint's PEFT file, bit for bit."""
     tensors = load_file(str(path))

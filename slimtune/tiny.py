@@ -19,6 +19,15 @@ from slimtune.fileio import os_errors
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>"]
 
+# The tiny vision model's chat template: the fallback ``<|role|>`` format (prompts.FALLBACK_CHAT_TEMPLATE)
+# with TRL's content parts, an image part rendered as the processor's ``<image>`` token.
+TINY_VISION_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for part in m['content'] %}{% if part['type'] == 'image' %}<image>{% else %}{{ part['text'] }}{% endif %}{% endfor %}"
+    "{% endif %}{{ eos_token }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+TINY_IMAGE_SIZE = 64  # pixels: one 64 x 64 tile of 16-pixel patches, pixel-shuffled 2 x 2 into 4 image tokens
+
 DEMO_TEXTS = [
     "Bounded memory is the product: a checkpoint never holds the whole model.",
     "A checkpoint is an ordered stream of named tensors, each produced on demand.",
@@ -85,4 +94,32 @@ def make_tiny_checkpoint(out_dir: str | Path, seed: int = 0, **config_overrides)
                 raise
             raise OSError(int(m.group(1)), os.strerror(int(m.group(1)))) from None
         byte_tokenizer().save_pretrained(tmp)
+    return out_dir
+
+
+def make_tiny_vision_checkpoint(out_dir: str | Path, seed: int = 0, **config_overrides) -> Path:
+    """Write a randomly initialised tiny SmolVLM (transformers' Idefics3 at the test widths of
+    ``vision_families.TINY``) in Hugging Face format, bf16, with its processor made locally (no network):
+    the byte tokenizer plus the image tokens, Idefics3's image processor at 64 x 64 pixels, unsplit
+    (every image is 4 image tokens, from PIL and numpy alone), and ``TINY_VISION_CHAT_TEMPLATE``.
+    Written atomically, as ``make_tiny_checkpoint``.
+
+    Example: ``make_tiny_vision_checkpoint("runs/vlm-base")`` then ``AutoProcessor.from_pretrained("runs/vlm-base")``"""
+    from transformers import AutoModelForImageTextToText, Idefics3ImageProcessorPil, Idefics3Processor
+
+    from slimtune.vision_families import IMAGE_TOKENS
+
+    out_dir = Path(out_dir)
+    tokenizer = byte_tokenizer()
+    tokenizer.add_tokens([name for name, _ in IMAGE_TOKENS["idefics3"]], special_tokens=True)
+    size = {"longest_edge": TINY_IMAGE_SIZE}
+    images = Idefics3ImageProcessorPil(size=size, max_image_size=size, do_image_splitting=False)
+    processor = Idefics3Processor(images, tokenizer, image_seq_len=4, chat_template=TINY_VISION_CHAT_TEMPLATE)
+    config = family_tiny_config(family_of("idefics3"), **config_overrides)
+    config.text_config.vocab_size = len(processor.tokenizer)  # the processor adds <end_of_utterance>: every token has a row
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config).to(torch.bfloat16)
+    with os_errors("write the tiny vision model", out_dir), atomic_directory(out_dir, overwrite=True) as tmp:
+        model.save_pretrained(tmp)
+        processor.save_pretrained(tmp)
     return out_dir

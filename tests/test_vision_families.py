@@ -36,9 +36,9 @@ from slimtune.families import (
 from slimtune.formats.merge_source import MergeSource
 from slimtune.lora import LoRAConfig, lora_modules, lora_parameters, qlora_linears
 from slimtune.merge import merge_from_files
-from slimtune.model import build_qlora_skeleton, load_qlora_model
+from slimtune.model import build_qlora_skeleton, load_qlora_model, load_tokenizer
 from slimtune.quant import is_nf4
-from slimtune.tiny import byte_tokenizer
+from slimtune.tiny import byte_tokenizer, make_tiny_vision_checkpoint
 from slimtune.vision_families import IMAGE_TOKENS, vision_parts
 from tests.test_families import TOLERANCE_ULPS, bf16_ulps, read_tensors, tensor_keys
 
@@ -85,35 +85,22 @@ FAMILY_IDS = [f.model_type for f in VISION_FAMILIES]
 
 
 def write_base(family, path, **overrides):
-    """What a user brings: transformers' from_config + save_pretrained (bf16) and a tokenizer with the image tokens."""
+    """What a user brings: transformers' from_config + save_pretrained (bf16) and a tokenizer with the image
+    tokens. Idefics3: the tiny SmolVLM with its whole processor (tiny.make_tiny_vision_checkpoint: 64-pixel
+    images, unsplit, 4 image tokens); Qwen2.5-VL: its image processor's preprocessor_config.json only, as
+    transformers' Qwen2_5_VLProcessor needs torchvision, not installed here."""
+    if family.model_type == "idefics3":
+        make_tiny_vision_checkpoint(path, seed=0, **overrides)
+        return load_tokenizer(path)
+    from transformers import Qwen2VLImageProcessor
+
     torch.manual_seed(0)
     AutoModelForImageTextToText.from_config(tiny_config(family, **overrides)).to(torch.bfloat16).save_pretrained(path)
     tok = byte_tokenizer()
     tok.add_tokens([name for name, _ in IMAGE_TOKENS[family.model_type]], special_tokens=True)
     tok.save_pretrained(path)
-    write_processor(family.model_type, tok, path)
+    Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=56 * 56).save_pretrained(path)
     return tok
-
-
-def write_processor(model_type: str, tok, path) -> None:
-    """The processor files of the checkpoint. Idefics3: its whole processor (the image processor at the
-    test's 64-pixel images, unsplit; 4 image tokens); Qwen2.5-VL: its image processor's
-    preprocessor_config.json only, as transformers' Qwen2_5_VLProcessor needs torchvision, not installed here."""
-    from transformers import Idefics3ImageProcessor, Idefics3Processor, Qwen2VLImageProcessor
-
-    if model_type == "idefics3":
-        size = {"longest_edge": 64}
-        image = Idefics3ImageProcessor(size=size, max_image_size=size, do_image_splitting=False)
-        Idefics3Processor(image_processor=image, tokenizer=byte_tokenizer_like(tok), image_seq_len=4).save_pretrained(path)
-    else:
-        Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=56 * 56).save_pretrained(path)
-
-
-def byte_tokenizer_like(tok):
-    """A copy of ``tok``: the processor adds its own tokens to the tokenizer it is given."""
-    copy = byte_tokenizer()
-    copy.add_tokens([t.content for t in tok.added_tokens_decoder.values() if t.content not in copy.get_vocab()], special_tokens=True)
-    return copy
 
 
 def image_batch(model_type: str, tok, answer: str = "") -> dict[str, torch.Tensor]:

@@ -23,7 +23,7 @@ import torch
 from slimtune.checkpoint.card import CardFacts, model_card
 from slimtune.config import Config
 from slimtune.formats.format_record import new_format_record, write_format_record
-from slimtune.formats.hf import tokenizer_files
+from slimtune.formats.hf import PROCESSOR_FILES, tokenizer_files
 from slimtune.formats.hub import ModelSource
 from slimtune.formats.layout import ADAPTER_DIR, FORMAT_NAME
 from slimtune.model import load_tokenizer
@@ -47,9 +47,9 @@ class CheckpointDocs:
         else:  # the saved copy gets the template training rendered chat rows with
             tokenizer.save_pretrained(str(self.tokenizer_dir))
             load_tokenizer(self.tokenizer_dir, chat_template=FALLBACK_CHAT_TEMPLATE).save_pretrained(str(self.tokenizer_dir))
-            generation = base.path / "generation_config.json"  # the base's, as an offline merge copies it
-            if generation.is_file():
-                shutil.copyfile(generation, self.tokenizer_dir / generation.name)
+            for name in ("generation_config.json", *PROCESSOR_FILES):  # the base's, as an offline merge copies them
+                if (base.path / name).is_file():
+                    shutil.copyfile(base.path / name, self.tokenizer_dir / name)
         template = getattr(tokenizer, "chat_template", None) or FALLBACK_CHAT_TEMPLATE
         hub_data = list(getattr(data, "datasets", []))  # the hub datasets read: name, revision (commit), subset, split
         self.record = {**new_format_record(data.shapes, template), "nf4": nf4, "base": base.record(), "datasets": hub_data}

@@ -12,6 +12,7 @@ import math
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -42,6 +43,7 @@ from slimtune.data.shapes import (
     segments,
     tokenize,
 )
+from slimtune.data.vision import PIXEL_INPUTS, ImageInputs, ImageRef, decode_image, is_vision_row, read_image_bytes
 from slimtune.errors import SlimtuneError
 from slimtune.formats.hub import is_dataset_id, resolve_dataset
 from slimtune.formats.manifest import sha256_bytes, sha256_file
@@ -61,14 +63,19 @@ __all__ = [
     "FILE_TYPES",
     "FORMATS",
     "IGNORE_INDEX",
+    "ImageInputs",
+    "ImageRef",
+    "PIXEL_INPUTS",
     "MAX_LINE_BYTES",
     "Record",
     "SHAREGPT_ROLES",
     "alpaca_prompt",
     "builtin_tiny_records",
     "collate",
+    "decode_image",
     "detect_format",
     "encode_prefix",
+    "is_vision_row",
     "epoch_order",
     "epoch_steps",
     "jsonl_text",
@@ -81,6 +88,7 @@ __all__ = [
     "parse_json",
     "parse_json_object",
     "read_dataset",
+    "read_image_bytes",
     "read_jsonl",
     "read_rows",
     "segments",
@@ -139,12 +147,14 @@ class Data:
     shapes: Counter  # rows per shape
     documents: int = 0  # training documents before packing
     datasets: list[dict] = field(default_factory=list)  # hub datasets read: DatasetSource.record() (name, revision, subset, split)
+    images: ImageInputs | None = None  # a vision-language model's processor: vision rows' images, decoded per batch
 
 
-def load_data(spec: DataSpec, tokenizer, rows: dict[str, list[dict]] | None = None, vocab_size: int | None = None) -> Data:
+def load_data(spec: DataSpec, tokenizer, rows: dict[str, list[dict]] | None = None, vocab_size: int | None = None, processor=None) -> Data:
     """Read, tokenize, split, weight and (optionally) pack every file of ``spec``. ``rows`` supplies the
     content of paths that are not files (the built-in dataset before it is written). Token ids at or
     above ``vocab_size`` (a tokenizer that does not belong to the model) are an error naming the row.
+    ``processor``: a vision-language model's (``AutoProcessor``), which vision rows need (``data/vision.py``).
 
     >>> data = load_data(DataSpec(["train.jsonl"], eval_fraction=0.1), tokenizer)  # doctest: +SKIP
     """
@@ -155,9 +165,10 @@ def load_data(spec: DataSpec, tokenizer, rows: dict[str, list[dict]] | None = No
     train: list[Example] = []
     held_out: list[Example] = []
     dropped, shapes, files, identity, hub = 0, Counter(), [], [], []
+    images = ImageInputs(processor) if processor is not None else None
     for index, (path, weight) in enumerate(zip(spec.paths, weights, strict=True)):
         records, label, sha = _source(path, rows, hub)
-        examples, n_dropped = _tokenize_all(records, tokenizer, spec, shapes, vocab_size)
+        examples, n_dropped = _tokenize_all(records, tokenizer, spec, shapes, vocab_size, _vision(images, path, spec))
         dropped += n_dropped
         files.append((label, sha))
         identity.append(f"{sha}:{weight!r}")
@@ -167,7 +178,7 @@ def load_data(spec: DataSpec, tokenizer, rows: dict[str, list[dict]] | None = No
         train += _weighted(examples, weight, spec.seed + index)
     if spec.eval_path is not None:
         records, label, sha = _source(spec.eval_path, rows, hub)
-        held_out, n_dropped = _tokenize_all(records, tokenizer, spec, Counter(), vocab_size)
+        held_out, n_dropped = _tokenize_all(records, tokenizer, spec, Counter(), vocab_size, _vision(images, spec.eval_path, spec))
         files.append((label, sha))
     if not train:
         raise SlimtuneError(
@@ -175,13 +186,25 @@ def load_data(spec: DataSpec, tokenizer, rows: dict[str, list[dict]] | None = No
             f"({dropped} dropped)"
         )
     documents = len(train)
+    if spec.packed and any(e.images for e in train + held_out):
+        raise SlimtuneError(f"{', '.join(spec.paths)}: rows with images cannot be packed; set dataset.packed=false")
     if spec.packed:
         train, held_out = pack(train, spec.max_seq_len, spec.seed), pack(held_out, spec.max_seq_len, spec.seed)
     extra = f"|fraction={spec.eval_fraction!r}|packed={spec.packed}|inputs={spec.train_on_inputs}|columns={sorted(spec.columns.items())}"
     extra += f"|pairs={spec.pairs!r}" if spec.pairs is not None else ""
     extra += f"|prompts={spec.prompts!r}" if spec.prompts is not None else ""
+    extra += f"|images={images.digest}" if images is not None and images.rows else ""
     sha = sha256_bytes(";".join(identity) + extra)
-    return Data(train, held_out, dropped, files, sha, shapes, documents, hub)
+    return Data(train, held_out, dropped, files, sha, shapes, documents, hub, images if images is not None and images.rows else None)
+
+
+def _vision(images: ImageInputs | None, path: str, spec: DataSpec):
+    """How the file at ``path`` tokenizes its vision rows (images relative to its directory, or to a
+    dataset directory itself), or None without a processor."""
+    if images is None:
+        return None
+    base_dir = Path(path).parent if Path(path).is_file() else Path(path)
+    return partial(images.tokenize, base_dir=base_dir, max_seq_len=spec.max_seq_len, train_on_inputs=spec.train_on_inputs)
 
 
 def _source(path: str, rows: dict[str, list[dict]], hub: list[dict]) -> tuple[Iterable[Record], str, str]:
@@ -201,7 +224,7 @@ def _source(path: str, rows: dict[str, list[dict]], hub: list[dict]) -> tuple[It
 
 
 def _tokenize_all(
-    records: Iterable[Record], tokenizer, spec: DataSpec, shapes: Counter, vocab_size: int | None
+    records: Iterable[Record], tokenizer, spec: DataSpec, shapes: Counter, vocab_size: int | None, vision=None
 ) -> tuple[list[Example], int]:
     if spec.pairs is not None:
         return _tokenize_pairs(records, tokenizer, spec, shapes, vocab_size)
@@ -211,7 +234,12 @@ def _tokenize_all(
     for record in records:
         record = _renamed(record, spec.columns)
         shape = detect_format(record, spec.fmt)
-        example = tokenize(record, shape, tokenizer, spec.max_seq_len, spec.train_on_inputs)
+        if shape == "chat" and (vision is not None or is_vision_row(record)):  # a vision model's processor renders every chat row
+            if vision is None:
+                raise SlimtuneError(f"{record.where}: a row with images (content parts) needs a vision-language model's processor")
+            example = vision(record)
+        else:
+            example = tokenize(record, shape, tokenizer, spec.max_seq_len, spec.train_on_inputs)
         if vocab_size is not None and len(example.input_ids) and int(example.input_ids.max()) >= vocab_size:
             raise SlimtuneError(
                 f"{record.where}: the tokenizer produced token id {int(example.input_ids.max())}, but the model's vocab_size is "

@@ -7,10 +7,16 @@ Example: ``batches = epoch_steps(epoch_order(len(examples), seed=0, epoch=0), ba
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from slimtune.data.shapes import IGNORE_INDEX, Example
+from slimtune.data.vision import PIXEL_INPUTS
 from slimtune.distributed import Ranks, split_rows
+
+if TYPE_CHECKING:
+    from slimtune.data.vision import ImageInputs
 
 
 def pack(examples: list[Example], max_seq_len: int, seed: int) -> list[Example]:
@@ -60,9 +66,12 @@ def epoch_steps(order: list[int], batch_size: int, accumulation: int) -> list[li
     return [batches[i : i + accumulation] for i in range(0, len(batches), accumulation)]
 
 
-def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
+def collate(examples: list[Example], pad_id: int, images: ImageInputs | None = None) -> dict[str, torch.Tensor]:
     """Right-padded input_ids, attention_mask and labels (IGNORE_INDEX on padding). Packed rows get
-    position_ids instead of an attention mask (the padding tail is one more document of its own)."""
+    position_ids instead of an attention mask (the padding tail is one more document of its own). Vision
+    rows' images are decoded here by ``images`` (the processor's pixel values, ``data/vision.py``).
+
+    Example: ``collate([example], pad_id=0)["input_ids"].shape`` -> (1, len(example.input_ids))"""
     length = max(len(e.input_ids) for e in examples)
     input_ids = torch.full((len(examples), length), pad_id, dtype=torch.long)
     labels = torch.full((len(examples), length), IGNORE_INDEX, dtype=torch.long)
@@ -80,19 +89,26 @@ def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
     batch = {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
     if packed:
         batch["position_ids"] = positions
+    if images is not None:
+        batch.update(images.pixels(examples))
     return batch
 
 
 def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """What the forward pass gets from a collated batch: packed rows pass position_ids and no attention
     mask, and no cache: transformers then builds the block-diagonal causal mask from the position resets
-    (with a cache it would not look for them)."""
+    (with a cache it would not look for them). A vision batch's image inputs go with them.
+
+    Example: ``model(**model_inputs(collate(examples, pad_id))).logits``"""
+    pixels = {k: batch[k] for k in PIXEL_INPUTS if k in batch}
     if "position_ids" in batch:
-        return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
-    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
+        return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False, **pixels}
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False, **pixels}
 
 
-def rank_batch(examples: list[Example], batch: list[int], ranks: Ranks, pad_id: int) -> dict[str, torch.Tensor]:
+def rank_batch(
+    examples: list[Example], batch: list[int], ranks: Ranks, pad_id: int, images: ImageInputs | None = None
+) -> dict[str, torch.Tensor]:
     """This rank's contiguous slice of a global micro-batch (``split_rows``), collated. A rank whose
     slice is empty (a short last batch) still runs the forward and backward passes FSDP2's collectives
     need, on one example with no trained token: it adds nothing to the loss or the gradients.
@@ -100,7 +116,7 @@ def rank_batch(examples: list[Example], batch: list[int], ranks: Ranks, pad_id: 
     Example: ``rank_batch(data.train, [0, 1, 2], Ranks(1, 2), pad_id=0)`` collates examples 2 only"""
     start, end = split_rows(len(batch), ranks.world_size)[ranks.rank]
     if end > start:
-        return collate([examples[i] for i in batch[start:end]], pad_id)
-    filler = collate([examples[batch[0]]], pad_id)
+        return collate([examples[i] for i in batch[start:end]], pad_id, images)
+    filler = collate([examples[batch[0]]], pad_id, images)
     filler["labels"].fill_(IGNORE_INDEX)
     return filler

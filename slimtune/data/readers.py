@@ -1,5 +1,6 @@
 """Local data files read row by row: JSONL strictly, line by line, and JSON arrays with the same rules;
-Parquet, Arrow and CSV through Hugging Face ``datasets`` in streaming mode (no cache written); a dataset
+Parquet, Arrow and CSV through Hugging Face ``datasets`` in streaming mode (no cache written; image
+features undecoded: ``{"bytes", "path"}``, decoded per batch by ``data/vision.py``); a dataset
 directory's split (a hub dataset's snapshot, ``formats.hub.resolve_dataset``) through
 ``datasets.load_dataset`` the same way. Each row is a ``Record`` (its values and where it came from); the
 built-in tiny dataset and the JSONL writer live here too.
@@ -127,7 +128,7 @@ def _read_with_datasets(path: Path, kind: str) -> Iterator[Record]:
     builder = {"parquet": "parquet", "arrow": "arrow", "csv": "csv"}[kind]
     count = 0
     try:
-        stream = datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True)
+        stream = _undecoded(datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True))
         for count, row in enumerate(stream, start=1):  # noqa: B007
             yield Record(dict(row), f"{path}: row {count}")
     except SlimtuneError:
@@ -137,6 +138,12 @@ def _read_with_datasets(path: Path, kind: str) -> Iterator[Record]:
         raise SlimtuneError(f"{path}: cannot read as {kind} ({type(e).__name__}: {message})") from None
     if count == 0:
         raise SlimtuneError(f"{path}: no examples (the file is empty)")
+
+
+def _undecoded(stream):
+    """``stream`` with its image (and audio) features undecoded: an ``Image`` is ``{"bytes", "path"}``, decoded
+    per batch by ``data/vision.py``; a stream of unknown features (CSV) decodes nothing anyway."""
+    return stream.decode(False) if stream.features is not None else stream
 
 
 def read_dataset(source: DatasetSource) -> Iterator[Record]:
@@ -155,7 +162,7 @@ def read_dataset(source: DatasetSource) -> Iterator[Record]:
         if source.split not in splits:
             named = f" of subset {source.subset!r}" if source.subset else ""
             raise SlimtuneError(f"{label}: no split {source.split!r}{named}; the dataset has {', '.join(splits) or 'none'}")
-        stream = builder.as_streaming_dataset(split=source.split)
+        stream = _undecoded(builder.as_streaming_dataset(split=source.split))
         count = 0
         for count, row in enumerate(stream, start=1):  # noqa: B007
             yield Record(dict(row), f"{label}: row {count}")

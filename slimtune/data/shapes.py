@@ -42,6 +42,7 @@ class Example:
     input_ids: torch.Tensor  # int32, 1-D
     labels: torch.Tensor  # int32, IGNORE_INDEX where the token is not trained on
     position_ids: torch.Tensor | None = None  # packed rows only: restarts at 0 at each document
+    images: tuple = ()  # vision rows: where each image is (data/vision.py's ImageRef), decoded per batch
 
 
 def detect_format(record: Record, wanted: str = "auto") -> str:
@@ -106,7 +107,7 @@ def segments(record: Record, fmt: str, tokenizer) -> list[tuple[str, bool]]:
         messages = _sharegpt(record) if fmt == "sharegpt" else _messages(record, "messages")
         trained = [m["role"] == "assistant" for m in messages]
     if getattr(tokenizer, "chat_template", None):
-        return _templated_segments(record, messages, trained, tokenizer)
+        return templated_segments(record, messages, trained, tokenizer)
     pieces: list[tuple[str, bool]] = [(bos, False)]
     for m, train in zip(messages, trained, strict=True):
         pieces.append((f"<|{m['role']}|>\n", False))
@@ -143,9 +144,12 @@ def _sharegpt(record: Record) -> list[dict[str, str]]:
     return messages
 
 
-def _templated_segments(record: Record, messages: list[dict[str, str]], trained: list[bool], tokenizer) -> list[tuple[str, bool]]:
+def templated_segments(record: Record, messages: list[dict], trained: list[bool], tokenizer) -> list[tuple[str, bool]]:
     """Render growing prefixes of the conversation; what each trained turn adds is trained on. Needs a
-    template whose renderings of prefixes are prefixes of each other (true of the common ones)."""
+    template whose renderings of prefixes are prefixes of each other (true of the common ones).
+    ``tokenizer``: anything with ``apply_chat_template`` (a vision model's processor too).
+
+    Example: ``templated_segments(record, messages, [False, True], tokenizer)`` -> [(prompt, False), (answer, True)]"""
 
     def render(upto: int, generation_prompt: bool) -> str:
         try:

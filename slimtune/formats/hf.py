@@ -18,6 +18,8 @@ if TYPE_CHECKING:
     from slimtune.tensors import StreamTensor
 
 INDEX_NAME = "model.safetensors.index.json"
+# A vision-language model's processor (AutoProcessor): image and video preprocessing, its chat template.
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json", "chat_template.json")
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -28,11 +30,7 @@ TOKENIZER_FILES = (
     "added_tokens.json",
     "chat_template.jinja",
     "generation_config.json",
-    # a vision-language model's processor (AutoProcessor): image and video preprocessing, its chat template
-    "processor_config.json",
-    "preprocessor_config.json",
-    "video_preprocessor_config.json",
-    "chat_template.json",
+    *PROCESSOR_FILES,
 )
 
 

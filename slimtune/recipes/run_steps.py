@@ -56,13 +56,14 @@ from slimtune.generate import Loaded, SamplingOptions, generate, prompt_ids
 from slimtune.gguf.export import export_checkpoint_gguf
 from slimtune.lora import LoRAConfig, lora_modules, lora_parameters
 from slimtune.memory import PeakMemory
-from slimtune.model import load_qlora_model, load_tokenizer, nf4_report, nf4_summary_line, pick_device, pick_dtype
+from slimtune.model import load_processor, load_qlora_model, load_tokenizer, nf4_report, nf4_summary_line, pick_device, pick_dtype
 from slimtune.recipes.run import DevicePlacement, FinetuneResult, Inputs, Run, Span
 from slimtune.runtime import choose_num_threads, compile_decoder_layers, enable_activation_checkpointing
 from slimtune.schedule import warmup_cosine
 from slimtune.tensors import DTYPES
 from slimtune.tiny import byte_tokenizer, make_tiny_checkpoint, tiny_llama_config
 from slimtune.tracking import MetricsLog, Trackers, plot_losses
+from slimtune.vision_families import vision_parts
 
 log = logging.getLogger(__name__)
 
@@ -166,13 +167,19 @@ def read_data(cfg: Config, resume: ResumePoint | None, base: ModelSource) -> Inp
         if not cfg.dataset.create_builtin:
             raise SlimtuneError(f"{dataset_path}: no such dataset file (dataset.path)")
         builtin_rows = builtin_tiny_records()
+    processor = None
     if needs_tiny_base(cfg):  # the embedded model's tokenizer and config, before its files exist
         tokenizer, hf_config = byte_tokenizer(), tiny_llama_config()
     else:
         hf_config = read_model_config(base.path)  # a malformed model directory fails here, before the tokenizer
         tokenizer = load_tokenizer(base.path)
+        if vision_parts(getattr(hf_config, "model_type", "")) and cfg.training.objective == "sft":  # image rows: SFT only
+            processor = load_processor(base.path)
+            if not getattr(tokenizer, "chat_template", None):  # the processor's (chat_template.json): the one chat rows render with
+                tokenizer.chat_template = getattr(processor, "chat_template", None)
     rows = {str(dataset_path): builtin_rows} if builtin_rows is not None else None
-    data = load_data(DataSpec.from_config(cfg), tokenizer, rows=rows, vocab_size=getattr(hf_config, "vocab_size", None))
+    vocab_size = getattr(hf_config.get_text_config(), "vocab_size", None)  # a vision model's: its language model's
+    data = load_data(DataSpec.from_config(cfg), tokenizer, rows=rows, vocab_size=vocab_size, processor=processor)
     if resume is not None:
         check_data(resume, data)
     return Inputs(tokenizer=tokenizer, hf_config=hf_config, data=data, base=base, builtin_rows=builtin_rows)

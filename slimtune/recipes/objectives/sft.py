@@ -34,7 +34,7 @@ class SupervisedObjective(Objective):
         log.info(_summary(run))
 
     def collate(self, run: Run, rows: list, indices: list[int]) -> dict[str, torch.Tensor]:
-        return rank_batch(rows, indices, run.where.ranks, run.inputs.pad_id)
+        return rank_batch(rows, indices, run.where.ranks, run.inputs.pad_id, run.inputs.data.images)
 
     def prepare_step(self, run: Run, batch: list[list[int]]) -> StepBatches:
         examples = run.inputs.data.train

@@ -33,6 +33,7 @@ from slimtune.formats.hub import resolve_model
 from slimtune.formats.layout import ADAPTER_DIR
 from slimtune.formats.merge_source import MergeSource
 from slimtune.generate import SamplingOptions, generate, load_for_generation, prompt_ids
+from slimtune.model import pick_dtype
 from slimtune.recipes.finetune import run_finetune
 from slimtune.tiny import DEMO_TEXTS
 
@@ -119,7 +120,8 @@ def _real_demo(out_dir: Path, base: Path, steps: int, seed: int, targets: list[s
     tokenizer = AutoTokenizer.from_pretrained(str(base))
     prompts = [_chat_ids(tokenizer, m[:1]) for m in shown]
     print(f"{MODEL_NAME} ({base}): its greedy answers and held-out loss before fine-tuning", flush=True)
-    original = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    compute = pick_dtype("auto", torch.device("cpu"))  # the answers and checks: the recipe's dtype on this CPU
+    original = AutoModelForCausalLM.from_pretrained(str(base), dtype=compute)
     before, loss_before = _answers(original, tokenizer, prompts), _held_out_loss(original, tokenizer, rows)
     del original
     count = len(train.read_text().splitlines())
@@ -127,15 +129,13 @@ def _real_demo(out_dir: Path, base: Path, steps: int, seed: int, targets: list[s
     values = dict(REAL_VALUES)
     values.update({"output_dir": str(out_dir), "model.path": str(base), "dataset.path": str(train), "training.max_steps": steps})
     values.update({"seed": seed, "training.total_epochs": 10**6, "overwrite": True})
-    # fp32 on the CPU: torch's bf16 matrix products are fast only where the CPU has AVX-512 (on AVX2 they take
-    # a scalar path, ~20x slower than fp32); the 135M model in fp32 is 0.5 GB. A GPU computes in bf16.
-    values["dtype"] = "auto" if torch.cuda.is_available() else "fp32"
+    values["dtype"] = "auto"  # bf16 on a GPU and on a CPU that multiplies bf16 natively, else fp32 (model.pick_dtype)
     if targets is not None:
         values["lora.target_modules"] = targets
     cfg, run = _train(values, steps)
     ckpt = out_dir / "checkpoint"
     texts = [tokenizer.apply_chat_template(m, tokenize=False) for m in shown]
-    summary, merged = _checks(cfg, run, ckpt, texts, torch.float32)
+    summary, merged = _checks(cfg, run, ckpt, texts, compute)
     after, loss_after = _answers(merged, tokenizer, prompts), _held_out_loss(merged, tokenizer, rows)
     table = [
         {"question": m[0]["content"], "docstring": m[1]["content"], "base": b, "fine_tuned": a}

@@ -443,11 +443,42 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively: x86's AVX512_BF16 or AMX-BF16, Arm's BF16 extension (read
+    from /proc/cpuinfo; Apple silicon counts as having it). Elsewhere torch's bf16 matrix products take a
+    slow path: on an AVX2-only AMD EPYC they took ~18x fp32's time (docs/training.md).
+
+    Example: ``torch.bfloat16 if cpu_has_native_bf16() else torch.float32``"""
+    return _cpu_flags_have_bf16(_cpu_flags())
+
+
+def _cpu_flags() -> set[str] | None:
+    """The CPU's feature flags (x86 ``flags``, Arm ``Features``), or None where /proc/cpuinfo is absent."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return set(value.split())
+    return set()
+
+
+def _cpu_flags_have_bf16(flags: set[str] | None) -> bool:
+    if flags is None:  # no /proc/cpuinfo: macOS (Apple silicon has bf16) or another system (bf16, as before)
+        return True
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    """bf16 where the hardware has it, fp16 (with loss scaling) on GPUs without it."""
+    """``auto``: on a GPU bf16 where it has it, fp16 (with loss scaling) where not; on the CPU bf16 where
+    it multiplies bf16 natively (``cpu_has_native_bf16``), fp32 where not (bf16 there is many times slower).
+
+    Example: ``pick_dtype("auto", torch.device("cpu"))``"""
     if name == "auto":
         if device.type != "cuda":
-            return torch.bfloat16
+            return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
         return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
     if name == "fp16" and device.type != "cuda":
         raise SlimtuneError("dtype fp16 is for GPUs without bf16; on the CPU use bf16 or fp32")

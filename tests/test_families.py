@@ -274,3 +274,16 @@ def test_resolve_targets_and_checkpoint_layout_by_name():
     mixtral = {p.key: p for p in checkpoint_layout(meta_model(tiny_config(family_of("mixtral"))))}
     w2 = mixtral["model.layers.0.block_sparse_moe.experts.1.w2.weight"]
     assert (w2.param, w2.row0, w2.shape, w2.param_shape) == ("model.layers.0.mlp.experts.down_proj", 128, (128, 128), (4, 128, 128))
+
+
+def test_auto_dtype_on_the_cpu_is_bf16_only_where_it_multiplies_bf16_natively(monkeypatch):
+    """model.pick_dtype: bf16 where the CPU has AVX512_BF16 / AMX-BF16 / Arm BF16 (or no /proc/cpuinfo), fp32
+    on an AVX2-only CPU, where torch's bf16 products are many times slower; an explicit dtype is kept."""
+    from slimtune import model as model_module
+
+    cpu = torch.device("cpu")
+    for flags, expected in (({"avx2", "avx512_bf16"}, torch.bfloat16), ({"fp", "asimd", "bf16"}, torch.bfloat16),
+                            ({"avx2", "fma"}, torch.float32), (set(), torch.float32), (None, torch.bfloat16)):  # fmt: skip
+        monkeypatch.setattr(model_module, "_cpu_flags", lambda flags=flags: flags)
+        assert model_module.pick_dtype("auto", cpu) == expected, flags
+        assert model_module.pick_dtype("bf16", cpu) == torch.bfloat16 and model_module.pick_dtype("fp32", cpu) == torch.float32

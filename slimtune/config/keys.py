@@ -331,8 +331,9 @@ class Config:
     device: Literal["auto", "cpu", "cuda"] = setting("auto", "Where to train; auto picks cuda when available, else cpu.")
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = setting(
         "auto",
-        "Compute dtype of the frozen base (NF4 weights are dequantized to it; adapters stay fp32). auto: bf16 on CPU and on GPUs "
-        "with native bf16, fp16 (with loss scaling) on older GPUs.",
+        "Compute dtype of the frozen base (NF4 weights are dequantized to it; adapters stay fp32). auto: bf16 on GPUs with native "
+        "bf16, fp16 (with loss scaling) on older GPUs; on the CPU bf16 where it multiplies bf16 natively (AVX512_BF16, AMX, "
+        "Arm BF16), else fp32.",
     )
     resume: bool = setting(False, "Continue from the newest complete checkpoint in output_dir (starts fresh when there is none).")
     overwrite: bool = setting(False, "Start over when output_dir already holds checkpoints (they are deleted); otherwise that is an error.")

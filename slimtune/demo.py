@@ -224,29 +224,43 @@ def _chat_ids(tokenizer, messages: list[dict]) -> list[int]:
 
 
 def _answers(model, tokenizer, prompts: list[list[int]]) -> list[str]:
-    """Greedy answers of a plain transformers model, ANSWER_TOKENS new tokens at most each."""
-    out = []
+    """Greedy answers of a plain transformers model, ANSWER_TOKENS new tokens at most each: the prompts in
+    one batch, left-padded (one decode step for all of them)."""
     eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.no_grad():
-        for ids in prompts:
-            x = torch.tensor([ids])
-            y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=ANSWER_TOKENS, pad_token_id=eos)
-            out.append(tokenizer.decode(y[0, len(ids) :], skip_special_tokens=True).strip())
-    return out
+        y = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=ANSWER_TOKENS, pad_token_id=eos)
+    return [tokenizer.decode(row[width:], skip_special_tokens=True).strip() for row in y]
+
+
+LOSS_BATCH = 20  # held-out rows per forward of the held-out loss
 
 
 def _held_out_loss(model, tokenizer, rows: list[dict]) -> float:
     """Token-mean cross-entropy of the rows' answers given their questions (chat template; the prompt's
-    tokens are not counted): how likely the model finds the held-out docstrings."""
+    tokens are not counted): how likely the model finds the held-out docstrings. LOSS_BATCH rows a
+    forward, right-padded (the padding masked out and not counted)."""
     total, count = 0.0, 0
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     with torch.no_grad():
-        for row in rows:
-            start = len(_chat_ids(tokenizer, row["messages"][:1]))
-            ids = tokenizer(tokenizer.apply_chat_template(row["messages"], tokenize=False), add_special_tokens=False)["input_ids"]
-            x = torch.tensor([ids])
-            logits = model(input_ids=x).logits[0, start - 1 : -1].float()
-            total += torch.nn.functional.cross_entropy(logits, x[0, start:], reduction="sum").item()
-            count += len(ids) - start
+        for first in range(0, len(rows), LOSS_BATCH):
+            seqs, starts = [], []
+            for row in rows[first : first + LOSS_BATCH]:
+                starts.append(len(_chat_ids(tokenizer, row["messages"][:1])))
+                text = tokenizer.apply_chat_template(row["messages"], tokenize=False)
+                seqs.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+            width = max(len(x) for x in seqs)
+            ids = torch.tensor([x + [pad] * (width - len(x)) for x in seqs])
+            mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in seqs])
+            labels = torch.full_like(ids, -100)
+            for r, (x, start) in enumerate(zip(seqs, starts, strict=True)):
+                labels[r, start : len(x)] = ids[r, start : len(x)]
+                count += len(x) - start
+            logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+            total += torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels[:, 1:], reduction="sum").item()
     return total / count
 
 

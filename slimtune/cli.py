@@ -28,7 +28,8 @@ from slimtune.memory import DEFAULT_SHARD_SIZE, parse_size
 def quiet_library_logs() -> None:
     """The application's logging choice for the libraries slimtune uses (the library itself sets none):
     transformers' warnings and progress bars off; torchao's warning for each optional CUDA kernel it
-    cannot load (none matter for NF4) and torch's pytree notes off."""
+    cannot load (none matter for NF4), bitsandbytes' for its optional CPU kernel from the hub (PEFT imports
+    it; slimtune computes nothing with it) and torch's pytree notes off."""
     import transformers  # lazy
 
     transformers.logging.set_verbosity_error()
@@ -37,7 +38,7 @@ def quiet_library_logs() -> None:
 
     if constants.HF_HUB_DISABLE_PROGRESS_BARS is not True:
         utils.enable_progress_bars("huggingface_hub")
-    for name in ("torchao", "torch.utils._pytree"):
+    for name in ("torchao", "bitsandbytes", "torch.utils._pytree"):
         logging.getLogger(name).setLevel(logging.ERROR)
 
 

@@ -71,8 +71,9 @@ def compare_gguf(ours: Path, theirs: Path) -> dict:
     }
 
 
-def make_trained_vlm(out: Path, tokenizer_dir: Path) -> Path:
-    """The tiny SmolVLM with ``tokenizer_dir``'s tokenizer, fine-tuned 2 steps on image rows: its merged checkpoint."""
+def make_trained_vlm(out: Path, tokenizer_dir: Path, lora_vision: bool = False) -> Path:
+    """The tiny SmolVLM with ``tokenizer_dir``'s tokenizer, fine-tuned 2 steps on image rows (``lora_vision``: LoRA
+    on the vision tower too): its merged checkpoint."""
     import PIL.Image
     from transformers import AutoTokenizer
 
@@ -91,6 +92,7 @@ def make_trained_vlm(out: Path, tokenizer_dir: Path) -> Path:
             f.write(json.dumps({"messages": messages, "images": [image]}) + "\n")
     settings = [f"output_dir={out / 'run'}", f"model.path={base}", "model.create_tiny=false", f"dataset.path={out / 'train.jsonl'}"]
     settings += ["dataset.create_builtin=false", "training.batch_size=2", "training.max_steps=2", "logging.progress_bar=false"]
+    settings += [f"lora.vision={str(lora_vision).lower()}"]
     return run_finetune(load_config("tiny", settings)).checkpoint
 
 
@@ -113,7 +115,7 @@ def _with_text_architecture(ckpt: Path, out: Path) -> Path:
     return out
 
 
-def bench_gguf_vision(out: Path, tokenizer_dir: Path, python: Path | None = None) -> list[dict]:
+def bench_gguf_vision(out: Path, tokenizer_dir: Path, python: Path | None = None, lora_vision: bool = False) -> list[dict]:
     """slimtune's export of the trained tiny SmolVLM and the converter's, compared (``compare_gguf``)."""
     from slimtune.cli import main as slimtune_main
 
@@ -121,7 +123,7 @@ def bench_gguf_vision(out: Path, tokenizer_dir: Path, python: Path | None = None
         raise SystemExit(f"{CONVERTER}: missing; run bash bench/peers/llama_cpp_convert.sh --setup")
     python = python or (PEER_PYTHON if PEER_PYTHON.is_file() else Path(sys.executable))
     out.mkdir(parents=True, exist_ok=True)
-    ckpt = make_trained_vlm(out, tokenizer_dir)
+    ckpt = make_trained_vlm(out, tokenizer_dir, lora_vision)
     started = time.perf_counter()
     assert slimtune_main(["export", str(ckpt), "--type", "f16", "--out", str(out / "model-f16.gguf"), "--overwrite"]) == 0
     ours_s = time.perf_counter() - started
@@ -129,5 +131,6 @@ def bench_gguf_vision(out: Path, tokenizer_dir: Path, python: Path | None = None
     peer_text = _converter(python, _with_text_architecture(ckpt, out / "peer-view"), out / "peer-f16.gguf", mmproj=False)
     rows = [compare_gguf(out / f"model-{n}f16.gguf", out / f"peer-{n}f16.gguf") for n in ("mmproj-", "")]
     for row, peer_s in zip(rows, (peer_mm, peer_text), strict=True):
-        row |= {"slimtune_s_both_files": round(ours_s, 2), "converter_s": round(peer_s, 2), "converter_python": str(python)}
+        row |= {"lora_vision": lora_vision, "slimtune_s_both_files": round(ours_s, 2), "converter_s": round(peer_s, 2)}
+        row["converter_python"] = str(python)
     return rows

@@ -71,9 +71,9 @@ def compare_gguf(ours: Path, theirs: Path) -> dict:
     }
 
 
-def make_trained_vlm(out: Path, tokenizer_dir: Path, lora_vision: bool = False) -> Path:
-    """The tiny SmolVLM with ``tokenizer_dir``'s tokenizer, fine-tuned 2 steps on image rows (``lora_vision``: LoRA
-    on the vision tower too): its merged checkpoint."""
+def make_trained_vlm(out: Path, tokenizer_dir: Path, settings: tuple[str, ...] = ()) -> Path:
+    """The tiny SmolVLM with ``tokenizer_dir``'s tokenizer, fine-tuned 2 steps on image rows (more config
+    ``settings``, e.g. ``lora.vision=true``): its merged checkpoint, under ``out/run``."""
     import PIL.Image
     from transformers import AutoTokenizer
 
@@ -90,9 +90,9 @@ def make_trained_vlm(out: Path, tokenizer_dir: Path, lora_vision: bool = False) 
             user = [{"type": "image"}, {"type": "text", "text": q}]
             messages = [{"role": "user", "content": user}, {"role": "assistant", "content": [{"type": "text", "text": a}]}]
             f.write(json.dumps({"messages": messages, "images": [image]}) + "\n")
-    settings = [f"output_dir={out / 'run'}", f"model.path={base}", "model.create_tiny=false", f"dataset.path={out / 'train.jsonl'}"]
+    settings = [*settings, f"output_dir={out / 'run'}", f"model.path={base}", "model.create_tiny=false"]
+    settings += [f"dataset.path={out / 'train.jsonl'}"]
     settings += ["dataset.create_builtin=false", "training.batch_size=2", "training.max_steps=2", "logging.progress_bar=false"]
-    settings += [f"lora.vision={str(lora_vision).lower()}"]
     return run_finetune(load_config("tiny", settings)).checkpoint
 
 
@@ -123,7 +123,7 @@ def bench_gguf_vision(out: Path, tokenizer_dir: Path, python: Path | None = None
         raise SystemExit(f"{CONVERTER}: missing; run bash bench/peers/llama_cpp_convert.sh --setup")
     python = python or (PEER_PYTHON if PEER_PYTHON.is_file() else Path(sys.executable))
     out.mkdir(parents=True, exist_ok=True)
-    ckpt = make_trained_vlm(out, tokenizer_dir, lora_vision)
+    ckpt = make_trained_vlm(out, tokenizer_dir, (f"lora.vision={str(lora_vision).lower()}",))
     started = time.perf_counter()
     assert slimtune_main(["export", str(ckpt), "--type", "f16", "--out", str(out / "model-f16.gguf"), "--overwrite"]) == 0
     ours_s = time.perf_counter() - started

@@ -7,7 +7,8 @@ llama.cpp itself (llama-cpp-python's mtmd, the multimodal library llama-server a
 - mtmd loads the pair and encodes an image into the same embeddings as transformers' vision tower and
   connector (within f16's bound), and answers an image + text prompt with transformers' logits on the
   same tokens (image features in place of the image tokens) and its greedy token;
-- the Modelfile names both files; bad input is one line, exit 2, nothing written.
+- the Modelfile names both files; ``checkpoint.gguf`` in the run writes the same files; bad input is one
+  line, exit 2, nothing written.
 
 The byte comparison with llama.cpp's own converter (``convert_hf_to_gguf.py --mmproj``) needs the converter,
 which the tests do not have: ``python -m bench gguf-vision`` (docs/gguf.md)."""
@@ -47,7 +48,7 @@ def vlm(tmp_path_factory):
     tokenizer.add_tokens(["<global-img>", "<row_1_col_1>"], special_tokens=True)
     tokenizer.add_tokens(["\n\n"])
     tokenizer.save_pretrained(tokenizer_dir)
-    ckpt = make_trained_vlm(root, tokenizer_dir)
+    ckpt = make_trained_vlm(root, tokenizer_dir, ("checkpoint.gguf=f16",))  # the run writes its GGUF pair too
     out = root / "export" / "model-f16.gguf"
     out.parent.mkdir()
     assert slimtune_main(["export", str(ckpt), "--type", "f16", "--out", str(out)]) == 0
@@ -84,6 +85,8 @@ def test_both_files_hold_the_checkpoint_tensors_under_llama_cpp_names(vlm):
     assert gguf.GGUFReader(vlm["model"]).fields["general.architecture"].contents() == "llama"
     lines = (vlm["model"].parent / "Modelfile").read_text().splitlines()
     assert lines[:2] == ["FROM ./model-f16.gguf", "FROM ./model-mmproj-f16.gguf"]
+    for name in ("model-f16.gguf", "model-mmproj-f16.gguf", "Modelfile"):  # checkpoint.gguf at the end of the run: the same files
+        assert (vlm["root"] / "run" / name).read_bytes() == (vlm["model"].parent / name).read_bytes(), name
 
 
 def _chunks(ctx, prompt: bytes, image: np.ndarray):

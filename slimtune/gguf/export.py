@@ -407,24 +407,32 @@ def export_gguf(out: Path, options: GGUFOptions, source: MergeSource) -> GGUFRes
             seconds = time.perf_counter() - started
             side = None if mm is None else GGUFResult(mm.path, options.mmproj_type, len(mm.plan.slots), mm.size(), seconds, None, mm.plan)
             return GGUFResult(out, options.type, len(plan.slots), planned_size(arch, kv, plan), seconds, None, plan, side)
-        sizes = []
-
-        def then() -> None:  # the text file is complete: the mmproj (if any), then the hashes, before any rename
-            if mm is not None:
-                sizes.append(write_gguf(mm.path, mm.vision, mm.kv, mm.plan, options, lambda: checks_done(*source.checks)))
-            else:
-                checks_done(*source.checks)
-
         try:
-            size = write_gguf(out, arch, kv, plan, options, then)
+            size, mm_size = _write_files(out, (arch, kv, plan), mm, options, source.checks)
         except SlimtuneError:
             checks_done(*source.checks)  # damaged bytes are the cause of what they made fail: say so
             raise
     projector = None if mm is None else mm.path
     modelfile = write_modelfile(out, source.model_dir, template, source.record.get("system_prompt"), projector=projector)
     seconds = time.perf_counter() - started
-    side = None if mm is None else GGUFResult(mm.path, options.mmproj_type, len(mm.plan.slots), sizes[0], seconds, None, mm.plan)
+    side = None if mm is None else GGUFResult(mm.path, options.mmproj_type, len(mm.plan.slots), mm_size, seconds, None, mm.plan)
     return GGUFResult(out, options.type, len(plan.slots), size, seconds, modelfile, plan, side)
+
+
+def _write_files(out: Path, model: tuple, mm: _MmprojPlan | None, options: GGUFOptions, checks: tuple) -> tuple[int, int | None]:
+    """The model's file (``model``: its arch, metadata and plan), then the mmproj file if any, each complete
+    in its temporary sibling, then the sources' hashes; only then the mmproj and the model's file are
+    renamed into place. Returns both sizes (None: no mmproj)."""
+    sizes = []
+
+    def then() -> None:  # the model's file is complete: the mmproj (if any), then the hashes, before any rename
+        if mm is not None:
+            sizes.append(write_gguf(mm.path, mm.vision, mm.kv, mm.plan, options, lambda: checks_done(*checks)))
+        else:
+            checks_done(*checks)
+
+    size = write_gguf(out, *model, options, then)
+    return size, sizes[0] if sizes else None
 
 
 @dataclass(frozen=True)

@@ -166,3 +166,43 @@ def test_unsupported_vision_exports_are_one_line_exit_2(vlm, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "'qwen2_5_vl'" in err and "idefics3 only" in err
     assert not out.exists() and not out.with_name("a-mmproj-f16.gguf").exists()
+
+
+def _edited(vlm, tmp_path, config=None, processor=None, drop: str | None = None):
+    """A copy of the merged checkpoint (without its manifest) with config.json's / processor_config.json's
+    entries replaced by ``config`` / ``processor`` ({"vision_config.patch_size": 8}) and ``drop`` removed."""
+    d = tmp_path / "ckpt"
+    shutil.copytree(vlm["ckpt"], d, ignore=shutil.ignore_patterns("slimtune_manifest.json", "adapter", "train_state"))
+    for name, edits in (("config.json", config), ("processor_config.json", processor)):
+        spec = json.loads((d / name).read_text())
+        for dotted, value in (edits or {}).items():
+            *path, key = dotted.split(".")
+            node = spec
+            for part in path:
+                node = node[part]
+            node[key] = value
+        (d / name).write_text(json.dumps(spec))
+    if drop:
+        (d / drop).unlink()
+    return d
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (dict(drop="processor_config.json"), "no preprocessor_config.json or processor_config.json"),
+        (dict(processor={"image_processor.image_mean": [0.5, 0.5]}), "processor_config.json: image_mean must be a list of 3 numbers"),
+        (dict(config={"vision_config.num_hidden_layers": 3}), "num_hidden_layers is 3, the checkpoint holds vision blocks [0, 1]"),
+        (dict(config={"vision_config.intermediate_size": 96}), "mmproj tensor v.blk.0.ffn_up.weight is [128, 64]"),
+        (dict(config={"scale_factor": 4}), "mmproj tensor mm.model.fc.weight is [128, 256]"),
+    ],
+    ids=["no-processor-config", "image-mean", "blocks", "mlp-width", "scale-factor"],
+)
+def test_bad_vision_inputs_are_one_line_exit_2(vlm, tmp_path, capsys, edit, expected):
+    """What llama.cpp would compute wrongly or refuse (the image statistics, shapes its metadata implies) is
+    one line naming the file and key, exit 2, neither file written."""
+    src, out = _edited(vlm, tmp_path, **edit), tmp_path / "m.gguf"
+    assert slimtune_main(["export", str(src), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and expected in err, err
+    assert not out.exists() and not out.with_name("m-mmproj-f16.gguf").exists()

@@ -452,6 +452,7 @@ def _mmproj_plan(out: Path, options: GGUFOptions, vision: VisionExport, stream: 
     if path.exists() and not options.overwrite and not options.dry_run:
         raise SlimtuneError(f"{path} already exists; pass --overwrite to replace it")
     tensors = vision.tensors(stream)
+    vision.check_tensors(tensors)
     plan = plan_slots(tensors, vision.qtypes(tensors, options.mmproj_type), options.mmproj_type)
     return _MmprojPlan(path, vision, vision.kv(options.mmproj_type), plan)
 

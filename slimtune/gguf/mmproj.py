@@ -120,6 +120,35 @@ class VisionExport:
             raise SlimtuneError(f"{self.where}: a {self.model_type} model, but the checkpoint holds no vision tensors")
         return out
 
+    def check_tensors(self, tensors: list[tuple[str, StreamTensor]]) -> None:
+        """The mmproj tensors against the shapes llama.cpp computes from the file's metadata (``kv``), before a
+        byte is written: blocks 0..n-1 and no other, the patch and position embeddings, each block's
+        projections and the projector's input (the tower's width times the pixel shuffle's scale squared)."""
+        v, where = self.vision, self.where
+        n = {k: _number(v.get(k), f"vision_config.{k}", where) for k in _VISION_COUNTS}
+        width, ff, patch = n["hidden_size"], n["intermediate_size"], n["patch_size"]
+        scale = _number(self.cfg.get("scale_factor", 2), "scale_factor", where)
+        text = _number(self.text.get("hidden_size"), "text_config.hidden_size", where)
+        shapes = {t.name: tuple(t.shape) for _, t in tensors}
+        held = sorted({int(name.split(".")[2]) for name in shapes if name.startswith("v.blk.")})
+        if held != list(range(self.blocks)):
+            raise SlimtuneError(f"{where}: vision_config.num_hidden_layers is {self.blocks}, the checkpoint holds vision blocks {held}")
+        want = {
+            "v.patch_embd.weight": (width, v.get("num_channels", 3), patch, patch),
+            "v.position_embd.weight": ((n["image_size"] // patch) ** 2, width),
+            "mm.model.fc.weight": (text, width * scale * scale),
+        }
+        for i in held:
+            want |= {f"v.blk.{i}.attn_{x}.weight": (width, width) for x in ("q", "k", "v", "out")}
+            want |= {f"v.blk.{i}.ffn_up.weight": (ff, width), f"v.blk.{i}.ffn_down.weight": (width, ff)}
+        for name, shape in want.items():
+            if shapes.get(name) != shape:
+                found = "is missing" if name not in shapes else f"is {list(shapes[name])}"
+                raise SlimtuneError(
+                    f"{where}: mmproj tensor {name} {found}; vision_config (image_size, patch_size, hidden_size, intermediate_size), "
+                    f"scale_factor and text_config.hidden_size need {list(shape)}"
+                )
+
     def qtypes(self, tensors: list[tuple[str, StreamTensor]], type_name: str) -> list[gguf.GGMLQuantizationType]:
         """Each tensor's GGML type in an mmproj file of ``type_name``, as the converter chooses it: the
         embeddings (patch and position), 1-D tensors and norms F32; every other tensor the file's type,

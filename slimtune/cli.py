@@ -18,7 +18,7 @@ import traceback
 from pathlib import Path
 
 from slimtune.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_OK, EXIT_PROBLEMS, REPORT_HINT, SlimtuneError
-from slimtune.formats.gguf_types import ADAPTER_TYPES, types_help
+from slimtune.formats.gguf_types import ADAPTER_TYPES, MMPROJ_TYPES, types_help
 from slimtune.formats.merge_source import MERGE_BASES, MergeSource
 from slimtune.formats.strict_json import safe_text
 from slimtune.logs import configure_logging
@@ -135,7 +135,7 @@ def cmd_export(args: argparse.Namespace) -> None:
     # beside the checkpoint, as checkpoint.gguf writes it: a file inside would not be in its manifest
     stem = "adapter" if args.adapter_only else "model"
     out = args.out or (args.src or args.adapter).resolve().parent / f"{stem}-{args.type}.gguf"
-    options = GGUFOptions(args.type, args.overwrite, dry_run=args.dry_run)
+    options = GGUFOptions(args.type, args.overwrite, dry_run=args.dry_run, mmproj_type=args.mmproj_type)
     source = MergeSource.from_args(args)
     if args.adapter_only:
         from slimtune.gguf.adapter import export_gguf_adapter
@@ -145,15 +145,15 @@ def cmd_export(args: argparse.Namespace) -> None:
         if args.base_gguf is not None:
             raise SlimtuneError("export: --base-gguf names the base of an --adapter-only file's Modelfile; add --adapter-only")
         result = export_gguf(out, options, source)
+    files = [result] + ([result.mmproj] if getattr(result, "mmproj", None) is not None else [])
     if args.dry_run:
-        for slot in result.plan.slots:
-            print(f"{slot.source.name:<40} {slot.qtype.name:<5} {'x'.join(map(str, slot.source.shape)):>14} {slot.nbytes:>14,d} bytes")
-        print(f"{result.path}: {args.type}, {result.tensors} tensors, {result.bytes:,d} bytes (dry run: nothing written)")
+        for r in files:
+            for slot in r.plan.slots:
+                print(f"{slot.source.name:<40} {slot.qtype.name:<5} {'x'.join(map(str, slot.source.shape)):>14} {slot.nbytes:>14,d} bytes")
+            print(f"{r.path}: {r.type}, {r.tensors} tensors, {r.bytes:,d} bytes (dry run: nothing written)")
         return
-    print(
-        f"wrote {result.path}: {args.type}, {result.tensors} tensors, {result.bytes:,d} bytes in {result.seconds:.1f} s, "
-        f"peak RSS {peak_rss_mb():.0f} MB"
-    )
+    for r in files:
+        print(f"wrote {r.path}: {r.type}, {r.tensors} tensors, {r.bytes:,d} bytes in {r.seconds:.1f} s, peak RSS {peak_rss_mb():.0f} MB")
     if result.modelfile is not None:
         print(f"wrote {result.modelfile} (ollama create NAME -f {result.modelfile})")
 
@@ -289,6 +289,13 @@ def _add_export(sub) -> None:
         help=f"{types_help()} (default: f16)",
     )
     export.add_argument("--out", type=Path, default=None, help="output file (default: model-TYPE.gguf beside SRC)")
+    export.add_argument(
+        "--mmproj-type",
+        choices=list(MMPROJ_TYPES),
+        default="f16",
+        help="a vision-language model's mmproj file (vision tower + projector, beside --out as NAME-mmproj-TYPE.gguf): "
+        "f32, f16, bf16 or q8_0 (default: f16)",
+    )
     _source_args(export, "base model (a directory or hub id), to merge an adapter on the fly")
     export.add_argument("--overwrite", action="store_true", help="replace an existing output file (atomically, once complete)")
     export.add_argument("--dry-run", action="store_true", help="print each tensor's GGML type and the file's size; write nothing")

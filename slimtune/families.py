@@ -80,13 +80,13 @@ VISION_FAMILIES: tuple[Family, ...] = (
         "Qwen2.5-VL",
         "qwen2_5_vl",
         notes="`Qwen2_5_VLForConditionalGeneration`; vision tower and merger frozen in the base dtype (`LoRAConfig.vision`: "
-        "LoRA on the tower's linears too); image rows need its full processor (torchvision; not tested here); GGUF mmproj not yet",
+        "LoRA on the tower's linears too); image rows need its full processor (torchvision; not tested here); no GGUF (refused)",
     ),
     Family(
         "SmolVLM / Idefics3",
         "idefics3",
         notes="`Idefics3ForConditionalGeneration`; vision encoder and connector frozen in the base dtype (`LoRAConfig.vision`: "
-        "LoRA on the encoder's linears too); `finetune` on image + text rows, `generate --image`; GGUF mmproj not yet",
+        "LoRA on the encoder's linears too); `finetune` on image + text rows, `generate --image`; GGUF + mmproj",
     ),
 )
 

@@ -97,12 +97,13 @@ def make_tiny_checkpoint(out_dir: str | Path, seed: int = 0, **config_overrides)
     return out_dir
 
 
-def make_tiny_vision_checkpoint(out_dir: str | Path, seed: int = 0, **config_overrides) -> Path:
+def make_tiny_vision_checkpoint(out_dir: str | Path, seed: int = 0, tokenizer=None, **config_overrides) -> Path:
     """Write a randomly initialised tiny SmolVLM (transformers' Idefics3 at the test widths of
     ``vision_families.TINY``) in Hugging Face format, bf16, with its processor made locally (no network):
     the byte tokenizer plus the image tokens, Idefics3's image processor at 64 x 64 pixels, unsplit
     (every image is 4 image tokens, from PIL and numpy alone), and ``TINY_VISION_CHAT_TEMPLATE``.
-    Written atomically, as ``make_tiny_checkpoint``.
+    Written atomically, as ``make_tiny_checkpoint``. ``tokenizer``: another text tokenizer to add the image
+    tokens to (a ``PreTrainedTokenizerFast``; the byte tokenizer by default).
 
     Example: ``make_tiny_vision_checkpoint("runs/vlm-base")`` then ``AutoProcessor.from_pretrained("runs/vlm-base")``"""
     from transformers import AutoModelForImageTextToText, Idefics3ImageProcessorPil, Idefics3Processor
@@ -110,13 +111,18 @@ def make_tiny_vision_checkpoint(out_dir: str | Path, seed: int = 0, **config_ove
     from slimtune.vision_families import IMAGE_TOKENS
 
     out_dir = Path(out_dir)
-    tokenizer = byte_tokenizer()
+    tokenizer = byte_tokenizer() if tokenizer is None else tokenizer
     tokenizer.add_tokens([name for name, _ in IMAGE_TOKENS["idefics3"]], special_tokens=True)
     size = {"longest_edge": TINY_IMAGE_SIZE}
     images = Idefics3ImageProcessorPil(size=size, max_image_size=size, do_image_splitting=False)
     processor = Idefics3Processor(images, tokenizer, image_seq_len=4, chat_template=TINY_VISION_CHAT_TEMPLATE)
     config = family_tiny_config(family_of("idefics3"), **config_overrides)
     config.text_config.vocab_size = len(processor.tokenizer)  # the processor adds <end_of_utterance>: every token has a row
+    config.image_token_id = processor.tokenizer.convert_tokens_to_ids(IMAGE_TOKENS["idefics3"][0][0])
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # the tokenizer's own (another tokenizer's differ)
+        token_id = getattr(processor.tokenizer, key, None)
+        if token_id is not None:
+            setattr(config.text_config, key, token_id)
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config).to(torch.bfloat16)
     with os_errors("write the tiny vision model", out_dir), atomic_directory(out_dir, overwrite=True) as tmp:

@@ -294,7 +294,8 @@ class CheckpointSection:
     )
     gguf: GgufType | None = setting(  # the names of `slimtune export --type` (slimtune.formats.gguf_types)
         None,
-        "Also write model-TYPE.gguf (+ an Ollama Modelfile) beside the run's final checkpoint, for llama.cpp/Ollama (docs/gguf.md).",
+        "Also write model-TYPE.gguf (+ an Ollama Modelfile; a vision model's model-mmproj-f16.gguf) beside the run's final "
+        "checkpoint, for llama.cpp/Ollama (docs/gguf.md).",
     )
     gguf_verify: bool = setting(
         True,

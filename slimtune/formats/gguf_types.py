@@ -26,6 +26,10 @@ ADAPTER_TYPES = ("f32", "f16", "bf16", "q8_0")
 """The types of a GGUF LoRA adapter (``--adapter-only``): those convert_lora_to_gguf.py writes (--outtype);
 a row q8_0's blocks do not divide falls back to F16, as there."""
 
+MMPROJ_TYPES = ADAPTER_TYPES
+"""The types of a vision-language model's mmproj file (``--mmproj-type``): convert_hf_to_gguf.py's --outtype
+choices, as for an adapter (f16 is what llama.cpp's published mmproj files hold)."""
+
 GgufType = Literal[TYPE_NAMES]  # type: ignore[valid-type]  # the same as Literal["f32", "f16", ...]
 """A config key that takes one of ``TYPE_NAMES``."""
 

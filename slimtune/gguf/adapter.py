@@ -44,6 +44,7 @@ from slimtune.gguf.export import TYPES, GGUFOptions, GGUFResult, plan_slots, pla
 from slimtune.gguf.vocab import modelfile_path, write_modelfile
 from slimtune.merge import adapter_targets, check_fits
 from slimtune.tensors import StreamTensor
+from slimtune.vision_families import vision_parts
 
 Q = gguf.GGMLQuantizationType
 T = gguf.GGUFValueType
@@ -131,6 +132,11 @@ def export_gguf_adapter(out: Path, options: GGUFOptions, source: MergeSource, ba
     check = read_check(lora.path, source.verify and not options.dry_run)
     reader = BaseCheckpoint(base)
     try:
+        if vision_parts(reader.config.get("model_type")) is not None:
+            raise SlimtuneError(
+                f"{reader.dir / 'config.json'}: --adapter-only of a vision-language model is not supported; "
+                "export the merged model (its GGUF and mmproj) without --adapter-only"
+            )
         arch = gguf_arch(reader.config, str(reader.dir / "config.json"))
         tensors = adapter_tensors(lora, reader, arch)
         plan = plan_slots(tensors, _adapter_types(tensors, options.type), options.type)

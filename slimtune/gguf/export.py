@@ -36,7 +36,7 @@ from slimtune.diskio import DEFAULT_CHUNK_BYTES, DEFAULT_INFLIGHT_BYTES, DirectA
 from slimtune.errors import SlimtuneError
 from slimtune.fileio import atomic_file, check_free_space, os_errors
 from slimtune.formats.base_checkpoint import BaseCheckpoint
-from slimtune.formats.gguf_types import PLAIN_TYPES, TYPE_NAMES
+from slimtune.formats.gguf_types import MMPROJ_TYPES, PLAIN_TYPES, TYPE_NAMES
 from slimtune.formats.hf import export_config_dict, read_model_config
 from slimtune.formats.layout import CheckpointLayout
 from slimtune.formats.manifest import ReadCheck, checks_done, read_check
@@ -45,6 +45,7 @@ from slimtune.gguf import ggml
 from slimtune.gguf.arch import GGUFArch, gguf_arch
 from slimtune.gguf.header import TensorInfo, write_head
 from slimtune.gguf.mix import MIXES, MixModel, mix_types
+from slimtune.gguf.mmproj import VisionExport, mmproj_path, vision_export
 from slimtune.gguf.vocab import vocab_fields, write_modelfile
 from slimtune.merge import MergeBase, merged_file_stream
 from slimtune.tensors import StreamTensor, all_finite, dtype_size, row_chunks, scalar_source
@@ -76,6 +77,8 @@ class GGUFOptions:
     progress: bool = False
     dry_run: bool = False
     """Plan only: the result holds the plan and the file's size; nothing is written."""
+    mmproj_type: str = "f16"
+    """A vision-language model's mmproj file (``slimtune.gguf.mmproj``): one of ``MMPROJ_TYPES``."""
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,8 @@ class GGUFResult:
     seconds: float
     modelfile: Path | None
     plan: GGUFPlan | None = None
+    mmproj: GGUFResult | None = None
+    """A vision-language model's mmproj file (its path, tensors, bytes and plan), written beside ``path``."""
 
 
 def _pad(n: int, align: int) -> int:
@@ -368,19 +373,27 @@ def _with_norm_eps(cfg: dict, hf_config) -> dict:
 def export_gguf(out: Path, options: GGUFOptions, source: MergeSource) -> GGUFResult:
     """Write the merged model of ``source`` (a checkpoint's merged model, or an adapter merged into its
     base) as one GGUF file at ``out``, with the tokenizer's vocabulary and chat template, and a Modelfile
-    beside it for Ollama.
+    beside it for Ollama. A vision-language model's language model goes to ``out`` and its vision tower and
+    projector to the mmproj file beside it (``slimtune.gguf.mmproj``; ``GGUFResult.mmproj``), from the same
+    stream; neither file is renamed into place before both are complete and the sources' hashes matched.
     Example: ``export_gguf(Path("m.gguf"), GGUFOptions("bf16"), MergeSource(Path("base"), Path("run/step-000010")))``"""
     out = Path(out)
     _check_type(options.type)
+    if options.mmproj_type not in MMPROJ_TYPES:
+        raise SlimtuneError(f"mmproj type {options.mmproj_type!r}: expected one of {', '.join(MMPROJ_TYPES)}")
     if out.exists() and not options.overwrite and not options.dry_run:
         raise SlimtuneError(f"{out} already exists; pass --overwrite to replace it")
     started = time.perf_counter()
     with open_source(replace(source, verify=source.verify and not options.dry_run)) as source:
         hf_config = read_model_config(source.config_dir)
-        arch = gguf_arch(_with_norm_eps(source.config, hf_config), str(source.model_dir / "config.json"))
-        tensors = gguf_tensors(arch, source.stream)
+        where = str(source.model_dir / "config.json")
+        vision = vision_export(source.config, [source.model_dir, source.config_dir], where)
+        text_config = source.config if vision is None else vision.text_config()
+        arch = gguf_arch(_with_norm_eps(text_config, hf_config), where)
+        tensors = gguf_tensors(arch, source.stream if vision is None else vision.text_part(source.stream))
         arch.check_tensors([g for _, g in tensors])
         plan = plan_gguf(tensors, options.type, MixModel(arch.name, arch.layers, arch.heads, arch.kv_heads, arch.experts))
+        mm = None if vision is None else _mmproj_plan(out, options, vision, source.stream)
         template = source.record.get("chat_template")
         with _collector_paused():
             kv = [
@@ -391,15 +404,57 @@ def export_gguf(out: Path, options: GGUFOptions, source: MergeSource) -> GGUFRes
                 *vocab_fields(source.model_dir, hf_config, template),
             ]
         if options.dry_run:
-            size = planned_size(arch, kv, plan)
-            return GGUFResult(out, options.type, len(plan.slots), size, time.perf_counter() - started, None, plan)
+            seconds = time.perf_counter() - started
+            side = None if mm is None else GGUFResult(mm.path, options.mmproj_type, len(mm.plan.slots), mm.size(), seconds, None, mm.plan)
+            return GGUFResult(out, options.type, len(plan.slots), planned_size(arch, kv, plan), seconds, None, plan, side)
         try:
-            size = write_gguf(out, arch, kv, plan, options, lambda: checks_done(*source.checks))
+            size, mm_size = _write_files(out, (arch, kv, plan), mm, options, source.checks)
         except SlimtuneError:
             checks_done(*source.checks)  # damaged bytes are the cause of what they made fail: say so
             raise
-    modelfile = write_modelfile(out, source.model_dir, template, source.record.get("system_prompt"))
-    return GGUFResult(out, options.type, len(plan.slots), size, time.perf_counter() - started, modelfile, plan)
+    projector = None if mm is None else mm.path
+    modelfile = write_modelfile(out, source.model_dir, template, source.record.get("system_prompt"), projector=projector)
+    seconds = time.perf_counter() - started
+    side = None if mm is None else GGUFResult(mm.path, options.mmproj_type, len(mm.plan.slots), mm_size, seconds, None, mm.plan)
+    return GGUFResult(out, options.type, len(plan.slots), size, seconds, modelfile, plan, side)
+
+
+def _write_files(out: Path, model: tuple, mm: _MmprojPlan | None, options: GGUFOptions, checks: tuple) -> tuple[int, int | None]:
+    """The model's file (``model``: its arch, metadata and plan), then the mmproj file if any, each complete
+    in its temporary sibling, then the sources' hashes; only then the mmproj and the model's file are
+    renamed into place. Returns both sizes (None: no mmproj)."""
+    sizes = []
+
+    def then() -> None:  # the model's file is complete: the mmproj (if any), then the hashes, before any rename
+        if mm is not None:
+            sizes.append(write_gguf(mm.path, mm.vision, mm.kv, mm.plan, options, lambda: checks_done(*checks)))
+        else:
+            checks_done(*checks)
+
+    size = write_gguf(out, *model, options, then)
+    return size, sizes[0] if sizes else None
+
+
+@dataclass(frozen=True)
+class _MmprojPlan:
+    path: Path
+    vision: VisionExport
+    kv: list[tuple]
+    plan: GGUFPlan
+
+    def size(self) -> int:
+        return planned_size(self.vision, self.kv, self.plan)
+
+
+def _mmproj_plan(out: Path, options: GGUFOptions, vision: VisionExport, stream: list[StreamTensor]) -> _MmprojPlan:
+    """The mmproj file of a vision-language model: its path beside ``out``, metadata and plan."""
+    path = mmproj_path(out, options.type, options.mmproj_type)
+    if path.exists() and not options.overwrite and not options.dry_run:
+        raise SlimtuneError(f"{path} already exists; pass --overwrite to replace it")
+    tensors = vision.tensors(stream)
+    vision.check_tensors(tensors)
+    plan = plan_slots(tensors, vision.qtypes(tensors, options.mmproj_type), options.mmproj_type)
+    return _MmprojPlan(path, vision, vision.kv(options.mmproj_type), plan)
 
 
 def export_checkpoint_gguf(checkpoint: Path, type_name: str, base: Path, verify: bool = True) -> GGUFResult:

@@ -342,19 +342,27 @@ class _Turns:
 
 
 def write_modelfile(
-    gguf_path: str | Path, model_dir: str | Path, chat_template: str | None, system_prompt: str | None = None, base_gguf: str | None = None
+    gguf_path: str | Path,
+    model_dir: str | Path,
+    chat_template: str | None,
+    system_prompt: str | None = None,
+    base_gguf: str | None = None,
+    projector: Path | None = None,
 ) -> Path:
     """Write ``Modelfile`` beside ``gguf_path`` for ``ollama create NAME -f Modelfile``: ``FROM`` the GGUF,
     ``TEMPLATE`` (the chat template translated to Go where it wraps each message alike, checked by
     rendering both), ``PARAMETER stop`` for the template's end-of-turn token and EOS, and ``SYSTEM``
     (``system_prompt``, else the system message the template inserts by default). Atomic. Returns its path.
-    With ``base_gguf``, ``gguf_path`` is a LoRA adapter: ``FROM base_gguf`` and ``ADAPTER ./gguf_path``.
+    With ``base_gguf``, ``gguf_path`` is a LoRA adapter: ``FROM base_gguf`` and ``ADAPTER ./gguf_path``. With
+    ``projector`` (a vision-language model's mmproj file beside it), a second ``FROM`` names it, as Ollama
+    takes a vision model's projector.
 
     Example: ``write_modelfile(out / "model-q8_0.gguf", ckpt, template)  # -> out/Modelfile``"""
     gguf_path = Path(gguf_path)
     tokenizer = _load_tokenizer(Path(model_dir))
     turns = _turns(tokenizer, chat_template) if chat_template else None
     lines = [f"FROM ./{gguf_path.name}"] if base_gguf is None else [f"FROM {modelfile_path(base_gguf)}", f"ADAPTER ./{gguf_path.name}"]
+    lines += [] if projector is None else [f"FROM ./{Path(projector).name}"]
     if turns is not None:
         lines.append(f'TEMPLATE """{_triple_quoted(turns.go_template(), "TEMPLATE")}"""')
     elif chat_template:

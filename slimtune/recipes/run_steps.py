@@ -458,6 +458,8 @@ def finish(run: Run) -> FinetuneResult:
     if run.cfg.checkpoint.gguf and result.checkpoint is not None and step == total and run.where.ranks.is_coordinator:
         g = export_checkpoint_gguf(result.checkpoint, run.cfg.checkpoint.gguf, run.inputs.base.path, run.cfg.checkpoint.gguf_verify)
         log.info(f"wrote {g.path} ({g.type}, {g.tensors} tensors, {g.bytes:,} bytes, {g.seconds:.1f} s) and {g.modelfile}")
+        if g.mmproj is not None:
+            log.info(f"wrote {g.mmproj.path} (the vision tower and projector, {g.mmproj.type}, {g.mmproj.bytes:,} bytes)")
     gpu = f"; peak GPU memory {result.peak_gpu_mb:.0f} MB" if result.peak_gpu_mb is not None else ""
     log.info(f"peak RSS of the run: {result.peak_rss_mb:.0f} MB{gpu}")
     return result

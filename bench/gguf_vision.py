@@ -1,0 +1,136 @@
+"""``python -m bench gguf-vision --out DIR``: slimtune's GGUF + mmproj of a tiny SmolVLM (Idefics3) against
+llama.cpp's own converter (``convert_hf_to_gguf.py`` and ``--mmproj``) on the same merged checkpoint.
+
+The checkpoint: ``make_tiny_vision_checkpoint`` with SmolLM2's tokenizer (the converter cannot name the
+byte-level fallback's pre-tokenizer) plus the image tokens, fine-tuned 2 steps on image rows by
+``slimtune finetune`` (QLoRA, merged save). slimtune exports it (``--type f16``, mmproj f16); the converter
+runs on the same directory, once with ``--mmproj`` and once for the language model. The converter picks its
+text class from ``text_config.architectures``, which SmolVLM's published configs carry
+(``VLlama3ForCausalLM``) and transformers' Idefics3 config does not write: its text run reads a copy of the
+directory whose config.json has that one key added (the weights linked, not copied).
+
+Prints one JSON line per file: metadata keys that differ (apart from the general.* keys only the converter writes
+(``general.name``, ``general.size_label``, ...), which it makes up from the directory name and the parameter
+count, and from a model card: every general.* key but architecture, type, file_type and
+quantization_version), tensors (name, type, shape, order) and their data bytes, and whether the data sections and whole
+files are byte-identical. Needs the converter extracted (``bash bench/peers/llama_cpp_convert.sh --setup``
+or its ``llama.cpp/`` folder) and the real model's tokenizer (``make real-model``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import gguf
+
+CONVERTER = Path(__file__).resolve().parent / "peers" / "llama.cpp" / "convert_hf_to_gguf.py"
+PEER_PYTHON = Path(__file__).resolve().parent / "peers" / ".venv-llamacpp" / "bin" / "python"
+GENERAL_KEYS = ("general.architecture", "general.type", "general.file_type", "general.quantization_version")
+"""The general.* keys slimtune writes; the converter's other general.* keys (name, basename, version, size label,
+tags, base models) are made up from the directory's name, the parameter count and a model card."""
+
+
+def _named(key: str) -> bool:
+    return key.startswith("general.") and key not in GENERAL_KEYS
+
+
+def compare_gguf(ours: Path, theirs: Path) -> dict:
+    """Two GGUF files field by field and tensor by tensor: metadata (values, types and order) apart from the
+    converter's own general.* keys (``_named``), tensor infos, each tensor's bytes, the data sections and
+    the whole files."""
+    a, b = gguf.GGUFReader(ours), gguf.GGUFReader(theirs)
+
+    def fields(r: gguf.GGUFReader) -> dict:
+        return {k: ([int(t) for t in f.types], f.contents()) for k, f in r.fields.items() if not k.startswith("GGUF.") and not _named(k)}
+
+    fa, fb = fields(a), fields(b)
+    infos = [[(t.name, t.tensor_type.name, [int(n) for n in t.shape]) for t in r.tensors] for r in (a, b)]
+    same_data = sum(x.data.tobytes() == y.data.tobytes() for x, y in zip(a.tensors, b.tensors, strict=False))
+    sections = [Path(p).read_bytes()[r.tensors[0].data_offset :] if r.tensors else b"" for p, r in ((ours, a), (theirs, b))]
+    return {
+        "file": Path(ours).name,
+        "peer_file": Path(theirs).name,
+        "bytes": [Path(ours).stat().st_size, Path(theirs).stat().st_size],
+        "only_peer_general_keys": sorted(k for k in b.fields if _named(k)),
+        "metadata_keys_compared": len(fb),
+        "metadata_missing": sorted(fb.keys() - fa.keys()),
+        "metadata_extra": sorted(fa.keys() - fb.keys()),
+        "metadata_differ": sorted(k for k in fa.keys() & fb.keys() if fa[k] != fb[k]),
+        "metadata_order_equal": list(fa) == list(fb),
+        "tensor_infos_equal": infos[0] == infos[1],
+        "tensors": len(infos[1]),
+        "tensor_bytes_equal": same_data,
+        "data_section_identical": sections[0] == sections[1],
+        "data_section_sha256": hashlib.sha256(sections[0]).hexdigest()[:16],
+        "file_identical": Path(ours).read_bytes() == Path(theirs).read_bytes(),
+    }
+
+
+def make_trained_vlm(out: Path, tokenizer_dir: Path, settings: tuple[str, ...] = ()) -> Path:
+    """The tiny SmolVLM with ``tokenizer_dir``'s tokenizer, fine-tuned 2 steps on image rows (more config
+    ``settings``, e.g. ``lora.vision=true``): its merged checkpoint, under ``out/run``."""
+    import PIL.Image
+    from transformers import AutoTokenizer
+
+    from slimtune.config import load_config
+    from slimtune.recipes.finetune import run_finetune
+    from slimtune.tiny import make_tiny_vision_checkpoint
+
+    base = make_tiny_vision_checkpoint(out / "base", tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir))
+    PIL.Image.new("RGB", (48, 40), (220, 30, 30)).save(out / "red.png")
+    PIL.Image.new("RGB", (30, 60), (30, 30, 220)).save(out / "blue.png")
+    rows = [("Color?", "Red.", "red.png"), ("Color?", "Blue.", "blue.png")] * 2
+    with open(out / "train.jsonl", "w") as f:
+        for q, a, image in rows:
+            user = [{"type": "image"}, {"type": "text", "text": q}]
+            messages = [{"role": "user", "content": user}, {"role": "assistant", "content": [{"type": "text", "text": a}]}]
+            f.write(json.dumps({"messages": messages, "images": [image]}) + "\n")
+    settings = [*settings, f"output_dir={out / 'run'}", f"model.path={base}", "model.create_tiny=false"]
+    settings += [f"dataset.path={out / 'train.jsonl'}"]
+    settings += ["dataset.create_builtin=false", "training.batch_size=2", "training.max_steps=2", "logging.progress_bar=false"]
+    return run_finetune(load_config("tiny", settings)).checkpoint
+
+
+def _converter(python: Path, model: Path, outfile: Path, mmproj: bool) -> float:
+    started = time.perf_counter()
+    cmd = [str(python), str(CONVERTER), str(model), "--outtype", "f16", "--outfile", str(outfile), *(["--mmproj"] if mmproj else [])]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return time.perf_counter() - started
+
+
+def _with_text_architecture(ckpt: Path, out: Path) -> Path:
+    """A view of ``ckpt`` (files linked) whose config.json names the text class as SmolVLM's published one does."""
+    out.mkdir(exist_ok=True)
+    for f in ckpt.iterdir():
+        if f.name != "config.json" and not (out / f.name).exists():
+            (out / f.name).symlink_to(f.resolve())
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["text_config"]["architectures"] = ["VLlama3ForCausalLM"]
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def bench_gguf_vision(out: Path, tokenizer_dir: Path, python: Path | None = None, lora_vision: bool = False) -> list[dict]:
+    """slimtune's export of the trained tiny SmolVLM and the converter's, compared (``compare_gguf``)."""
+    from slimtune.cli import main as slimtune_main
+
+    if not CONVERTER.is_file():
+        raise SystemExit(f"{CONVERTER}: missing; run bash bench/peers/llama_cpp_convert.sh --setup")
+    python = python or (PEER_PYTHON if PEER_PYTHON.is_file() else Path(sys.executable))
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt = make_trained_vlm(out, tokenizer_dir, (f"lora.vision={str(lora_vision).lower()}",))
+    started = time.perf_counter()
+    assert slimtune_main(["export", str(ckpt), "--type", "f16", "--out", str(out / "model-f16.gguf"), "--overwrite"]) == 0
+    ours_s = time.perf_counter() - started
+    peer_mm = _converter(python, ckpt, out / "peer-mmproj-f16.gguf", mmproj=True)
+    peer_text = _converter(python, _with_text_architecture(ckpt, out / "peer-view"), out / "peer-f16.gguf", mmproj=False)
+    rows = [compare_gguf(out / f"model-{n}f16.gguf", out / f"peer-{n}f16.gguf") for n in ("mmproj-", "")]
+    for row, peer_s in zip(rows, (peer_mm, peer_text), strict=True):
+        row |= {"lora_vision": lora_vision, "slimtune_s_both_files": round(ours_s, 2), "converter_s": round(peer_s, 2)}
+        row["converter_python"] = str(python)
+    return rows

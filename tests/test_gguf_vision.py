@@ -1,0 +1,208 @@
+"""GGUF export of a vision-language model (slimtune.gguf.mmproj): the tiny SmolVLM (Idefics3) fine-tuned 2
+QLoRA steps on image rows, exported as its language model's GGUF and its mmproj GGUF, then checked by
+llama.cpp itself (llama-cpp-python's mtmd, the multimodal library llama-server and llama-mtmd-cli use):
+
+- every tensor of both files reads back (gguf.GGUFReader) equal to the merged checkpoint's, under the
+  gguf package's names, in the converter's types (F16 weights; F32 embeddings, norms and biases);
+- mtmd loads the pair and encodes an image into the same embeddings as transformers' vision tower and
+  connector (within f16's bound), and answers an image + text prompt with transformers' logits on the
+  same tokens (image features in place of the image tokens) and its greedy token;
+- the Modelfile names both files; ``checkpoint.gguf`` in the run writes the same files; bad input is one
+  line, exit 2, nothing written.
+
+The byte comparison with llama.cpp's own converter (``convert_hf_to_gguf.py --mmproj``) needs the converter,
+which the tests do not have: ``python -m bench gguf-vision`` (docs/gguf.md)."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import shutil
+
+import gguf
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+from bench.gguf_vision import make_trained_vlm
+from slimtune.cli import main as slimtune_main
+from slimtune.tiny import byte_tokenizer
+from tests.conftest import llama_cpp_oracle
+
+llama_cpp = llama_cpp_oracle()
+mtmd = pytest.importorskip("llama_cpp.mtmd_cpp")
+
+EMBED_BOUND = 0.01  # max |llama.cpp - transformers| image embedding, in std units (f16 weights; measured ~0.001)
+LOGIT_BOUND = 0.03  # as tests/test_gguf.py's f16 bound, std(logits) units
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    """The merged checkpoint after 2 steps, and its f16 GGUF + f16 mmproj written by ``slimtune export``."""
+    root = tmp_path_factory.mktemp("gguf-vision")
+    tokenizer_dir = root / "tokenizer"
+    tokenizer = byte_tokenizer()  # + the tokens llama.cpp's idefics3 wrapping looks up whole (SmolVLM's vocabulary has them)
+    tokenizer.add_tokens(["<global-img>", "<row_1_col_1>"], special_tokens=True)
+    tokenizer.add_tokens(["\n\n"])
+    tokenizer.save_pretrained(tokenizer_dir)
+    ckpt = make_trained_vlm(root, tokenizer_dir, ("checkpoint.gguf=f16",))  # the run writes its GGUF pair too
+    out = root / "export" / "model-f16.gguf"
+    out.parent.mkdir()
+    assert slimtune_main(["export", str(ckpt), "--type", "f16", "--out", str(out)]) == 0
+    return dict(root=root, ckpt=ckpt, model=out, mmproj=out.with_name("model-mmproj-f16.gguf"))
+
+
+def _read(path) -> dict[str, gguf.ReaderTensor]:
+    return {t.name: t for t in gguf.GGUFReader(path).tensors}
+
+
+def test_both_files_hold_the_checkpoint_tensors_under_llama_cpp_names(vlm):
+    weights = load_file(str(vlm["ckpt"] / "model-00001-of-00001.safetensors"))
+    vision = {k: v for k, v in weights.items() if k.startswith(("model.vision_model.", "model.connector."))}
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, 2)
+    mm = _read(vlm["mmproj"])
+    assert sorted(mm) == sorted(names.get_name(k, try_suffixes=(".weight", ".bias")) for k in vision) and len(mm) == 38
+    for key, value in vision.items():
+        t = mm[names.get_name(key, try_suffixes=(".weight", ".bias"))]
+        f32 = ".embeddings." in key or value.dim() == 1
+        assert t.tensor_type == (gguf.GGMLQuantizationType.F32 if f32 else gguf.GGMLQuantizationType.F16), key
+        want = value.float().numpy().astype(np.float32 if f32 else np.float16)
+        assert np.array_equal(np.asarray(t.data).reshape(want.shape), want), key
+    text = _read(vlm["model"])
+    assert len(text) == len(weights) - len(vision) and not any(n.startswith(("v.", "mm.")) for n in text)
+    assert np.array_equal(np.asarray(text["token_embd.weight"].data), weights["model.text_model.embed_tokens.weight"].half().numpy())
+    fields = gguf.GGUFReader(vlm["mmproj"]).fields
+    meta = {k: fields[k].contents() for k in ("general.architecture", "general.type", "clip.projector_type", "clip.vision.projection_dim")}
+    assert meta == {
+        "general.architecture": "clip",
+        "general.type": "mmproj",
+        "clip.projector_type": "idefics3",
+        "clip.vision.projection_dim": 128,
+    }
+    assert gguf.GGUFReader(vlm["model"]).fields["general.architecture"].contents() == "llama"
+    lines = (vlm["model"].parent / "Modelfile").read_text().splitlines()
+    assert lines[:2] == ["FROM ./model-f16.gguf", "FROM ./model-mmproj-f16.gguf"]
+    for name in ("model-f16.gguf", "model-mmproj-f16.gguf", "Modelfile"):  # checkpoint.gguf at the end of the run: the same files
+        assert (vlm["root"] / "run" / name).read_bytes() == (vlm["model"].parent / name).read_bytes(), name
+
+
+def _chunks(ctx, prompt: bytes, image: np.ndarray):
+    """mtmd's chunks of ``prompt`` (with its media marker) and the image: [(type, text tokens or image token count, chunk)]."""
+    bitmap = mtmd.mtmd_bitmap_init(image.shape[1], image.shape[0], (ctypes.c_uint8 * image.size).from_buffer_copy(image.tobytes()))
+    text = mtmd.mtmd_input_text()
+    text.text, text.text_len, text.add_special, text.parse_special = prompt, len(prompt), False, True
+    chunks = mtmd.mtmd_input_chunks_init()
+    assert mtmd.mtmd_tokenize(ctx, chunks, ctypes.byref(text), (mtmd.mtmd_bitmap_p_ctypes * 1)(bitmap), 1) == 0
+    out = []
+    for i in range(mtmd.mtmd_input_chunks_size(chunks)):
+        chunk = mtmd.mtmd_input_chunks_get(chunks, i)
+        kind, n = mtmd.mtmd_input_chunk_get_type(chunk), mtmd.mtmd_input_chunk_get_n_tokens(chunk)
+        if kind == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT:
+            count = ctypes.c_size_t()
+            ids = mtmd.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(count))
+            out.append((kind, [ids[j] for j in range(count.value)], chunk))
+        else:
+            out.append((kind, n, chunk))
+    return chunks, bitmap, out
+
+
+def test_llama_cpp_encodes_the_image_and_answers_as_transformers(vlm):
+    """mtmd (llama.cpp's multimodal library) loads the pair; its image embeddings are transformers' image
+    features; its logits after an image + text prompt are transformers' on the same tokens."""
+    llm = llama_cpp.Llama(model_path=str(vlm["model"]), n_ctx=128, n_batch=128, logits_all=True, verbose=False)
+    params = mtmd.mtmd_context_params_default()
+    params.use_gpu, params.n_threads, params.print_timings, params.warmup = False, 1, False, False
+    ctx = mtmd.mtmd_init_from_file(str(vlm["mmproj"]).encode(), llm.model, params)
+    assert ctx and mtmd.mtmd_support_vision(ctx)
+    try:
+        image = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+        chunks, bitmap, parts = _chunks(ctx, b"<|bos|><|user|>\n" + mtmd.mtmd_default_marker() + b"Color?<|eos|>\n<|assistant|>\n", image)
+        theirs = []  # llama.cpp splits an image into tiles plus an overview: here one tile, each the 64 x 64 image itself
+        for kind, n, chunk in parts:
+            if kind == mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE:
+                assert mtmd.mtmd_encode_chunk(ctx, chunk) == 0
+                theirs.append(np.ctypeslib.as_array(mtmd.mtmd_get_output_embd(ctx), shape=(n * 128,)).reshape(n, 128).copy())
+        n_past = llama_cpp.llama_pos(0)
+        assert mtmd.mtmd_helper_eval_chunks(ctx, llm.ctx, chunks, 0, 0, 128, True, ctypes.byref(n_past)) == 0
+        cpp_last = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),)).copy()
+        mtmd.mtmd_input_chunks_free(chunks)
+        mtmd.mtmd_bitmap_free(bitmap)
+    finally:
+        mtmd.mtmd_free(ctx)
+        llm.close()
+    model = AutoModelForImageTextToText.from_pretrained(vlm["ckpt"], dtype=torch.float32).eval()
+    pixels = AutoProcessor.from_pretrained(vlm["ckpt"]).image_processor(images=[[PIL.Image.fromarray(image)]], return_tensors="pt")
+    pixels = {k: v.repeat(1, len(theirs), *[1] * (v.dim() - 2)) for k, v in pixels.items()}  # the image once per image chunk
+    with torch.no_grad():
+        features = model.model.get_image_features(pixel_values=pixels["pixel_values"], pixel_attention_mask=pixels["pixel_attention_mask"])
+        ours = torch.cat(list(getattr(features, "pooler_output", features))).reshape(-1, 128).numpy()
+        assert len(theirs) == 2 and ours.shape == (8, 128)
+        assert np.abs(ours - np.concatenate(theirs)).max() <= EMBED_BOUND * ours.std()
+        image_id = model.config.image_token_id  # the image's place in transformers' input: its token, once per embedding
+        ids = [i for kind, x, _ in parts for i in (x if kind == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT else [image_id] * x)]
+        logits = model(input_ids=torch.tensor([ids]), **pixels).logits[0, -1].numpy()
+    assert int(n_past.value) == len(ids)
+    assert np.abs(logits - cpp_last).max() <= LOGIT_BOUND * logits.std()
+    top2 = np.sort(logits)[-2:]
+    assert int(cpp_last.argmax()) == int(logits.argmax()) or top2[1] - top2[0] <= LOGIT_BOUND * logits.std()
+
+
+def test_unsupported_vision_exports_are_one_line_exit_2(vlm, tmp_path, capsys):
+    """An adapter-only GGUF of a vision model; a vision family without an mmproj here (Qwen2.5-VL's config):
+    one line, exit 2, nothing written."""
+    out = tmp_path / "a.gguf"
+    argv = ["export", str(vlm["ckpt"] / "adapter"), "--adapter-only", "--base", str(vlm["root"] / "base"), "--out", str(out)]
+    assert slimtune_main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--adapter-only of a vision-language model is not supported" in err
+    qwen = tmp_path / "qwen"
+    shutil.copytree(vlm["ckpt"], qwen, ignore=shutil.ignore_patterns("slimtune_manifest.json", "adapter", "train_state"))
+    cfg = json.loads((qwen / "config.json").read_text())
+    (qwen / "config.json").write_text(json.dumps(cfg | {"model_type": "qwen2_5_vl"}))
+    assert slimtune_main(["export", str(qwen), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "'qwen2_5_vl'" in err and "idefics3 only" in err
+    assert not out.exists() and not out.with_name("a-mmproj-f16.gguf").exists()
+
+
+def _edited(vlm, tmp_path, config=None, processor=None, drop: str | None = None):
+    """A copy of the merged checkpoint (without its manifest) with config.json's / processor_config.json's
+    entries replaced by ``config`` / ``processor`` ({"vision_config.patch_size": 8}) and ``drop`` removed."""
+    d = tmp_path / "ckpt"
+    shutil.copytree(vlm["ckpt"], d, ignore=shutil.ignore_patterns("slimtune_manifest.json", "adapter", "train_state"))
+    for name, edits in (("config.json", config), ("processor_config.json", processor)):
+        spec = json.loads((d / name).read_text())
+        for dotted, value in (edits or {}).items():
+            *path, key = dotted.split(".")
+            node = spec
+            for part in path:
+                node = node[part]
+            node[key] = value
+        (d / name).write_text(json.dumps(spec))
+    if drop:
+        (d / drop).unlink()
+    return d
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (dict(drop="processor_config.json"), "no preprocessor_config.json or processor_config.json"),
+        (dict(processor={"image_processor.image_mean": [0.5, 0.5]}), "processor_config.json: image_mean must be a list of 3 numbers"),
+        (dict(config={"vision_config.num_hidden_layers": 3}), "num_hidden_layers is 3, the checkpoint holds vision blocks [0, 1]"),
+        (dict(config={"vision_config.intermediate_size": 96}), "mmproj tensor v.blk.0.ffn_up.weight is [128, 64]"),
+        (dict(config={"scale_factor": 4}), "mmproj tensor mm.model.fc.weight is [128, 256]"),
+    ],
+    ids=["no-processor-config", "image-mean", "blocks", "mlp-width", "scale-factor"],
+)
+def test_bad_vision_inputs_are_one_line_exit_2(vlm, tmp_path, capsys, edit, expected):
+    """What llama.cpp would compute wrongly or refuse (the image statistics, shapes its metadata implies) is
+    one line naming the file and key, exit 2, neither file written."""
+    src, out = _edited(vlm, tmp_path, **edit), tmp_path / "m.gguf"
+    assert slimtune_main(["export", str(src), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and expected in err, err
+    assert not out.exists() and not out.with_name("m-mmproj-f16.gguf").exists()

@@ -3,7 +3,8 @@ it, `slimtune finetune training.objective=grpo`: TRL's metric names in metrics.j
 completions.jsonl, a merged save's eval_reward_merged; a run SIGKILLed mid-run resumes to the uninterrupted
 run's adapter bit for bit and samples the same completions (the generation batch of num_iterations = 2
 carried in the checkpoint, the reference through the start adapters); a reward that raises stops the run
-in one line (exit 2) with the newest checkpoint intact."""
+in one line (exit 2) with the newest checkpoint intact; 2 ranks under torchrun (FSDP2) sample the same
+completions as one process and follow its losses."""
 
 from __future__ import annotations
 
@@ -30,6 +31,11 @@ from tests.conftest import ROOT
 
 ADAPTER = "adapter/adapter_model.safetensors"
 STEPS = 4
+LOSS_RTOL = 1e-3  # 2 ranks vs 1 in bf16 (tests/test_dist_train.py's bound: each rank pads its own slice)
+LOSS_SCALE = 1.0
+"""GRPO's loss is a mean of per-token terms A * ratio (group-scaled advantages: |A| ~ 1) that nearly cancel
+on-policy, so the loss itself can be near 0 while its bf16 error is the terms': compared within LOSS_RTOL of
+max(|loss|, 1)."""
 
 
 def addition_rows(n: int, seed: int = 0) -> list[dict]:
@@ -75,9 +81,10 @@ def settings(tiny_base, tmp_path_factory) -> list[str]:
     ]
 
 
-def command(out: Path, settings: list[str], *extra: str) -> tuple[list[str], dict]:
+def command(out: Path, settings: list[str], *extra: str, nproc: int = 1) -> tuple[list[str], dict]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return [sys.executable, "-m", "slimtune", "finetune", "--config", "tiny", f"output_dir={out}", *settings, *extra], env
+    launch = ["--nproc", str(nproc)] if nproc > 1 else []
+    return [sys.executable, "-m", "slimtune", "finetune", "--config", "tiny", *launch, f"output_dir={out}", *settings, *extra], env
 
 
 def metrics(out: Path) -> list[dict]:
@@ -179,3 +186,27 @@ def test_a_reward_that_raises_stops_in_one_line_and_keeps_the_checkpoint(setting
     assert "reward function flaky raised at step 2 for " in err and "prompts.jsonl" in err and "ValueError: cannot parse" in err, err
     assert is_complete_checkpoint(out / "step-000001") and not (out / "step-000002").exists()
     sys.modules.pop("flaky_reward", None)
+
+
+@pytest.mark.multiprocess
+def test_two_ranks_sample_what_one_does_and_follow_its_losses(straight_run, settings, tmp_path):
+    """torchrun / FSDP2 with 2 ranks (gloo): each rank samples and trains its prompt of every micro-batch
+    (batch 2: one each) with both its generations, the rewards gathered for the advantages; each completion
+    draws from its own generator, so the completions and rewards are the one-process run's exactly and the
+    losses (mu = 2's stored old log-probabilities, beta > 0's reference through the start adapters) agree
+    within LOSS_RTOL."""
+    out = tmp_path / "two"
+    cmd, env = command(out, settings, nproc=2)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=400)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    one, two = metrics(straight_run), metrics(out)
+    assert [m["step"] for m in two] == list(range(1, STEPS + 1))
+    for a, b in zip(one, two, strict=True):
+        same = ("reward", "reward_std", "rewards/token_mean/mean", "completions/mean_length", "eval_reward", "eval_rewards/token_mean/mean")
+        for key in same:
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])  # the same completions, scored by the same functions
+        for key in ("loss", "kl", "entropy"):
+            assert abs(a[key] - b[key]) <= LOSS_RTOL * max(abs(a[key]), LOSS_SCALE), (a["step"], key, a[key], b[key])
+    assert {k: [(r["prompt"], r["completion"]) for r in v] for k, v in completions(out).items()} == {
+        k: [(r["prompt"], r["completion"]) for r in v] for k, v in completions(straight_run).items()
+    }

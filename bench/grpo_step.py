@@ -35,6 +35,7 @@ from slimtune.recipes import run_finetune
 from slimtune.runtime import choose_num_threads
 
 EXACT = r"(-?\d+)"  # the completion's first number, compared with the answer column
+LR = 2e-4  # AdamW's peak lr on every side, no warmup (the schedules differ: the step's speed does not depend on them)
 
 
 def sum_prompts(count: int, seed: int = 0) -> list[dict]:
@@ -103,7 +104,8 @@ def _slimtune_steps(model_dir: Path, data: Path, out: Path, shape: dict, threads
         "training.num_threads": threads, "training.objective": "grpo", "training.batch_size": shape["prompts"],
         "training.max_steps": shape["steps"], "grpo.num_generations": shape["generations"],
         "grpo.max_completion_length": shape["completion"], "grpo.reward_funcs": ["bench.grpo_step:exact_reward"],
-        "checkpoint.merged": "never", "checkpoint.save_every_n_steps": None, "logging.progress_bar": False,
+        "optimizer.lr": LR, "scheduler.warmup_steps": 0, "checkpoint.merged": "never", "checkpoint.save_every_n_steps": None,
+        "logging.progress_bar": False,
     }  # fmt: skip
     records: list[dict] = []
     run_finetune(load_config("tiny", values=values), on_step=records.append)
@@ -130,7 +132,7 @@ def _trl_steps(model_dir: Path, rows: list[dict], out: Path, shape: dict, quanti
     args = GRPOConfig(
         output_dir=str(out / "trl-grpo"), num_generations=shape["generations"], max_completion_length=shape["completion"],
         per_device_train_batch_size=count, report_to=[], use_cpu=True, bf16=False, logging_steps=1, temperature=1.0,
-        learning_rate=2e-4, max_grad_norm=1.0,
+        learning_rate=LR, max_grad_norm=1.0, gradient_checkpointing=False,  # as slimtune's tiny config (TRL's default: on)
     )  # fmt: skip
     lora = LoraConfig(task_type="CAUSAL_LM", r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear")
     dataset = Dataset.from_list(rows)
@@ -141,7 +143,7 @@ def _trl_steps(model_dir: Path, rows: list[dict], out: Path, shape: dict, quanti
     model = trainer.model
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=2e-4, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
     figures = []
     for step in range(shape["steps"]):
         prompts = rows[step * shape["prompts"] : (step + 1) * shape["prompts"]]

@@ -39,7 +39,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -326,8 +326,5 @@ class _Sampled:
     truncated: list[bool]
     mine: list[int]
     ids: list[list[int]]
-    shown: list[tuple] = None  # type: ignore[assignment]
+    shown: list[tuple] = field(default_factory=list)
     seconds: float = 0.0
-
-    def __post_init__(self):
-        self.shown = [] if self.shown is None else self.shown

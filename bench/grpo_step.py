@@ -26,6 +26,7 @@ import json
 import os
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -69,9 +70,11 @@ def bench_grpo_step(model_dir: Path, out: Path, shape: dict, rounds: int = 1, th
     sides: dict[str, list[dict]] = {"slimtune": [], "trl-bnb": [], "trl": []}
     load_before = os.getloadavg()[0]
     for _ in range(rounds):
-        sides["slimtune"] += _slimtune_steps(model_dir, data, out, shape, threads)[1:]
-        for peer in ("trl-bnb", "trl"):
-            sides[peer] += _trl_steps(model_dir, rows, out, shape, quantized=peer == "trl-bnb")[1:]
+        for side in sides:
+            steps = _slimtune_steps(model_dir, data, out, shape, threads) if side == "slimtune" else None
+            steps = steps or _trl_steps(model_dir, rows, out, shape, quantized=side == "trl-bnb")
+            sides[side] += steps[1:]
+            print(f"{side}: {json.dumps([{k: round(v, 3) for k, v in s.items()} for s in steps])}", file=sys.stderr, flush=True)
     row = {"bench": "train-step --objective grpo --peer trl", "model": str(model_dir), **shape, "rounds": rounds, "threads": threads}
     for side, steps in sides.items():
         for key in ("generation_tok_s", "training_tok_s", "step_tok_s", "step_s", "completion_tokens"):

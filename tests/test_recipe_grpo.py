@@ -240,9 +240,10 @@ def test_real_model_learns_the_answer_format_and_the_merge_keeps_it(smollm2_dir,
     base's (the NF4 base: the adapters start at B = 0) after REAL_STEPS steps, and the merged model's
     (round(W' + B A), sampled with the same seed) is within MERGED_TOLERANCE of the adapter form's.
     The recipe's own steps run here (setup, restore, train_step, evaluate) so the base is evaluated on the
-    loaded model before the first step, without a second load. Measured on the loaded machine (2 cores, load
-    average 5.4, OMP_NUM_THREADS=2), 2026-12-06: 76 s wall; held-out reward base 0.375 (format 0.312) -> 1.562 (format
-    1.000, exact 0.562), merged 1.562; step rewards 0.19, 1.13, 1.63, 1.63."""
+    loaded model before the first step, without a second load. Measured on the loaded machine (2 cores),
+    2026-12-06: 76 s wall at load average 5.4 (OMP_NUM_THREADS=2), 32 s at 2.3 (OMP_NUM_THREADS=1), both with
+    held-out reward base 0.375 (format 0.312) -> 1.562 (format 1.000, exact 0.562), merged 1.562; step
+    rewards 0.19, 1.13, 1.63, 1.63."""
     from slimtune.data import epoch_order, epoch_steps
     from slimtune.recipes.finetune import evaluate, train_step
     from slimtune.recipes.run_steps import restore

@@ -301,9 +301,11 @@ def _append_samples(run: Run, shown: list[tuple], rewards: torch.Tensor) -> None
         os.fsync(f.fileno())
 
 
-def _resumed_rollout(run: Run, saved: list[dict], mu: int) -> dict | None:
-    """This rank's generation batch from the checkpoint's (one per rank), or None when the run resumes
-    past its cycle; a cycle cut midway continues only on the number of ranks that sampled it."""
+def _resumed_rollout(run: Run, saved: list[dict] | dict, mu: int) -> dict | None:
+    """This rank's generation batch from the checkpoint's (one per rank; a lone dict: one process's), or
+    None when the run resumes past its cycle; a cycle cut midway continues only on the number of ranks
+    that sampled it."""
+    saved = [saved] if isinstance(saved, dict) else saved
     step = int(run.resume.state.get("global_step", 0))
     if len(saved) == run.where.ranks.world_size:
         return saved[run.where.ranks.rank]

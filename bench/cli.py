@@ -53,6 +53,14 @@ def _train_step(args: argparse.Namespace) -> None:
         peers = tuple(dict.fromkeys(args.peer or ["peft"]))
         print_row(bench_recipe_step(args.model, data, args.out, args.steps or 10, args.rounds, peers, args.threads))
         return
+    if args.objective == "grpo":  # the recipe's GRPO step vs TRL's GRPOTrainer, PEFT + bitsandbytes 4-bit and bf16
+        from bench.grpo_step import bench_grpo_step
+
+        if args.peer not in (None, ["trl"]):
+            raise SystemExit("train-step --objective grpo: the peer is trl (TRL's GRPOTrainer: PEFT + bitsandbytes 4-bit, and bf16)")
+        shape = dict(steps=args.steps or 4, prompts=args.batch or 4, generations=4, completion=args.seq or 16)
+        print_row(bench_grpo_step(args.model or real_model_dir(), args.out, shape, args.rounds, args.threads))
+        return
     if args.objective == "dpo":  # the recipe's DPO step vs TRL's DPOTrainer, PEFT + bitsandbytes 4-bit and bf16
         if args.peer not in (None, ["trl"]):
             raise SystemExit("train-step --objective dpo: the peer is trl (TRL's DPOTrainer: PEFT + bitsandbytes 4-bit, and bf16)")
@@ -118,9 +126,14 @@ def main(argv: list[str] | None = None) -> None:
         "--peer",
         choices=["peft", "peft-bnb", "trl"],
         action="append",
-        help="peft: PEFT on bf16; peft-bnb: PEFT + bitsandbytes NF4 (--recipe); trl: TRL's DPOTrainer on both (--objective dpo)",
+        help="peft: PEFT on bf16; peft-bnb: PEFT + bitsandbytes NF4 (--recipe); trl: TRL's DPO/GRPOTrainer on both (--objective dpo/grpo)",
     )
-    step.add_argument("--objective", choices=["sft", "dpo"], default="sft", help="dpo: the recipe's DPO step on pairs (real model)")
+    step.add_argument(
+        "--objective",
+        choices=["sft", "dpo", "grpo"],
+        default="sft",
+        help="dpo: the recipe's DPO step on pairs; grpo: its GRPO step (--batch prompts x 4, --seq completion tokens); real model",
+    )
     step.add_argument("--out", type=Path, default=Path("bench-out"))
     step.add_argument("--steps", type=int, default=None, help="steps per run (default 6 synthetic, 8 with --model)")
     step.add_argument("--batch", type=int, default=None, help="sequences per step (default 2 synthetic, 4 with --model)")

@@ -161,7 +161,8 @@ def policy_loss(logps: torch.Tensor, batch: dict, loss: GRPOLoss, counts: StepCo
     """The micro-batch's share of the step's loss (``loss.loss_type``'s reduction with ``counts``) and the
     detached metric sums (``SUMS`` order). ``batch``: ``labels`` [rows, T], ``advantages`` [rows],
     ``old_logps`` [rows, T] or None (then r = 1), ``ref_logps`` [rows, T] (when beta > 0), ``entropy`` [rows, T]
-    (``completion_logps``'s), all aligned as ``completion_logps`` returns them.
+    (``completion_logps``'s), all aligned as ``completion_logps`` returns them; ``live`` [rows] (optional:
+    0 on a rank's filler row, which counts as no completion).
 
     Example: ``loss, sums = policy_loss(logps, batch, GRPOLoss("grpo"), StepCounts(8, 240))``"""
     mask = trained_mask(batch["labels"]).to(logps.device)
@@ -192,7 +193,7 @@ def policy_loss(logps: torch.Tensor, batch: dict, loss: GRPOLoss, counts: StepCo
     sums = torch.stack(
         [
             mask.sum(),
-            torch.tensor(float(mask.shape[0]), device=mask.device),
+            batch["live"].to(mask.device).float().sum() if "live" in batch else torch.tensor(float(mask.shape[0]), device=mask.device),
             (kl.detach() * mask).sum() if kl is not None else mask.new_zeros(()),
             (batch["entropy"].to(mask.device) * mask).sum(),
             *(_clip_sum(x, mask) for x in (low, high, torch.maximum(low, high))),

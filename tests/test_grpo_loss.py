@@ -175,6 +175,21 @@ def test_group_advantages_scale_and_unscorable():
     assert n.frac_reward_zero_std == pytest.approx(0.5)  # the second group's std is 0; the first's is NaN (one value), not 0
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "bnpo"])
+def test_a_filler_row_adds_nothing(loss_type):
+    """A rank's filler row (no prompt of the micro-batch on that rank: one masked row, ``live`` 0) gives a
+    zero loss and gradient and counts as no token and no completion in the step's sums."""
+    batch = completion_batch([torch.tensor([5, 6])], [[0]], [True], pad_id=0)
+    batch.update(advantages=torch.zeros(1), live=torch.zeros(1))
+    logits = torch.randn(1, 3, 11, requires_grad=True)
+    logps, entropy = completion_logps(logits, batch["labels"])
+    batch.update(entropy=entropy, ref_logps=torch.zeros_like(logps))
+    loss, sums = policy_loss(logps, batch, GRPOLoss(loss_type, beta=0.04, max_completion_length=4), StepCounts(4, 9))
+    loss.backward()
+    assert loss.item() == 0.0 and torch.count_nonzero(logits.grad) == 0
+    assert sums.tolist() == [0.0] * len(sums)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Helpers
 

@@ -3,7 +3,8 @@ it, `slimtune finetune training.objective=grpo`: TRL's metric names in metrics.j
 completions.jsonl, a merged save's eval_reward_merged; a run SIGKILLed mid-run resumes to the uninterrupted
 run's adapter bit for bit and samples the same completions (the generation batch of num_iterations = 2
 carried in the checkpoint, the reference through the start adapters); a reward that raises stops the run
-in one line (exit 2) with the newest checkpoint intact."""
+in one line (exit 2) with the newest checkpoint intact; 2 ranks under torchrun (FSDP2) sample the same
+completions as one process and follow its losses."""
 
 from __future__ import annotations
 
@@ -30,6 +31,11 @@ from tests.conftest import ROOT
 
 ADAPTER = "adapter/adapter_model.safetensors"
 STEPS = 4
+LOSS_RTOL = 1e-3  # 2 ranks vs 1 in bf16 (tests/test_dist_train.py's bound: each rank pads its own slice)
+LOSS_SCALE = 1.0
+"""GRPO's loss is a mean of per-token terms A * ratio (group-scaled advantages: |A| ~ 1) that nearly cancel
+on-policy, so the loss itself can be near 0 while its bf16 error is the terms': compared within LOSS_RTOL of
+max(|loss|, 1)."""
 
 
 def addition_rows(n: int, seed: int = 0) -> list[dict]:
@@ -75,9 +81,10 @@ def settings(tiny_base, tmp_path_factory) -> list[str]:
     ]
 
 
-def command(out: Path, settings: list[str], *extra: str) -> tuple[list[str], dict]:
+def command(out: Path, settings: list[str], *extra: str, nproc: int = 1) -> tuple[list[str], dict]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return [sys.executable, "-m", "slimtune", "finetune", "--config", "tiny", f"output_dir={out}", *settings, *extra], env
+    launch = ["--nproc", str(nproc)] if nproc > 1 else []
+    return [sys.executable, "-m", "slimtune", "finetune", "--config", "tiny", *launch, f"output_dir={out}", *settings, *extra], env
 
 
 def metrics(out: Path) -> list[dict]:
@@ -179,3 +186,99 @@ def test_a_reward_that_raises_stops_in_one_line_and_keeps_the_checkpoint(setting
     assert "reward function flaky raised at step 2 for " in err and "prompts.jsonl" in err and "ValueError: cannot parse" in err, err
     assert is_complete_checkpoint(out / "step-000001") and not (out / "step-000002").exists()
     sys.modules.pop("flaky_reward", None)
+
+
+@pytest.mark.multiprocess
+def test_two_ranks_sample_what_one_does_and_follow_its_losses(straight_run, settings, tmp_path):
+    """torchrun / FSDP2 with 2 ranks (gloo): each rank samples and trains its prompt of every micro-batch
+    (batch 2: one each) with both its generations, the rewards gathered for the advantages; each completion
+    draws from its own generator, so the completions and rewards are the one-process run's exactly and the
+    losses (mu = 2's stored old log-probabilities, beta > 0's reference through the start adapters) agree
+    within LOSS_RTOL."""
+    out = tmp_path / "two"
+    cmd, env = command(out, settings, nproc=2)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=400)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    one, two = metrics(straight_run), metrics(out)
+    assert [m["step"] for m in two] == list(range(1, STEPS + 1))
+    for a, b in zip(one, two, strict=True):
+        same = ("reward", "reward_std", "rewards/token_mean/mean", "completions/mean_length", "eval_reward", "eval_rewards/token_mean/mean")
+        for key in same:
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])  # the same completions, scored by the same functions
+        for key in ("loss", "kl", "entropy"):
+            assert abs(a[key] - b[key]) <= LOSS_RTOL * max(abs(a[key]), LOSS_SCALE), (a["step"], key, a[key], b[key])
+    assert {k: [(r["prompt"], r["completion"]) for r in v] for k, v in completions(out).items()} == {
+        k: [(r["prompt"], r["completion"]) for r in v] for k, v in completions(straight_run).items()
+    }
+
+
+# ---------------------------------------------------------------------------------------------------
+# A real model: SmolLM2-135M-Instruct (tests/real_model.py) learns a required answer format
+
+REAL_STEPS = 4
+REAL_PROMPTS = 4  # per step, x REAL_GENERATIONS completions
+REAL_GENERATIONS = 4
+REAL_HELD_OUT = 8
+REAL_LR = 3e-3
+BARE_NUMBER = r"\s*\d+\s*"  # the required format: the completion is the number alone (then the model stops)
+REAL_RISE = 0.5  # the held-out mean reward (0 to 2) must rise by at least this much from the base's (measured: +1.19)
+MERGED_TOLERANCE = 0.1  # |merged - adapter form| held-out reward: 32 draws, each flipping moves the mean by 1/32 per function
+
+
+def sum_rows(pairs: list[tuple[int, int]]) -> list[dict]:
+    """Standard prompt-only rows "Question: What is a plus b?\\nAnswer:" with the sum as the answer column."""
+    return [{"prompt": f"Question: What is {a} plus {b}?\nAnswer:", "answer": str(a + b)} for a, b in pairs]
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_real_model_learns_the_answer_format_and_the_merge_keeps_it(smollm2_dir, tmp_path):
+    """GRPO from the base on single-digit sums (generated: 16 training prompts, 8 others held out), rewards
+    the built-in format check (the completion is a bare number, BARE_NUMBER) and exact_answer (that number
+    is the sum), 4 completions of at most 4 tokens per prompt, fp32 compute (the CPU's fast path). The
+    held-out mean reward (the same seeded draws at every evaluation) rises by REAL_RISE or more from the
+    base's (the NF4 base: the adapters start at B = 0) after REAL_STEPS steps, and the merged model's
+    (round(W' + B A), sampled with the same seed) is within MERGED_TOLERANCE of the adapter form's.
+    The recipe's own steps run here (setup, restore, train_step, evaluate) so the base is evaluated on the
+    loaded model before the first step, without a second load. Measured on the loaded machine (2 cores),
+    2026-12-06: 76 s wall at load average 5.4 (OMP_NUM_THREADS=2), 32 s at 2.3 (OMP_NUM_THREADS=1), both with
+    held-out reward base 0.375 (format 0.312) -> 1.562 (format 1.000, exact 0.562), merged 1.562; step
+    rewards 0.19, 1.13, 1.63, 1.63."""
+    from slimtune.data import epoch_order, epoch_steps
+    from slimtune.recipes.finetune import evaluate, train_step
+    from slimtune.recipes.run_steps import restore
+    from tests.real_model import finetune_overrides
+
+    pairs = [(a, b) for a in range(10) for b in range(10)]
+    random.Random(0).shuffle(pairs)
+    paths = {"train": tmp_path / "train.jsonl", "eval": tmp_path / "eval.jsonl"}
+    for name, rows in (("train", sum_rows(pairs[: REAL_STEPS * REAL_PROMPTS])), ("eval", sum_rows(pairs[-REAL_HELD_OUT:]))):
+        paths[name].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    overrides = finetune_overrides(smollm2_dir, paths["train"], paths["eval"], tmp_path / "run", REAL_STEPS)
+    overrides += [
+        "dtype=fp32",  # torch's bf16 matrix products take a scalar path on a CPU without AVX-512
+        "training.objective=grpo",
+        f"training.batch_size={REAL_PROMPTS}",
+        f"grpo.num_generations={REAL_GENERATIONS}",
+        "grpo.max_completion_length=4",
+        "grpo.reward_funcs=[format, exact_answer]",
+        f"grpo.format_pattern={BARE_NUMBER}",
+        f"optimizer.lr={REAL_LR}",
+        "scheduler.warmup_steps=0",
+    ]
+    started = time.perf_counter()
+    run = setup(load_config("tiny", overrides))
+    restore(run)
+    base = evaluate(run)
+    steps = epoch_steps(epoch_order(len(run.inputs.data.train), run.cfg.seed, 0, True), REAL_PROMPTS, 1)
+    trained = [train_step(run, batch)["reward"] for batch in steps[:REAL_STEPS]]
+    final = evaluate(run, merged=True)
+    print(
+        f"\nreal-model GRPO, {REAL_STEPS} steps: {time.perf_counter() - started:.0f} s wall, load average {os.getloadavg()[0]:.1f}; "
+        f"held-out reward: base {base['eval_reward']:.3f} (format {base['eval_rewards/format/mean']:.3f}), "
+        f"after {final['eval_reward']:.3f} (format {final['eval_rewards/format/mean']:.3f}, exact "
+        f"{final['eval_rewards/exact_answer/mean']:.3f}), merged {final['eval_reward_merged']:.3f}; step rewards {trained}"
+    )
+    assert len(run.inputs.data.eval) == REAL_HELD_OUT and len(run.inputs.data.train) == REAL_STEPS * REAL_PROMPTS
+    assert final["eval_reward"] >= base["eval_reward"] + REAL_RISE, (base, final)
+    assert abs(final["eval_reward_merged"] - final["eval_reward"]) <= MERGED_TOLERANCE, final

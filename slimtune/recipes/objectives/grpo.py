@@ -23,7 +23,12 @@ two of its steps continues with it.
 Evaluation samples each held-out prompt's completions from a generator seeded by the run's seed alone
 (the same draws at every evaluation, and for the merged model: ``eval_reward_merged``), reports TRL's
 figures ``eval_``-prefixed and appends grpo.eval_samples of them to ``completions.jsonl`` in output_dir.
-One process only for now: under torchrun the set-up refuses in one line.
+Under torchrun (FSDP2) each rank samples, scores and trains its contiguous slice of every micro-batch's
+prompts, each with all its num_generations completions (a group is never split); the reward tables are
+gathered, so the advantages, rewards and length figures are the whole batch's, as in one process. Each
+completion draws from its own generator (``rollout.row_generators``: the run's seed, the step and its
+place in the batch), so 2 ranks sample what one process samples and follow its curve. A rank whose slice
+of a micro-batch is empty trains one masked filler row (FSDP2 needs every rank in every forward).
 
 Example: ``run_finetune(load_config("llama3.2-1b_grpo", ["model.path=...", "dataset.path=prompts.jsonl"]))``
 """
@@ -34,23 +39,25 @@ import json
 import logging
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from slimtune.data import PromptRow, parse_json
+from slimtune.distributed import split_rows
 from slimtune.errors import SlimtuneError
 from slimtune.grpo_loss import GRPOLoss, StepCounts, completion_batch, completion_logps, group_advantages, grpo_metric_means, policy_loss
 from slimtune.lora import adapter_weights, qlora_linears, swapped_adapters
 from slimtune.recipes.objective import Objective, StepBatches
 from slimtune.recipes.run import Run
 from slimtune.rewards import RewardOptions, Scored, load_rewards, reward_means, score, weights_of
-from slimtune.rollout import SamplingSpec, sample, stop_ids_of
+from slimtune.rollout import SamplingSpec, row_generators, sample, stop_ids_of
 
 log = logging.getLogger(__name__)
 
-ROLLOUT_KEY = "grpo_rollout"  # in recipe_state.pt when num_iterations > 1: the generation batch being reused
+ROLLOUT_KEY = "grpo_rollout"  # in recipe_state.pt when num_iterations > 1: each rank's generation batch being reused
 COMPLETIONS_FILE = "completions.jsonl"
 EVAL_SEED_OFFSET = 7_777_777
 
@@ -84,8 +91,6 @@ class GRPOObjective(Objective):
 
     def setup(self, run: Run) -> None:
         """The stop tokens, the reference adapters' copy (beta > 0), a reused generation batch on resume, one line."""
-        if run.where.ranks.distributed:
-            raise SlimtuneError("training.objective=grpo runs on one process for now; run it without torchrun / --nproc")
         g = self.cfg.grpo
         stops = stop_ids_of(run.inputs.tokenizer, _generation_eos(run.inputs.base.path))
         if not stops:
@@ -96,7 +101,7 @@ class GRPOObjective(Objective):
         if self.loss_of.beta != 0.0:
             self.reference = adapter_weights(run.model)  # the model as loaded: restore() has not put the trained adapters in yet
         if run.resume is not None and ROLLOUT_KEY in run.resume.state:
-            self.rollout = run.resume.state[ROLLOUT_KEY]
+            self.rollout = _resumed_rollout(run, run.resume.state[ROLLOUT_KEY], g.num_iterations)
         data = run.inputs.data
         log.info(
             f"grpo: {g.loss_type}, {len(data.train)} prompts x {g.num_generations} generations"
@@ -120,8 +125,8 @@ class GRPOObjective(Objective):
         first = step_no - (step_no - 1) % mu  # the step that generated this cycle's batch
         if self.rollout is None or self.rollout["step"] != first:
             self.rollout = self._generate(run, batch, step_no)
-        if mu > 1:
-            run.extra_state[ROLLOUT_KEY] = self.rollout
+            if mu > 1:  # every rank's, for the checkpoints of this cycle (the coordinator writes the recipe state)
+                run.extra_state[ROLLOUT_KEY] = run.where.ranks.gather(self.rollout, "the generation batch")
         r = self.rollout
         return StepBatches(r["micro_batches"], r["tokens"], {"counts": StepCounts(**r["counts"]), "metrics": r["metrics"]})
 
@@ -136,18 +141,18 @@ class GRPOObjective(Objective):
 
     def evaluate(self, run: Run) -> dict:
         """The held-out prompts' completions (the same draws every time) scored: ``eval_reward`` ...; a few to completions.jsonl."""
-        rows = run.inputs.data.eval
-        g = self.cfg.grpo
-        generator = torch.Generator(run.where.device).manual_seed(self.cfg.seed + EVAL_SEED_OFFSET)
-        scored, completions, table, _ = self._sample_and_score(run, rows, generator, step=run.at.global_step)
-        rewards = (table * weights_of(self.rewards)).nansum(dim=1)
-        rewards[torch.isnan(table).all(dim=1)] = float("nan")
+        rows, g, ranks = run.inputs.data.eval, self.cfg.grpo, run.where.ranks
+        start, end = split_rows(len(rows), ranks.world_size)[ranks.rank]
+        shown = g.eval_samples * ranks.is_coordinator  # the coordinator writes the first ones; every rank sends its share
+        seed, step = self.cfg.seed + EVAL_SEED_OFFSET, run.at.global_step
+        batch = self._sample_and_score(run, rows[start:end], list(range(start, end)), seed, step, shown=g.eval_samples)
+        rewards = self._rewards(batch.table)
         adv = group_advantages(rewards, g.num_generations, g.scale_rewards)
-        out = {"eval_reward": adv.reward, "eval_reward_std": adv.reward_std, **reward_means(table, self.rewards, prefix="eval_")}
-        out.update(_length_figures(completions.ids, completions.truncated, prefix="eval_"))
+        out = {"eval_reward": adv.reward, "eval_reward_std": adv.reward_std, **reward_means(batch.table, self.rewards, prefix="eval_")}
+        out.update(_length_figures(batch.lengths, batch.truncated, prefix="eval_"))
         merged = any(m.merged_weight is not None for m in qlora_linears(run.model).values())
-        if run.where.ranks.is_coordinator and g.eval_samples and not merged:
-            _append_samples(run, scored, rewards, g.eval_samples)
+        if shown and not merged:
+            _append_samples(run, batch.shown, rewards)
         return out
 
     def figures(self, run: Run) -> dict:
@@ -159,50 +164,81 @@ class GRPOObjective(Objective):
 
     # -----------------------------------------------------------------------------------------------
 
-    def _sample_and_score(self, run: Run, rows: list[PromptRow], generator: torch.Generator, step: int):
-        """Each row's num_generations completions sampled and scored: (Scored, Completions, reward table, seconds)."""
-        g = self.cfg.grpo
+    def _sample_and_score(self, run: Run, rows: list[PromptRow], positions: list[int], seed: int, step: int, shown: int = 0) -> _Sampled:
+        """This rank's ``rows`` (at prompt ``positions`` of the batch over every rank), num_generations
+        completions each, sampled (completion j from ``row_generators(seed, j, 1)``) and scored (errors name
+        ``step``); the reward tables, lengths and the first ``shown`` (prompt, completion) pairs gathered
+        from every rank, in the batch's order."""
+        g, ranks = self.cfg.grpo, run.where.ranks
         started = time.perf_counter()
+        mine = [p * g.num_generations + k for p in positions for k in range(g.num_generations)]
         prompts = [row.prompt_ids for row in rows for _ in range(g.num_generations)]
-        completions = sample(run.model, prompts, self.spec, generator)
+        generators = [gen for j in mine for gen in row_generators(seed, j, 1, run.where.device)]
+        completions = sample(run.model, prompts, self.spec, generators, ranks)
         seconds = time.perf_counter() - started
-        tok = run.inputs.tokenizer
-        texts = tok.batch_decode(completions.ids, skip_special_tokens=True)
+        texts = run.inputs.tokenizer.batch_decode(completions.ids, skip_special_tokens=True)
         repeated = [row for row in rows for _ in range(g.num_generations)]
         conversational = bool(rows) and rows[0].shape == "conversational"
-        shown = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+        said = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
         keys = sorted({k for row in rows for k in row.columns})
         columns = {k: [row.columns.get(k) for row in repeated] for k in keys}
-        scored = Scored([row.prompt for row in repeated], shown, completions.ids, columns, [row.where for row in repeated])
-        return scored, completions, score(self.rewards, scored, step), seconds
+        scored = Scored([row.prompt for row in repeated], said, completions.ids, columns, [row.where for row in repeated])
+        table = score(self.rewards, scored, step) if rows else torch.zeros((0, len(self.rewards)))
+        lengths = [len(i) for i in completions.ids]
+        first = [(j, scored.prompts[i], scored.completions[i]) for i, j in enumerate(mine) if j < shown]
+        parts = ranks.gather((mine, table, lengths, completions.truncated, first), "the rewards")
+        size = 1 + max((j for part in parts for j in part[0]), default=-1)  # the last prompt is on some rank
+        out = _Sampled(torch.full((size, len(self.rewards)), float("nan")), [0] * size, [False] * size, mine, completions.ids)
+        out.seconds = seconds
+        for indices, part, counts, cut, pairs in parts:
+            out.table[indices] = part.float()
+            for j, n, c in zip(indices, counts, cut, strict=True):
+                out.lengths[j], out.truncated[j] = n, c
+            out.shown += pairs
+        out.shown.sort(key=lambda x: x[0])
+        return out
+
+    def _rewards(self, table: torch.Tensor) -> torch.Tensor:
+        """Each completion's weighted reward; NaN where no function scored it (TRL leaves it out)."""
+        rewards = (table * weights_of(self.rewards)).nansum(dim=1)
+        rewards[torch.isnan(table).all(dim=1)] = float("nan")
+        return rewards
 
     def _generate(self, run: Run, batch: list[list[int]], step_no: int) -> dict:
-        """This step's generation batch: completions, rewards, advantages, old and reference log-probabilities,
-        as plain containers (it may go into a checkpoint's recipe state)."""
-        g, rows = self.cfg.grpo, run.inputs.data.train
-        prompt_rows = [rows[i] for mb in batch for i in mb]
-        generator = torch.Generator(run.where.device).manual_seed(self.cfg.seed * 1_000_003 + step_no)
-        scored, completions, table, seconds = self._sample_and_score(run, prompt_rows, generator, step_no)
-        rewards = (table * weights_of(self.rewards)).nansum(dim=1)
-        rewards[torch.isnan(table).all(dim=1)] = float("nan")  # no function scored it: TRL leaves it out
-        adv = group_advantages(rewards, g.num_generations, g.scale_rewards)
-        masked = [t and g.mask_truncated_completions for t in completions.truncated]
-        micro_batches, start = [], 0
+        """This step's generation batch (this rank's micro-batches): completions, advantages over the whole
+        batch, old and reference log-probabilities, as plain containers (it may go into a checkpoint's
+        recipe state); the counts and figures are every rank's."""
+        g, rows, ranks, pad = self.cfg.grpo, run.inputs.data.train, run.where.ranks, run.inputs.pad_id
+        flat = [i for mb in batch for i in mb]
+        spans, offset = [], 0  # this rank's prompt positions in each micro-batch
         for mb in batch:
-            end = start + len(mb) * g.num_generations
-            prompts = [rows[i].prompt_ids for i in mb for _ in range(g.num_generations)]
-            mbatch = completion_batch(prompts, completions.ids[start:end], masked[start:end], run.inputs.pad_id)
-            mbatch["advantages"] = adv.advantages[start:end].clone()
+            start, end = split_rows(len(mb), ranks.world_size)[ranks.rank]
+            spans.append(range(offset + start, offset + end))
+            offset += len(mb)
+        positions = [p for span in spans for p in span]
+        sampled = self._sample_and_score(run, [rows[flat[p]] for p in positions], positions, self.cfg.seed * 1_000_003 + step_no, step_no)
+        adv = group_advantages(self._rewards(sampled.table), g.num_generations, g.scale_rewards)
+        masked = [t and g.mask_truncated_completions for t in sampled.truncated]
+        own = dict(zip(sampled.mine, sampled.ids, strict=True))
+        micro_batches = []
+        for span, mb in zip(spans, batch, strict=True):
+            done = [p * g.num_generations + k for p in span for k in range(g.num_generations)]
+            if done:
+                prompts = [rows[flat[j // g.num_generations]].prompt_ids for j in done]
+                mbatch = completion_batch(prompts, [own[j] for j in done], [masked[j] for j in done], pad)
+                mbatch["advantages"] = adv.advantages[done].clone()
+            else:  # no prompt of this micro-batch on this rank: one masked row that adds nothing
+                mbatch = completion_batch([rows[mb[0]].prompt_ids], [[pad]], [True], pad)
+                mbatch.update(advantages=torch.zeros(1), live=torch.zeros(1))
             micro_batches.append(self._stored_logps(run, mbatch))
-            start = end
-        trained = sum(int((m["labels"] != -100).sum()) for m in micro_batches)
+        trained = sum(n for n, m in zip(sampled.lengths, masked, strict=True) if not m)
+        prompt_tokens = sum(len(rows[i].prompt_ids) for i in flat) * g.num_generations
         metrics = {"reward": adv.reward, "reward_std": adv.reward_std, "frac_reward_zero_std": adv.frac_reward_zero_std}
-        metrics.update(reward_means(table, self.rewards))
-        metrics.update(_length_figures(completions.ids, completions.truncated))
-        metrics["generation_tokens_per_s"] = completions.tokens / max(seconds, 1e-9)
-        tokens = sum(int(m["attention_mask"].sum()) for m in micro_batches)
-        counts = {"sequences": len(completions.ids), "tokens": trained, "micro_batches": len(batch)}
-        return {"step": step_no, "micro_batches": micro_batches, "tokens": tokens, "counts": counts, "metrics": metrics}
+        metrics.update(reward_means(sampled.table, self.rewards))
+        metrics.update(_length_figures(sampled.lengths, sampled.truncated))
+        metrics["generation_tokens_per_s"] = sum(sampled.lengths) / max(sampled.seconds, 1e-9)
+        counts = {"sequences": len(sampled.lengths), "tokens": trained, "micro_batches": len(batch)}
+        return {"step": step_no, "micro_batches": micro_batches, "tokens": prompt_tokens + trained, "counts": counts, "metrics": metrics}
 
     def _stored_logps(self, run: Run, mbatch: dict) -> dict:
         """The micro-batch with the old log-probabilities (num_iterations > 1) and the reference's (beta > 0),
@@ -240,9 +276,9 @@ def _generation_eos(base: Path) -> int | list[int] | None:
     return eos
 
 
-def _length_figures(ids: list[list[int]], truncated: list[bool], prefix: str = "") -> dict:
+def _length_figures(lengths: list[int], truncated: list[bool], prefix: str = "") -> dict:
     """TRL's completions/* figures: mean, min and max length, and the share cut at max_completion_length."""
-    lengths = [len(i) for i in ids] or [0]
+    lengths = lengths or [0]
     return {
         f"{prefix}completions/mean_length": sum(lengths) / len(lengths),
         f"{prefix}completions/min_length": float(min(lengths)),
@@ -251,15 +287,46 @@ def _length_figures(ids: list[list[int]], truncated: list[bool], prefix: str = "
     }
 
 
-def _append_samples(run: Run, scored: Scored, rewards: torch.Tensor, n: int) -> None:
-    """The first ``n`` held-out completions (prompt, completion, reward) appended to completions.jsonl, fsynced."""
+def _append_samples(run: Run, shown: list[tuple], rewards: torch.Tensor) -> None:
+    """The first held-out completions ((index, prompt, completion) with their rewards) appended to
+    completions.jsonl, fsynced."""
     path = run.manager.out / COMPLETIONS_FILE
     lines = []
-    for i in range(min(n, len(scored.completions))):
-        prompt, completion = scored.prompts[i], scored.completions[i]
-        record = {"step": run.at.global_step, "prompt": prompt, "completion": completion, "reward": float(rewards[i])}
+    for j, prompt, completion in shown:
+        record = {"step": run.at.global_step, "prompt": prompt, "completion": completion, "reward": float(rewards[j])}
         lines.append(json.dumps(record, ensure_ascii=False) + "\n")
     with open(path, "a", encoding="utf-8") as f:
         f.write("".join(lines))
         f.flush()
         os.fsync(f.fileno())
+
+
+def _resumed_rollout(run: Run, saved: list[dict] | dict, mu: int) -> dict | None:
+    """This rank's generation batch from the checkpoint's (one per rank; a lone dict: one process's), or
+    None when the run resumes past its cycle; a cycle cut midway continues only on the number of ranks
+    that sampled it."""
+    saved = [saved] if isinstance(saved, dict) else saved
+    step = int(run.resume.state.get("global_step", 0))
+    if len(saved) == run.where.ranks.world_size:
+        return saved[run.where.ranks.rank]
+    if step + 1 < saved[0]["step"] + mu:
+        raise SlimtuneError(
+            f"{run.resume.path}: a grpo.num_iterations cycle sampled on {len(saved)} rank(s) is unfinished at step {step}; "
+            f"resume it on {len(saved)} rank(s) or from a checkpoint at a cycle's end"
+        )
+    return None
+
+
+@dataclass
+class _Sampled:
+    """A generation batch over every rank (the batch's order: each prompt's completions adjacent): the
+    reward table, lengths and truncation flags of every completion, this rank's completions (global
+    indices ``mine``, token ids ``ids``), the first eval samples (index, prompt, completion), seconds."""
+
+    table: torch.Tensor
+    lengths: list[int]
+    truncated: list[bool]
+    mine: list[int]
+    ids: list[list[int]]
+    shown: list[tuple] = field(default_factory=list)
+    seconds: float = 0.0

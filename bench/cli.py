@@ -148,6 +148,15 @@ def main(argv: list[str] | None = None) -> None:
     sm.add_argument("--pairs", type=int, default=2, help="N: pairs in the DPO batch (the SFT batch holds their 2N sequences)")
     sm.add_argument("--seq", type=int, default=256, help="tokens per sequence")
     sm.add_argument("--out", type=Path, default=Path("bench-out"))
+    gm = sub.add_parser("grpo-memory", help="a GRPO step's peak RSS (generation included) vs an SFT step's on its tokens; beta > 0 vs 0")
+    gm.add_argument("--preset", choices=sorted(PRESETS), default="llama3-8b")
+    gm.add_argument("--layers", type=int, default=2)
+    gm.add_argument("--prompts", type=int, default=2, help="prompts in the step's batch")
+    gm.add_argument("--generations", type=int, default=4, help="completions per prompt (grpo.num_generations)")
+    gm.add_argument("--prompt-tokens", type=int, default=64, help="tokens per prompt (grpo.max_prompt_length)")
+    gm.add_argument("--completion", type=int, default=32, help="tokens per completion at most (grpo.max_completion_length)")
+    gm.add_argument("--beta", type=float, default=0.04, help="grpo.beta of the reference-pass configuration")
+    gm.add_argument("--out", type=Path, default=Path("bench-out"))
     sp = sub.add_parser("step-profile", help="torch.profiler: the recipe step, it with dequantized weights held, bare, the bf16 peer")
     sp.add_argument("--model", type=Path, required=True)
     sp.add_argument("--data", type=Path, default=None, help="a JSONL dataset (default: the real-model tests' chat rows)")
@@ -212,6 +221,11 @@ def main(argv: list[str] | None = None) -> None:
         _train_step(args)
     if args.command == "step-memory":
         print(json.dumps(bench_step_memory(args.out, args.preset, args.layers, args.pairs, args.seq)))
+    if args.command == "grpo-memory":
+        from bench.grpo_memory import bench_grpo_memory
+
+        shape = dict(prompts=args.prompts, generations=args.generations, prompt_tokens=args.prompt_tokens, completion=args.completion)
+        print(json.dumps(bench_grpo_memory(args.out, args.preset, args.layers, shape | dict(beta=args.beta))))
     if args.command == "step-profile":
         args.out.mkdir(parents=True, exist_ok=True)
         data = args.data or _real_rows(args.out)

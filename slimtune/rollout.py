@@ -137,7 +137,11 @@ def _sample_chunk(model: nn.Module, prompts: list[torch.Tensor], spec: SamplingS
     tokens = []
     step_ids, positions = input_ids, (mask.cumsum(dim=1) - 1).clamp(min=0)
     for _ in range(spec.max_completion_length):
-        out = model(input_ids=step_ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
+        # the last position by index (a contiguous copy of its hidden states): logits_to_keep=1 hands the output
+        # head a strided slice, and torch's bf16 linear on a strided [rows, 1, hidden] input takes a path that
+        # held ~1 GB and 2.9 s for a 128k x 512 head (8 rows; contiguous: 8 MB, 0.02 s; the same values)
+        last = torch.tensor([step_ids.shape[1] - 1], device=device)
+        out = model(input_ids=step_ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=last)
         logits = out.logits[:, -1]
         nxt = _draw(logits.float(), spec, generator)
         nxt = torch.where(done, torch.full_like(nxt, spec.pad_id), nxt)

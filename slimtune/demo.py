@@ -55,7 +55,7 @@ REAL_VALUES = {
 def demo_batch(tokenizer, texts: list[str]) -> dict[str, torch.Tensor]:
     """``texts`` tokenized and padded on the tokenizer's side with its pad token (its eos when it has
     none: the tokenizer itself is left as it is), labels -100 on the padding."""
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = _pad_id(tokenizer)
     rows = [tokenizer(t)["input_ids"] for t in texts]
     width = max(len(r) for r in rows)
     left = tokenizer.padding_side == "left"
@@ -223,11 +223,16 @@ def _chat_ids(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def _pad_id(tokenizer) -> int:
+    """The tokenizer's pad token, its eos where it has none (the tokenizer itself is left as it is)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
 def _answers(model, tokenizer, prompts: list[list[int]]) -> list[str]:
     """Greedy answers of a plain transformers model, ANSWER_TOKENS new tokens at most each: the prompts in
     one batch, left-padded (one decode step for all of them)."""
     eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    pad = _pad_id(tokenizer)
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
@@ -244,7 +249,7 @@ def _held_out_loss(model, tokenizer, rows: list[dict]) -> float:
     tokens are not counted): how likely the model finds the held-out docstrings. LOSS_BATCH rows a
     forward, right-padded (the padding masked out and not counted)."""
     total, count = 0.0, 0
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = _pad_id(tokenizer)
     with torch.no_grad():
         for first in range(0, len(rows), LOSS_BATCH):
             seqs, starts = [], []

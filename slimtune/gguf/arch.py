@@ -33,6 +33,7 @@ ARCHS = {
     "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE,
     "qwen2": gguf.MODEL_ARCH.QWEN2,
     "qwen3": gguf.MODEL_ARCH.QWEN3,
+    "qwen2_5_vl_text": gguf.MODEL_ARCH.QWEN2VL,  # Qwen2.5-VL's language model (slimtune.gguf.mmproj); its mmproj beside it
     "gemma2": gguf.MODEL_ARCH.GEMMA2,
     "gemma3_text": gguf.MODEL_ARCH.GEMMA3,
     "phi3": gguf.MODEL_ARCH.PHI3,
@@ -45,6 +46,7 @@ _DROPPED = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attention.ma
 # llama.cpp hard-codes which Gemma layers use the sliding window: every layer i with i % n < n - 1
 _SWA_PERIOD = {"gemma2": 2, "gemma3_text": 6}
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}
+_MROPE = ("qwen2_5_vl_text",)  # rope over (time, height, width) sections of each head: rope.dimension_sections
 
 _LLAMA_LIKE = ("llama", "mistral", "mixtral")
 _EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
@@ -160,6 +162,8 @@ class GGUFArch:
         params["rope_theta"] = _positive(params["rope_theta"], "rope_theta", self.where)
         params["theta_swa"] = None if swa is None else _positive(swa, "sliding_attention.rope_theta", self.where)
         kind = params.get("rope_type", params.get("type", "default")) or "default"
+        if self.model_type in _MROPE and kind == "mrope":  # the published configs' name for it (transformers 5: "default")
+            kind = "default"
         if kind not in ("default", "linear", "llama3"):
             raise SlimtuneError(f"{self.where}: rope scaling {kind!r} is not supported by slimtune's GGUF export (default, linear, llama3)")
         params["rope_type"] = kind
@@ -275,7 +279,21 @@ class GGUFArch:
             ]
         if mt == "gpt_neox":
             out.append((K.LLM.USE_PARALLEL_RESIDUAL.format(arch=a), bool(cfg.get("use_parallel_residual", True)), T.BOOL))
+        if mt in _MROPE:
+            out.append((K.Rope.DIMENSION_SECTIONS.format(arch=a), self._mrope_sections(), T.INT32))
         return out
+
+    def _mrope_sections(self) -> list[int]:
+        """``mrope_section`` (rotary pairs per time, height and width section) padded to llama.cpp's 4 with 0, as the
+        converter writes it; they must cover the head's rotary pairs, as transformers splits them."""
+        sections = self.rope.get("mrope_section")
+        ok = isinstance(sections, list) and 0 < len(sections) <= 4 and all(type(n) is int and n >= 0 for n in sections)
+        if not ok or sum(sections) != self.rope_dims() // 2:
+            raise SlimtuneError(
+                f"{self.where}: rope mrope_section {sections!r}: expected up to 4 counts of rotary pairs summing to "
+                f"head_dim / 2 = {self.rope_dims() // 2}"
+            )
+        return [*sections, *[0] * (4 - len(sections))]
 
     # --- tensors ----------------------------------------------------------------------------------
 

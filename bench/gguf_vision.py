@@ -96,6 +96,43 @@ def make_trained_vlm(out: Path, tokenizer_dir: Path, settings: tuple[str, ...] =
     return run_finetune(load_config("tiny", settings)).checkpoint
 
 
+def make_trained_qwen_vl(out: Path, tokenizer=None, **vision) -> Path:
+    """The tiny Qwen2.5-VL of tests/test_vision_families.py (``vision_families.TINY``, ``vision`` over its
+    vision_config; ``tokenizer``: a text tokenizer, the byte tokenizer by default, plus the image tokens), bf16,
+    with Qwen2VLImageProcessor's preprocessor_config.json, QLoRA-trained 2 steps on an image + text row as
+    that test trains it (the random-pixel batch: Qwen2.5-VL's processor needs torchvision) and saved:
+    the merged checkpoint, under ``out/ckpt``."""
+    import torch
+    from transformers import AutoModelForImageTextToText, Qwen2VLImageProcessor
+
+    from slimtune.checkpoint.save import save_checkpoint
+    from slimtune.checkpoint.writer import WriteOptions
+    from slimtune.families import family_of, tiny_config
+    from slimtune.lora import LoRAConfig
+    from slimtune.model import load_qlora_model
+    from slimtune.tiny import byte_tokenizer
+    from slimtune.vision_families import IMAGE_TOKENS, TINY
+    from tests.test_vision_families import ANSWER, image_batch, train
+
+    tok = byte_tokenizer() if tokenizer is None else tokenizer
+    text_vocab = len(tok)
+    tok.add_tokens([name for name, _ in IMAGE_TOKENS["qwen2_5_vl"]], special_tokens=True)
+    config = tiny_config(family_of("qwen2_5_vl"), vocab_size=text_vocab, vision_config=dict(TINY["qwen2_5_vl"]["vision_config"], **vision))
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # the tokenizer's own (another tokenizer's differ)
+        if getattr(tok, key, None) is not None:
+            setattr(config.text_config, key, getattr(tok, key))
+    torch.manual_seed(0)
+    AutoModelForImageTextToText.from_config(config).to(torch.bfloat16).save_pretrained(out / "base")
+    tok.save_pretrained(out / "base")
+    Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=56 * 56).save_pretrained(out / "base")
+    model = load_qlora_model(out / "base", LoRAConfig(rank=8, alpha=16), seed=0, progress=False)
+    if tok.bos_token_id is None:  # image_batch starts the row with the tokenizer's bos
+        tok.bos_token_id = config.text_config.bos_token_id
+    train(model, image_batch("qwen2_5_vl", tok, ANSWER))
+    save_checkpoint(model, out / "ckpt", WriteOptions(progress=False))
+    return out / "ckpt"
+
+
 def _converter(python: Path, model: Path, outfile: Path, mmproj: bool) -> float:
     started = time.perf_counter()
     cmd = [str(python), str(CONVERTER), str(model), "--outtype", "f16", "--outfile", str(outfile), *(["--mmproj"] if mmproj else [])]

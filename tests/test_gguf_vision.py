@@ -150,9 +150,11 @@ def test_llama_cpp_encodes_the_image_and_answers_as_transformers(vlm):
     assert int(cpp_last.argmax()) == int(logits.argmax()) or top2[1] - top2[0] <= LOGIT_BOUND * logits.std()
 
 
-def test_unsupported_vision_exports_are_one_line_exit_2(vlm, tmp_path, capsys):
-    """An adapter-only GGUF of a vision model; a vision family without an mmproj here (Qwen2.5-VL's config):
-    one line, exit 2, nothing written."""
+def test_unsupported_vision_exports_are_one_line_exit_2(vlm, tmp_path, capsys, monkeypatch):
+    """An adapter-only GGUF of a vision model; a vision family without an mmproj here (Qwen2.5-VL's config,
+    its family taken out of slimtune.gguf.mmproj's table): one line, exit 2, nothing written."""
+    from slimtune.gguf import mmproj
+
     out = tmp_path / "a.gguf"
     argv = ["export", str(vlm["ckpt"] / "adapter"), "--adapter-only", "--base", str(vlm["root"] / "base"), "--out", str(out)]
     assert slimtune_main(argv) == 2
@@ -162,6 +164,7 @@ def test_unsupported_vision_exports_are_one_line_exit_2(vlm, tmp_path, capsys):
     shutil.copytree(vlm["ckpt"], qwen, ignore=shutil.ignore_patterns("slimtune_manifest.json", "adapter", "train_state"))
     cfg = json.loads((qwen / "config.json").read_text())
     (qwen / "config.json").write_text(json.dumps(cfg | {"model_type": "qwen2_5_vl"}))
+    monkeypatch.delitem(mmproj._FAMILIES, "qwen2_5_vl")
     assert slimtune_main(["export", str(qwen), "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "'qwen2_5_vl'" in err and "idefics3 only" in err

@@ -360,10 +360,11 @@ def _qwen25vl_kv(x: VisionExport, type_name: str) -> list[tuple[str, object, ggu
     if not (isinstance(full, list) and full and all(type(i) is int for i in full) and full[0] >= 0):
         raise SlimtuneError(f"{x.where}: vision_config.fullatt_block_indexes must be a non-empty list of block indexes, found {full!r}")
     period = full[0] + 1
-    if full != [i for i in range(x.blocks) if (i + 1) % period == 0]:
+    want = [i for i in range(x.blocks) if (i + 1) % period == 0]
+    if full != want:
         raise SlimtuneError(
-            f"{x.where}: vision_config.fullatt_block_indexes {full}: llama.cpp's qwen2.5vl attends to the whole image in every "
-            f"{period}th block of {x.blocks} ({[i for i in range(x.blocks) if (i + 1) % period == 0]}), no other pattern"
+            f"{x.where}: vision_config.fullatt_block_indexes {full}: llama.cpp's qwen2.5vl attends to the whole image in "
+            f"every {period}-th block from block {period - 1} on ({want} of {x.blocks} blocks), in no other pattern"
         )
     return [
         (K.ClipVision.USE_SILU, True, T.BOOL),

@@ -1,0 +1,249 @@
+"""GGUF export of Qwen2.5-VL (slimtune.gguf.mmproj's ``qwen2_5_vl`` family): the tiny Qwen2.5-VL of
+tests/test_vision_families.py fine-tuned 2 QLoRA steps, exported as its language model's GGUF (``qwen2vl``)
+and its mmproj GGUF (projector ``qwen2.5vl``), then checked by llama.cpp itself (llama-cpp-python's mtmd):
+
+- every tensor of both files reads back (gguf.GGUFReader) equal to the merged checkpoint's in the converter's
+  types: the fused ``attn.qkv`` as its three thirds, the Conv3d patch embedding as its two frames
+  (``v.patch_embd.weight`` and ``.weight.1``), the rest under the gguf package's MMPROJ names; the
+  metadata llama.cpp reads (``rope.dimension_sections``, ``clip.vision.n_wa_pattern``, ...);
+- a K-quant mix of the language model is llama-quantize's, byte for byte;
+- mtmd loads the pair, encodes a 224 x 112 image (8 x 4 merged tokens in two attention windows) into
+  transformers' image features, and after an image + text prompt (M-RoPE positions) gives transformers' logits;
+- settings llama.cpp's qwen2.5vl graph cannot be told are one line, exit 2, nothing written.
+
+The byte comparison with llama.cpp's own converter needs the converter: ``python -m bench gguf-vision
+--family qwen2_5_vl`` (docs/gguf.md)."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import shutil
+
+import gguf
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForImageTextToText
+
+from bench.gguf_vision import make_trained_qwen_vl
+from slimtune.cli import main as slimtune_main
+from tests.conftest import llama_cpp_oracle
+from tests.test_gguf import LLAMA_QUANTIZE_ADDS, assert_same_gguf, llama_quantize
+
+llama_cpp = llama_cpp_oracle()
+mtmd = pytest.importorskip("llama_cpp.mtmd_cpp")
+
+EMBED_BOUND = 0.01  # max |llama.cpp - transformers| image embedding, in std units (f16 weights), as for idefics3; measured 0.002
+LOGIT_BOUND = 0.005  # std(logits) units; measured 0.0005 (with 1-D positions in place of M-RoPE's: 0.018)
+Q = gguf.GGMLQuantizationType
+
+
+@pytest.fixture(scope="module")
+def qvl(tmp_path_factory):
+    """The merged checkpoint after 2 steps, and its f16 GGUF + f16 mmproj written by ``slimtune export``."""
+    root = tmp_path_factory.mktemp("gguf-qwen-vl")
+    ckpt = make_trained_qwen_vl(root)
+    out = root / "export" / "model-f16.gguf"
+    out.parent.mkdir()
+    assert slimtune_main(["export", str(ckpt), "--type", "f16", "--out", str(out)]) == 0
+    return dict(root=root, ckpt=ckpt, model=out, mmproj=out.with_name("model-mmproj-f16.gguf"))
+
+
+def _read(path) -> dict[str, gguf.ReaderTensor]:
+    return {t.name: t for t in gguf.GGUFReader(path).tensors}
+
+
+def _mmproj_expected(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The mmproj's tensors as the converter makes them from the checkpoint's ``visual.*`` (named by hand here)."""
+    names = {"attn.proj": "attn_out", "norm1": "ln1", "norm2": "ln2", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up"}
+    names |= {"mlp.down_proj": "ffn_down"}
+    out = {}
+    for key, value in weights.items():
+        if not key.startswith("visual."):
+            continue
+        part, suffix = key.removeprefix("visual.").rsplit(".", 1)
+        if part == "patch_embed.proj":
+            out["v.patch_embd.weight"], out["v.patch_embd.weight.1"] = value[:, :, 0], value[:, :, 1]
+        elif part == "merger.ln_q":
+            out[f"v.post_ln.{suffix}"] = value
+        elif part.startswith("merger.mlp."):
+            out[f"mm.{part.rsplit('.', 1)[1]}.{suffix}"] = value
+        elif part.endswith("attn.qkv"):
+            block = part.split(".")[1]
+            for p, third in zip("qkv", value.chunk(3), strict=True):
+                out[f"v.blk.{block}.attn_{p}.{suffix}"] = third
+        else:
+            block, rest = part.split(".", 2)[1:]
+            out[f"v.blk.{block}.{names[rest]}.{suffix}"] = value
+    return out
+
+
+def test_both_files_hold_the_checkpoint_tensors_under_llama_cpp_names(qvl):
+    weights = load_file(str(qvl["ckpt"] / "model-00001-of-00001.safetensors"))
+    want = _mmproj_expected(weights)
+    mm = _read(qvl["mmproj"])
+    assert sorted(mm) == sorted(want) and len(mm) == 2 * 16 + 7  # 16 a block (qkv as 6), 2 frames, the merger's norm and MLP
+    for name, value in want.items():
+        t = mm[name]
+        f32 = value.dim() == 1
+        assert t.tensor_type == (Q.F32 if f32 else Q.F16), name  # the patch embedding F16 in an f16 file, as the converter
+        expected = value.float().numpy().astype(np.float32 if f32 else np.float16)
+        assert np.array_equal(np.asarray(t.data).reshape(expected.shape), expected), name
+    text = _read(qvl["model"])
+    assert len(text) == sum(not k.startswith("visual.") for k in weights) and not any(n.startswith(("v.", "mm.")) for n in text)
+    assert np.array_equal(np.asarray(text["blk.1.attn_k.bias"].data), weights["model.layers.1.self_attn.k_proj.bias"].float().numpy())
+    assert np.array_equal(np.asarray(text["output.weight"].data), weights["lm_head.weight"].half().numpy())
+    fields = {k: f.contents() for k, f in gguf.GGUFReader(qvl["model"]).fields.items()}
+    assert fields["general.architecture"] == "qwen2vl" and fields["qwen2vl.rope.dimension_sections"] == [4, 6, 6, 0]
+    assert fields["qwen2vl.rope.freq_base"] == 1e6
+    fields = {k: f.contents() for k, f in gguf.GGUFReader(qvl["mmproj"]).fields.items()}
+    assert {k: fields[k] for k in fields if k.startswith("clip.") and not k.endswith(("_mean", "_std"))} == {
+        "clip.has_vision_encoder": True,
+        "clip.vision.projection_dim": 128,
+        "clip.vision.image_size": 560,  # the converter's, where vision_config has none
+        "clip.vision.patch_size": 14,
+        "clip.vision.embedding_length": 64,
+        "clip.vision.feed_forward_length": 128,
+        "clip.vision.block_count": 2,
+        "clip.vision.attention.head_count": 4,
+        "clip.projector_type": "qwen2.5vl_merger",  # gguf's VisionProjectorType.QWEN25VL
+        "clip.use_silu": True,
+        "clip.vision.n_wa_pattern": 2,  # fullatt_block_indexes [1]: every 2nd block attends to the whole image
+        "clip.vision.attention.layer_norm_epsilon": pytest.approx(1e-6),
+    }
+    lines = (qvl["model"].parent / "Modelfile").read_text().splitlines()
+    assert lines[:2] == ["FROM ./model-f16.gguf", "FROM ./model-mmproj-f16.gguf"]
+
+
+def test_kquant_language_model_is_llama_quantize(qvl, tmp_path):
+    """``--type q4_k_m``: the language model (``qwen2vl``) byte for byte llama-quantize's q4_k_m of slimtune's
+    f32 file (rows of 128 fall back to 32-blocks, ffn_down's 256 take K-quants); the same mmproj as f16's."""
+    f32, ours = tmp_path / "f32" / "m-f32.gguf", tmp_path / "m-q4_k_m.gguf"
+    for out, kind in ((f32, "f32"), (ours, "q4_k_m")):  # the mmproj beside each: m-mmproj-f16.gguf
+        assert slimtune_main(["export", str(qvl["ckpt"]), "--type", kind, "--out", str(out)]) == 0
+    assert_same_gguf(ours, llama_quantize(f32, tmp_path / "llama-q4_k_m.gguf", "q4_k_m"), LLAMA_QUANTIZE_ADDS)
+    assert {t.name: t.tensor_type for t in _read(ours).values()}["blk.0.ffn_down.weight"] in (Q.Q4_K, Q.Q6_K)
+    assert (tmp_path / "m-mmproj-f16.gguf").read_bytes() == qvl["mmproj"].read_bytes()
+
+
+def _chunks(ctx, prompt: bytes, image: np.ndarray):
+    """mtmd's chunks of ``prompt`` (with its media marker) and the image: [(type, text tokens or image token count, chunk)]."""
+    bitmap = mtmd.mtmd_bitmap_init(image.shape[1], image.shape[0], (ctypes.c_uint8 * image.size).from_buffer_copy(image.tobytes()))
+    text = mtmd.mtmd_input_text()
+    text.text, text.text_len, text.add_special, text.parse_special = prompt, len(prompt), False, True
+    chunks = mtmd.mtmd_input_chunks_init()
+    assert mtmd.mtmd_tokenize(ctx, chunks, ctypes.byref(text), (mtmd.mtmd_bitmap_p_ctypes * 1)(bitmap), 1) == 0
+    out = []
+    for i in range(mtmd.mtmd_input_chunks_size(chunks)):
+        chunk = mtmd.mtmd_input_chunks_get(chunks, i)
+        kind, n = mtmd.mtmd_input_chunk_get_type(chunk), mtmd.mtmd_input_chunk_get_n_tokens(chunk)
+        if kind == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT:
+            count = ctypes.c_size_t()
+            ids = mtmd.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(count))
+            out.append((kind, [ids[j] for j in range(count.value)], chunk))
+        else:
+            out.append((kind, n, chunk))
+    return chunks, bitmap, out
+
+
+def _llama_cpp_run(qvl, image: np.ndarray, prompt: bytes):
+    """mtmd on the pair: the image chunk's embeddings, the chunks, the last logits and the positions used."""
+    llm = llama_cpp.Llama(model_path=str(qvl["model"]), n_ctx=128, n_batch=128, logits_all=True, verbose=False)
+    params = mtmd.mtmd_context_params_default()
+    params.use_gpu, params.n_threads, params.print_timings, params.warmup = False, 1, False, False
+    ctx = mtmd.mtmd_init_from_file(str(qvl["mmproj"]).encode(), llm.model, params)
+    assert ctx and mtmd.mtmd_support_vision(ctx) and mtmd.mtmd_decode_use_mrope(ctx)
+    try:
+        chunks, bitmap, parts = _chunks(ctx, prompt, image)
+        embeddings = []
+        for kind, n, chunk in parts:
+            if kind == mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE:
+                assert mtmd.mtmd_encode_chunk(ctx, chunk) == 0
+                embeddings.append(np.ctypeslib.as_array(mtmd.mtmd_get_output_embd(ctx), shape=(n * 128,)).reshape(n, 128).copy())
+        n_past = llama_cpp.llama_pos(0)
+        assert mtmd.mtmd_helper_eval_chunks(ctx, llm.ctx, chunks, 0, 0, 128, True, ctypes.byref(n_past)) == 0
+        last = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),)).copy()
+        parts = [(kind, x) for kind, x, _ in parts]
+        mtmd.mtmd_input_chunks_free(chunks)
+        mtmd.mtmd_bitmap_free(bitmap)
+    finally:
+        mtmd.mtmd_free(ctx)
+        llm.close()
+    return embeddings, parts, last, int(n_past.value)
+
+
+def test_llama_cpp_encodes_the_image_and_answers_as_transformers(qvl):
+    """mtmd loads the pair; its embeddings of a 224 x 112 image (aligned to 28 pixels: not resized) are
+    transformers' image features; after the prompt its logits are transformers' on the same tokens
+    (the image tokens in the image chunk's place) at the same M-RoPE positions. llama.cpp's qwen2vl (the
+    build here) does not read ``qwen2vl.attention.layer_norm_rms_epsilon`` (the file holds the config's, as
+    the converter writes it) and computes the language model's norms with 0: transformers' norms do so here
+    too (with the config's 1e-5 the logits differ by 0.015 std, by 0.016 on text alone)."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    image = np.random.default_rng(0).integers(0, 256, (112, 224, 3), dtype=np.uint8)
+    theirs, parts, cpp_last, n_past = _llama_cpp_run(
+        qvl, image, b"<|bos|>Read the chart: " + mtmd.mtmd_default_marker() + b" The value is "
+    )
+    model = AutoModelForImageTextToText.from_pretrained(qvl["ckpt"], dtype=torch.float32).eval()
+    for norm in model.model.language_model.modules():  # as llama.cpp computes: its qwen2vl reads no rms epsilon (0.0)
+        if hasattr(norm, "variance_epsilon"):
+            norm.variance_epsilon = 0.0
+    size = {"shortest_edge": 8 * 28 * 28, "longest_edge": 4096 * 28 * 28}  # llama.cpp's limits: 8 to 4096 merged tokens
+    processor = Qwen2VLImageProcessorPil.from_pretrained(qvl["ckpt"], size=size)
+    pixels = processor(images=[PIL.Image.fromarray(image)], return_tensors="pt")
+    assert pixels["image_grid_thw"].tolist() == [[1, 8, 16]] and len(theirs) == 1 and theirs[0].shape == (32, 128)
+    with torch.no_grad():
+        features = model.model.get_image_features(pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"])
+        ours = torch.cat(list(getattr(features, "pooler_output", features))).numpy()
+        assert np.abs(ours - theirs[0]).max() <= EMBED_BOUND * ours.std()
+        image_id = model.config.image_token_id
+        ids = [i for kind, x in parts for i in (x if kind == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT else [image_id] * x)]
+        image_parts = (torch.tensor([ids]) == image_id).int()  # where the image is: M-RoPE positions
+        logits = model(input_ids=torch.tensor([ids]), mm_token_type_ids=image_parts, **pixels).logits[0, -1].numpy()
+    assert n_past == len(ids) - 32 + 8  # M-RoPE: the image takes max(4, 8) positions, not its 32 tokens
+    assert np.abs(logits - cpp_last).max() <= LOGIT_BOUND * logits.std()
+    top2 = np.sort(logits)[-2:]
+    assert int(cpp_last.argmax()) == int(logits.argmax()) or top2[1] - top2[0] <= LOGIT_BOUND * logits.std()
+
+
+def _edited(qvl, tmp_path, edits: dict):
+    """A copy of the merged checkpoint (without its manifest) with config.json's entries replaced by ``edits``."""
+    d = tmp_path / "ckpt"
+    shutil.copytree(qvl["ckpt"], d, ignore=shutil.ignore_patterns("slimtune_manifest.json", "adapter", "train_state"))
+    spec = json.loads((d / "config.json").read_text())
+    for dotted, value in edits.items():
+        *path, key = dotted.split(".")
+        node = spec
+        for part in path:
+            node = node[part]
+        node[key] = value
+    (d / "config.json").write_text(json.dumps(spec))
+    return d
+
+
+@pytest.mark.parametrize(
+    ("edits", "expected"),
+    [
+        ({"vision_config.window_size": 56}, "vision_config.window_size is 56; llama.cpp's qwen2.5vl mmproj assumes 112"),
+        ({"vision_config.fullatt_block_indexes": [0]}, "fullatt_block_indexes [0]: llama.cpp's qwen2.5vl attends to the whole image in"),
+        ({"vision_config.depth": 3}, "vision_config.depth is 3, the checkpoint holds vision blocks [0, 1]"),
+        ({"vision_config.intermediate_size": 96}, "mmproj tensor v.blk.0.ffn_gate.weight is [128, 64]; vision_config (hidden_size"),
+        (
+            {"text_config.rope_parameters.mrope_section": [4, 6, 4]},
+            "mrope_section [4, 6, 4]: expected up to 4 counts of rotary pairs summing to",
+        ),
+    ],
+    ids=["window", "fullatt", "depth", "mlp-width", "mrope-sections"],
+)
+def test_bad_qwen_vl_settings_are_one_line_exit_2(qvl, tmp_path, capsys, edits, expected):
+    """What llama.cpp's qwen2vl / qwen2.5vl cannot be told, or shapes the metadata contradicts: one line
+    naming the file and key, exit 2, neither file written."""
+    src, out = _edited(qvl, tmp_path, edits), tmp_path / "m.gguf"
+    assert slimtune_main(["export", str(src), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and expected in err, err
+    assert not out.exists() and not out.with_name("m-mmproj-f16.gguf").exists()

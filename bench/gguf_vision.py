@@ -1,6 +1,11 @@
-"""``python -m bench gguf-vision --out DIR``: slimtune's GGUF + mmproj of a tiny SmolVLM (Idefics3) against
-llama.cpp's own converter (``convert_hf_to_gguf.py`` and ``--mmproj``) on the same merged checkpoint.
+"""``python -m bench gguf-vision --out DIR [--family qwen2_5_vl] [--type TYPE]``: slimtune's GGUF + mmproj of a
+tiny SmolVLM (Idefics3) or Qwen2.5-VL against llama.cpp's own converter (``convert_hf_to_gguf.py`` and
+``--mmproj``) on the same merged checkpoint.
 
+Qwen2.5-VL: ``make_trained_qwen_vl`` (tests/test_vision_families.py's tiny model and its 2 QLoRA steps) with
+SmolLM2's tokenizer plus the image tokens and 4 vision blocks (the converter cannot convert fewer than 3: it
+names the merger's ``mlp.2`` through the block map); the converter takes its directory as it is.
+SmolVLM / Idefics3:
 The checkpoint: ``make_tiny_vision_checkpoint`` with SmolLM2's tokenizer (the converter cannot name the
 byte-level fallback's pre-tokenizer) plus the image tokens, fine-tuned 2 steps on image rows by
 ``slimtune finetune`` (QLoRA, merged save). slimtune exports it (``--type f16``, mmproj f16); the converter
@@ -96,11 +101,12 @@ def make_trained_vlm(out: Path, tokenizer_dir: Path, settings: tuple[str, ...] =
     return run_finetune(load_config("tiny", settings)).checkpoint
 
 
-def make_trained_qwen_vl(out: Path, tokenizer=None, **vision) -> Path:
+def make_trained_qwen_vl(out: Path, tokenizer=None, lora_vision: bool = False, **vision) -> Path:
     """The tiny Qwen2.5-VL of tests/test_vision_families.py (``vision_families.TINY``, ``vision`` over its
     vision_config; ``tokenizer``: a text tokenizer, the byte tokenizer by default, plus the image tokens), bf16,
     with Qwen2VLImageProcessor's preprocessor_config.json, QLoRA-trained 2 steps on an image + text row as
-    that test trains it (the random-pixel batch: Qwen2.5-VL's processor needs torchvision) and saved:
+    that test trains it (the random-pixel batch: Qwen2.5-VL's processor needs torchvision; ``lora_vision``:
+    LoRA on the tower's linears too) and saved:
     the merged checkpoint, under ``out/ckpt``."""
     import torch
     from transformers import AutoModelForImageTextToText, Qwen2VLImageProcessor
@@ -125,7 +131,7 @@ def make_trained_qwen_vl(out: Path, tokenizer=None, **vision) -> Path:
     AutoModelForImageTextToText.from_config(config).to(torch.bfloat16).save_pretrained(out / "base")
     tok.save_pretrained(out / "base")
     Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=56 * 56).save_pretrained(out / "base")
-    model = load_qlora_model(out / "base", LoRAConfig(rank=8, alpha=16), seed=0, progress=False)
+    model = load_qlora_model(out / "base", LoRAConfig(rank=8, alpha=16, vision=lora_vision), seed=0, progress=False)
     if tok.bos_token_id is None:  # image_batch starts the row with the tokenizer's bos
         tok.bos_token_id = config.text_config.bos_token_id
     train(model, image_batch("qwen2_5_vl", tok, ANSWER))
@@ -133,9 +139,9 @@ def make_trained_qwen_vl(out: Path, tokenizer=None, **vision) -> Path:
     return out / "ckpt"
 
 
-def _converter(python: Path, model: Path, outfile: Path, mmproj: bool) -> float:
+def _converter(python: Path, model: Path, outfile: Path, mmproj: bool, kind: str = "f16") -> float:
     started = time.perf_counter()
-    cmd = [str(python), str(CONVERTER), str(model), "--outtype", "f16", "--outfile", str(outfile), *(["--mmproj"] if mmproj else [])]
+    cmd = [str(python), str(CONVERTER), str(model), "--outtype", kind, "--outfile", str(outfile), *(["--mmproj"] if mmproj else [])]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return time.perf_counter() - started
 
@@ -152,22 +158,42 @@ def _with_text_architecture(ckpt: Path, out: Path) -> Path:
     return out
 
 
-def bench_gguf_vision(out: Path, tokenizer_dir: Path, python: Path | None = None, lora_vision: bool = False) -> list[dict]:
-    """slimtune's export of the trained tiny SmolVLM and the converter's, compared (``compare_gguf``)."""
+def bench_gguf_vision(out: Path, tokenizer_dir: Path, python: Path | None = None, lora_vision: bool = False, **how) -> list[dict]:
+    """slimtune's export of the trained tiny vision model and the converter's, compared (``compare_gguf``).
+    ``how``: ``family`` (``idefics3``, default, or ``qwen2_5_vl``) and ``type`` (f16, default; f32, bf16,
+    q8_0: both files and the converter's ``--outtype``)."""
     from slimtune.cli import main as slimtune_main
 
+    family, kind = how.get("family", "idefics3"), how.get("type", "f16")
     if not CONVERTER.is_file():
         raise SystemExit(f"{CONVERTER}: missing; run bash bench/peers/llama_cpp_convert.sh --setup")
     python = python or (PEER_PYTHON if PEER_PYTHON.is_file() else Path(sys.executable))
     out.mkdir(parents=True, exist_ok=True)
-    ckpt = make_trained_vlm(out, tokenizer_dir, (f"lora.vision={str(lora_vision).lower()}",))
+    if family == "qwen2_5_vl":
+        ckpt, view = _trained_qwen_vl(out, tokenizer_dir, lora_vision), None
+    else:
+        ckpt = make_trained_vlm(out, tokenizer_dir, (f"lora.vision={str(lora_vision).lower()}",))
+        view = _with_text_architecture(ckpt, out / "peer-view")
     started = time.perf_counter()
-    assert slimtune_main(["export", str(ckpt), "--type", "f16", "--out", str(out / "model-f16.gguf"), "--overwrite"]) == 0
+    argv = ["export", str(ckpt), "--type", kind, "--mmproj-type", kind, "--out", str(out / f"model-{kind}.gguf"), "--overwrite"]
+    assert slimtune_main(argv) == 0
     ours_s = time.perf_counter() - started
-    peer_mm = _converter(python, ckpt, out / "peer-mmproj-f16.gguf", mmproj=True)
-    peer_text = _converter(python, _with_text_architecture(ckpt, out / "peer-view"), out / "peer-f16.gguf", mmproj=False)
-    rows = [compare_gguf(out / f"model-{n}f16.gguf", out / f"peer-{n}f16.gguf") for n in ("mmproj-", "")]
+    peer_mm = _converter(python, ckpt, out / f"peer-mmproj-{kind}.gguf", mmproj=True, kind=kind)
+    peer_text = _converter(python, view or ckpt, out / f"peer-{kind}.gguf", mmproj=False, kind=kind)
+    rows = [compare_gguf(out / f"model-{n}{kind}.gguf", out / f"peer-{n}{kind}.gguf") for n in ("mmproj-", "")]
     for row, peer_s in zip(rows, (peer_mm, peer_text), strict=True):
-        row |= {"lora_vision": lora_vision, "slimtune_s_both_files": round(ours_s, 2), "converter_s": round(peer_s, 2)}
+        row |= {"family": family, "lora_vision": lora_vision, "slimtune_s_both_files": round(ours_s, 2), "converter_s": round(peer_s, 2)}
         row["converter_python"] = str(python)
     return rows
+
+
+def _trained_qwen_vl(out: Path, tokenizer_dir: Path, lora_vision: bool) -> Path:
+    """``make_trained_qwen_vl`` with ``tokenizer_dir``'s tokenizer and 4 vision blocks (full attention in
+    blocks 1 and 3): the converter names the merger's ``mlp.2`` as block 2, so it cannot convert fewer than 3."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    shutil.rmtree(out / "qwen-vl", ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    return make_trained_qwen_vl(out / "qwen-vl", tokenizer, lora_vision, depth=4, fullatt_block_indexes=[1, 3])

@@ -80,7 +80,7 @@ VISION_FAMILIES: tuple[Family, ...] = (
         "Qwen2.5-VL",
         "qwen2_5_vl",
         notes="`Qwen2_5_VLForConditionalGeneration`; vision tower and merger frozen in the base dtype (`LoRAConfig.vision`: "
-        "LoRA on the tower's linears too); image rows need its full processor (torchvision; not tested here); no GGUF (refused)",
+        "LoRA on the tower's linears too); image rows need its full processor (torchvision; not tested here); GGUF (`qwen2vl`) + mmproj",
     ),
     Family(
         "SmolVLM / Idefics3",

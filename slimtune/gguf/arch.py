@@ -33,7 +33,6 @@ ARCHS = {
     "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE,
     "qwen2": gguf.MODEL_ARCH.QWEN2,
     "qwen3": gguf.MODEL_ARCH.QWEN3,
-    "qwen2_5_vl_text": gguf.MODEL_ARCH.QWEN2VL,  # Qwen2.5-VL's language model (slimtune.gguf.mmproj); its mmproj beside it
     "gemma2": gguf.MODEL_ARCH.GEMMA2,
     "gemma3_text": gguf.MODEL_ARCH.GEMMA3,
     "phi3": gguf.MODEL_ARCH.PHI3,
@@ -41,6 +40,9 @@ ARCHS = {
     "gpt_neox": gguf.MODEL_ARCH.GPTNEOX,
     "gpt2": gguf.MODEL_ARCH.GPT2,
 }
+VISION_TEXT_ARCHS = {"qwen2_5_vl_text": gguf.MODEL_ARCH.QWEN2VL}
+"""The language models of vision-language families that are no text family of their own (their model_type as
+``slimtune.gguf.mmproj`` names it); exported beside their mmproj file."""
 # tensors the HF checkpoint may hold that llama.cpp does not read (attention masks saved as buffers)
 _DROPPED = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attention.masked_bias", ".rotary_emb.inv_freq")
 # llama.cpp hard-codes which Gemma layers use the sliding window: every layer i with i % n < n - 1
@@ -99,10 +101,10 @@ class GGUFArch:
     def __init__(self, cfg: dict, where: str = "config.json"):
         self.cfg, self.where = cfg, where
         self.model_type = cfg.get("model_type")
-        if self.model_type not in ARCHS:
+        if self.model_type not in ARCHS and self.model_type not in VISION_TEXT_ARCHS:
             names = ", ".join(sorted(ARCHS))
             raise SlimtuneError(f"{where}: model_type {self.model_type!r} cannot be exported to GGUF; families that can: {names}")
-        self.arch = ARCHS[self.model_type]
+        self.arch = ARCHS.get(self.model_type) or VISION_TEXT_ARCHS[self.model_type]
         self.name = gguf.MODEL_ARCH_NAMES[self.arch]
         gpt2 = self.model_type == "gpt2"
         keys = ("n_embd", "n_layer", "n_head") if gpt2 else ("hidden_size", "num_hidden_layers", "num_attention_heads")

@@ -9,6 +9,7 @@ and its mmproj GGUF (projector ``qwen2.5vl``), then checked by llama.cpp itself 
 - a K-quant mix of the language model is llama-quantize's, byte for byte;
 - mtmd loads the pair, encodes a 224 x 112 image (8 x 4 merged tokens in two attention windows) into
   transformers' image features, and after an image + text prompt (M-RoPE positions) gives transformers' logits;
+- a published flat config.json (no text_config) writes the same files;
 - settings llama.cpp's qwen2.5vl graph cannot be told are one line, exit 2, nothing written.
 
 The byte comparison with llama.cpp's own converter needs the converter: ``python -m bench gguf-vision
@@ -223,6 +224,22 @@ def _edited(qvl, tmp_path, edits: dict):
         node[key] = value
     (d / "config.json").write_text(json.dumps(spec))
     return d
+
+
+def test_a_published_flat_config_writes_the_same_files(qvl, tmp_path):
+    """Qwen2.5-VL's published config.json has no text_config (the language model's keys at the top level) and
+    the older ``rope_scaling: {type: mrope}``: the same two files as transformers 5's nested config."""
+    src = _edited(qvl, tmp_path, {})
+    cfg = json.loads((src / "config.json").read_text())
+    text = cfg.pop("text_config")
+    rope = text.pop("rope_parameters")
+    flat = {**cfg, **{k: v for k, v in text.items() if k != "model_type"}, "rope_theta": rope["rope_theta"]}
+    flat["rope_scaling"] = {"type": "mrope", "mrope_section": rope["mrope_section"]}
+    (src / "config.json").write_text(json.dumps(flat))
+    out = tmp_path / "flat" / "model-f16.gguf"
+    assert slimtune_main(["export", str(src), "--out", str(out)]) == 0
+    for name in ("model-f16.gguf", "model-mmproj-f16.gguf"):
+        assert (out.parent / name).read_bytes() == (qvl["model"].parent / name).read_bytes(), name
 
 
 @pytest.mark.parametrize(

@@ -98,7 +98,9 @@ def make_tiny_checkpoint(out_dir: str | Path, seed: int = 0, **config_overrides)
     return out_dir
 
 
-def make_tiny_vision_checkpoint(out_dir: str | Path, seed: int = 0, tokenizer=None, model_type: str = "idefics3", **config_overrides) -> Path:
+def make_tiny_vision_checkpoint(
+    out_dir: str | Path, seed: int = 0, tokenizer=None, model_type: str = "idefics3", **config_overrides
+) -> Path:
     """Write a randomly initialised tiny vision-language model in Hugging Face format, bf16, at the test
     widths of ``vision_families.TINY``, with its processor made locally (no network): the byte tokenizer
     plus the image tokens, the family's image processor at 64 x 64 pixels (every image is 4 image tokens,
@@ -157,7 +159,9 @@ def _gemma3_processor(tokenizer):
 
     (boi, _), (image, _), (eoi, _) = IMAGE_TOKENS["gemma3"]
     special = {k: v for k, v in tokenizer.special_tokens_map.items() if k in ("bos_token", "eos_token", "pad_token", "unk_token")}
-    named = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer, **special, boi_token=boi, image_token=image, eoi_token=eoi)
+    named = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer.backend_tokenizer, **special, boi_token=boi, image_token=image, eoi_token=eoi
+    )
     images = Gemma3ImageProcessorPil(size={"height": TINY_IMAGE_SIZE, "width": TINY_IMAGE_SIZE})
     template = TINY_VISION_CHAT_TEMPLATE.replace("<image>", boi)
     return Gemma3Processor(images, named, image_seq_length=4, chat_template=template)

@@ -86,10 +86,11 @@ TINY: dict[str, dict] = {
         scale_factor=2,
         tie_word_embeddings=False,
     ),
-    # Gemma 3: a sliding and a global layer, the head tied to the embeddings; SigLIP without its pooling head (as published), 16 patches
-    # average-pooled 2 x 2 into 4 image tokens
+    # Gemma 3: 2 sliding-window layers (llama.cpp's fixed 5 : 1 pattern), attention scaled by head_dim, the
+    # head tied to the embeddings; SigLIP without its pooling head (as published), 16 patches average-pooled
+    # 2 x 2 into 4 image tokens
     "gemma3": dict(
-        text_config=dict(_TEXT_TEST, head_dim=32, layer_types=["sliding_attention", "full_attention"], sliding_window=64),
+        text_config=dict(_TEXT_TEST, head_dim=32, query_pre_attn_scalar=32),
         vision_config=dict(
             hidden_size=64,
             intermediate_size=128,

@@ -6,8 +6,10 @@ tensor stream: this module splits the stream, names the vision tensors as the ``
 tensor map does, and gives the ``clip.*`` metadata and each tensor's GGML type as the converter's class for
 the family does (facts followed, not code copied).
 
-Families: SmolVLM / Idefics3 (``idefics3``: the converter's ``SmolVLMModel``, projector type ``idefics3``).
-Any other vision family is refused in one line. Example::
+Families: SmolVLM / Idefics3 (``idefics3``: the converter's ``SmolVLMModel``, projector type ``idefics3``) and
+Gemma 3 (``gemma3``: its ``Gemma3VisionModel``, projector type ``gemma3``: the SigLIP tower, the projector's
+RMSNorm stored as 1 + w, its [vision, text] matrix always F16). Any other vision family is refused in one
+line. Example::
 
     vision = vision_export(cfg, [ckpt])          # None for a text model
     text_cfg, text_stream = vision.text_part(stream)
@@ -18,9 +20,11 @@ Any other vision family is refused in one line. Example::
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
+import torch
 
 from slimtune.errors import SlimtuneError
 from slimtune.formats.gguf_types import MMPROJ_TYPES
@@ -34,10 +38,32 @@ K = gguf.Keys
 _QTYPES = {name: Q[name.upper()] for name in MMPROJ_TYPES}
 """Each mmproj type name (``slimtune.formats.gguf_types.MMPROJ_TYPES``) -> the GGML type of its weights."""
 _FILE_TYPES = {name: gguf.LlamaFileType.ALL_F32 if name == "f32" else gguf.LlamaFileType[f"MOSTLY_{name.upper()}"] for name in MMPROJ_TYPES}
-_TEXT_PREFIX = {"idefics3": "model.text_model."}
-"""Where the language model's tensors are; the converter reads them without the ``text_model.`` part."""
-_PROJECTOR = {"idefics3": gguf.VisionProjectorType.IDEFICS3}
-_IDEFICS3_LN_EPS = 1e-6  # transformers' Idefics3VisionConfig default (the converter assumes 1e-5 when the key is absent)
+_LN_EPS = 1e-6  # transformers' Idefics3VisionConfig and SiglipVisionConfig default (the converter assumes 1e-5 for Idefics3)
+
+
+@dataclass(frozen=True)
+class _Family:
+    """Where a family's tensors are in its checkpoint (published keys) and how the converter names them."""
+
+    projector: gguf.VisionProjectorType
+    text: tuple[str, str]  # the language model's key prefix -> the text family's (the converter reads it so)
+    vision: tuple[str, ...]  # key prefixes of the vision tower and the projector
+    published: tuple[str, str]  # a vision key prefix -> the one the gguf package's map knows ("": as it is)
+
+
+_FAMILIES = {
+    "idefics3": _Family(
+        gguf.VisionProjectorType.IDEFICS3, ("model.text_model.", "model."), ("model.vision_model.", "model.connector."), ("", "")
+    ),
+    # transformers 5 saves SigLIP's tensors without the ``vision_model.`` its published checkpoints hold (and
+    # the gguf package's map names); the converter also reads ``mm_input_projection_weight`` as ``.weight``
+    "gemma3": _Family(
+        gguf.VisionProjectorType.GEMMA3,
+        ("language_model.", ""),
+        ("vision_tower.", "multi_modal_projector."),
+        ("vision_tower.", "vision_tower.vision_model."),
+    ),
+}
 
 
 def mmproj_path(out: Path, type_name: str, mmproj_type: str) -> Path:
@@ -54,9 +80,9 @@ def vision_export(cfg: dict, dirs: list[Path], where: str = "config.json") -> Vi
     model_type = cfg.get("model_type")
     if vision_parts(model_type) is None:
         return None
-    if model_type not in _PROJECTOR:
+    if model_type not in _FAMILIES:
         raise SlimtuneError(
-            f"{where}: model_type {model_type!r}: slimtune writes the GGUF + mmproj of {', '.join(sorted(_PROJECTOR))} only; "
+            f"{where}: model_type {model_type!r}: slimtune writes the GGUF + mmproj of {', '.join(sorted(_FAMILIES))} only; "
             "export the merged checkpoint with safetensors instead"
         )
     return VisionExport(cfg, dirs, where)
@@ -77,7 +103,7 @@ class VisionExport:
 
     def __init__(self, cfg: dict, dirs: list[Path], where: str):
         self.cfg, self.where, self.model_type = cfg, where, cfg["model_type"]
-        self.parts = vision_parts(self.model_type)
+        self.family = _FAMILIES[self.model_type]
         self.vision = cfg.get("vision_config")
         self.text = cfg.get("text_config")
         for key, value in (("vision_config", self.vision), ("text_config", self.text)):
@@ -92,29 +118,38 @@ class VisionExport:
         return {**self.cfg, **self.text}
 
     def text_part(self, stream: list[StreamTensor]) -> list[StreamTensor]:
-        """The language model's entries of ``stream``, named as the text family's (``model.text_model.x`` ->
-        ``model.x``; ``lm_head`` as it is); the vision tower and projector left out."""
-        prefix = _TEXT_PREFIX[self.model_type]
-        out = []
+        """The language model's entries of ``stream``, named as the text family's (``model.text_model.x``,
+        ``language_model.model.x`` -> ``model.x``); the vision tower and projector left out."""
+        (prefix, to), out = self.family.text, []
         for t in stream:
-            if self.parts.in_vision(t.name):
+            if self._in_vision(t.name):
                 continue
-            name = "model." + t.name.removeprefix(prefix) if t.name.startswith(prefix) else t.name
+            name = to + t.name.removeprefix(prefix) if t.name.startswith(prefix) else t.name
             out.append(t if name == t.name else StreamTensor(name, t.shape, t.dtype, t.rows))
         return out
 
+    def _in_vision(self, key: str) -> bool:
+        return key.startswith(self.family.vision)
+
     def tensors(self, stream: list[StreamTensor]) -> list[tuple[str, StreamTensor]]:
         """(HF key, GGUF entry) of the mmproj file: the vision tower's and projector's entries of ``stream``
-        in its order, under the ``gguf`` package's MMPROJ names. An entry with no name there is one line."""
-        out = []
+        in its order, under the ``gguf`` package's MMPROJ names (Gemma 3's projector norm as 1 + w, as
+        llama.cpp reads it). An entry with no name there is one line."""
+        (old, new), out = self.family.published, []
         for t in stream:
-            if not self.parts.in_vision(t.name):
+            if not self._in_vision(t.name):
                 continue
-            name = self.names.get_name(t.name, try_suffixes=(".weight", ".bias"))
+            key = new + t.name.removeprefix(old) if old and t.name.startswith(old) else t.name
+            if self.model_type == "gemma3":
+                key = key.replace("_weight", ".weight")
+            name = self.names.get_name(key, try_suffixes=(".weight", ".bias"))
             if name is None:
                 raise SlimtuneError(f"{self.where}: tensor {t.name} has no name in llama.cpp's mmproj ({self.name}) file")
             if not t.dtype.is_floating_point:
                 raise SlimtuneError(f"tensor {t.name}: dtype {t.dtype} cannot be written to GGUF")
+            if name == "mm.soft_emb_norm.weight":  # Gemma3RMSNorm computes x * (1 + w); f32, one rounding (the file's)
+                out.append((t.name, StreamTensor(name, t.shape, torch.float32, lambda s, e, t=t: t.rows(s, e).float() + 1.0)))
+                continue
             out.append((t.name, StreamTensor(name, t.shape, t.dtype, t.rows)))
         if not out:
             raise SlimtuneError(f"{self.where}: a {self.model_type} model, but the checkpoint holds no vision tensors")
@@ -123,12 +158,18 @@ class VisionExport:
     def check_tensors(self, tensors: list[tuple[str, StreamTensor]]) -> None:
         """The mmproj tensors against the shapes llama.cpp computes from the file's metadata (``kv``), before a
         byte is written: blocks 0..n-1 and no other, the patch and position embeddings, each block's
-        projections and the projector's input (the tower's width times the pixel shuffle's scale squared)."""
+        projections and the projector's (Idefics3: the tower's width times the pixel shuffle's scale squared in;
+        Gemma 3: a [width, text width] matrix after its RMSNorm)."""
         v, where = self.vision, self.where
         n = {k: _number(v.get(k), f"vision_config.{k}", where) for k in _VISION_COUNTS}
         width, ff, patch = n["hidden_size"], n["intermediate_size"], n["patch_size"]
-        scale = _number(self.cfg.get("scale_factor", 2), "scale_factor", where)
         text = _number(self.text.get("hidden_size"), "text_config.hidden_size", where)
+        if self.model_type == "gemma3":
+            self._gemma3_scale()  # the pooling divides the patch grid
+            projector = {"mm.input_projection.weight": (width, text), "mm.soft_emb_norm.weight": (width,)}
+        else:
+            scale = _number(self.cfg.get("scale_factor", 2), "scale_factor", where)
+            projector = {"mm.model.fc.weight": (text, width * scale * scale)}
         shapes = {t.name: tuple(t.shape) for _, t in tensors}
         held = sorted({int(name.split(".")[2]) for name in shapes if name.startswith("v.blk.")})
         if held != list(range(self.blocks)):
@@ -136,7 +177,7 @@ class VisionExport:
         want = {
             "v.patch_embd.weight": (width, v.get("num_channels", 3), patch, patch),
             "v.position_embd.weight": ((n["image_size"] // patch) ** 2, width),
-            "mm.model.fc.weight": (text, width * scale * scale),
+            **projector,
         }
         for i in held:
             want |= {f"v.blk.{i}.attn_{x}.weight": (width, width) for x in ("q", "k", "v", "out")}
@@ -146,17 +187,20 @@ class VisionExport:
                 found = "is missing" if name not in shapes else f"is {list(shapes[name])}"
                 raise SlimtuneError(
                     f"{where}: mmproj tensor {name} {found}; vision_config (image_size, patch_size, hidden_size, intermediate_size), "
-                    f"scale_factor and text_config.hidden_size need {list(shape)}"
+                    f"{'' if self.model_type == 'gemma3' else 'scale_factor '}and text_config.hidden_size need {list(shape)}"
                 )
 
     def qtypes(self, tensors: list[tuple[str, StreamTensor]], type_name: str) -> list[gguf.GGMLQuantizationType]:
         """Each tensor's GGML type in an mmproj file of ``type_name``, as the converter chooses it: the
-        embeddings (patch and position), 1-D tensors and norms F32; every other tensor the file's type,
-        F16 where a q8_0 row does not divide into blocks of 32 (the converter's fallback)."""
+        embeddings (patch and position), 1-D tensors and norms F32; Gemma 3's projection matrix F16 whatever
+        the type (llama.cpp issue 13025); every other tensor the file's type, F16 where a q8_0 row does not
+        divide into blocks of 32 (the converter's fallback)."""
         want = _QTYPES[type_name]
         out = []
         for key, t in tensors:
-            if ".embeddings." in key or len(t.shape) <= 1 or t.name.endswith("_norm.weight") or not t.name.endswith(".weight"):
+            if t.name == "mm.input_projection.weight":
+                out.append(Q.F16)
+            elif ".embeddings." in key or len(t.shape) <= 1 or t.name.endswith("_norm.weight") or not t.name.endswith(".weight"):
                 out.append(Q.F32)
             elif want == Q.Q8_0 and t.shape[-1] % gguf.GGML_QUANT_SIZES[Q.Q8_0][0]:
                 out.append(Q.F16)
@@ -171,11 +215,8 @@ class VisionExport:
         need = {k: _number(v.get(k), f"vision_config.{k}", where) for k in _VISION_COUNTS}
         hidden = _number(self.text.get("hidden_size"), "text_config.hidden_size", where)
         mean, std = (self._stats(k) for k in ("image_mean", "image_std"))
-        size = self.processor.get("size") if isinstance(self.processor.get("size"), dict) else {}
-        preproc = _number(size.get("longest_edge", need["image_size"]), f"{self.processor_file}: size.longest_edge", where)
-        eps = _number(v.get("layer_norm_eps", _IDEFICS3_LN_EPS), "vision_config.layer_norm_eps", where, float)
-        scale = _number(self.cfg.get("scale_factor", 2), "scale_factor", where)
-        return [
+        eps = _number(v.get("layer_norm_eps", _LN_EPS), "vision_config.layer_norm_eps", where, float)
+        common = [
             (K.General.TYPE, gguf.GGUFType.MMPROJ, T.STRING),
             (K.General.FILE_TYPE, int(_FILE_TYPES[type_name]), T.UINT32),
             (K.Clip.HAS_VISION_ENCODER, True, T.BOOL),
@@ -188,13 +229,30 @@ class VisionExport:
             (CV.Attention.HEAD_COUNT, need["num_attention_heads"], T.UINT32),
             (CV.IMAGE_MEAN, mean, T.FLOAT32),
             (CV.IMAGE_STD, std, T.FLOAT32),
-            (K.Clip.PROJECTOR_TYPE, str(_PROJECTOR[self.model_type]), T.STRING),
+            (K.Clip.PROJECTOR_TYPE, str(self.family.projector), T.STRING),
             (CV.Attention.LAYERNORM_EPS, float(eps), T.FLOAT32),
-            (CV.Projector.SCALE_FACTOR, scale, T.UINT32),
-            (CV.USE_GELU, True, T.BOOL),
-            (CV.PREPROC_IMAGE_SIZE, preproc, T.UINT32),
-            (K.General.QUANTIZATION_VERSION, gguf.GGML_QUANT_VERSION, T.UINT32),
         ]
+        if self.model_type == "gemma3":  # the pooling's kernel only where it is not the published 4 (896 / 14 / 16)
+            scale = self._gemma3_scale()
+            tail = [(CV.USE_GELU, True, T.BOOL)] + ([(CV.Projector.SCALE_FACTOR, scale, T.UINT32)] if scale != 4 else [])
+        else:
+            size = self.processor.get("size") if isinstance(self.processor.get("size"), dict) else {}
+            preproc = _number(size.get("longest_edge", need["image_size"]), f"{self.processor_file}: size.longest_edge", where)
+            scale = _number(self.cfg.get("scale_factor", 2), "scale_factor", where)
+            tail = [(CV.Projector.SCALE_FACTOR, scale, T.UINT32), (CV.USE_GELU, True, T.BOOL), (CV.PREPROC_IMAGE_SIZE, preproc, T.UINT32)]
+        return [*common, *tail, (K.General.QUANTIZATION_VERSION, gguf.GGML_QUANT_VERSION, T.UINT32)]
+
+    def _gemma3_scale(self) -> int:
+        """Gemma 3's pooling kernel, as the converter computes it: patches a side over image tokens a side
+        (``image_seq_length`` of the processor's config, 256 when absent); one line where it does not divide."""
+        tokens = _number(self.processor.get("image_seq_length", 256), f"{self.processor_file}: image_seq_length", self.where)
+        side = (self.vision["image_size"] // self.vision["patch_size"], int(tokens**0.5))
+        if side[1] * side[1] != tokens or side[0] % side[1]:
+            raise SlimtuneError(
+                f"{self.processor_file}: image_seq_length {tokens} must be a square whose side divides the {side[0]} patches a side "
+                "(vision_config.image_size / patch_size)"
+            )
+        return side[0] // side[1]
 
     def _stats(self, key: str) -> list[float]:
         value = self.processor.get(key)

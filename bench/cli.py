@@ -198,7 +198,10 @@ def main(argv: list[str] | None = None) -> None:
     gq.add_argument("--adapter", type=Path, default=None, help="a PEFT adapter of SmolLM2 instead of training one")
     gq.add_argument("--rows", type=int, default=12, help="held-out chat rows evaluated, besides one prose+code text (default 12)")
     gq.add_argument("--out", type=Path, default=Path("bench-out/gguf-quality"))
-    gv = sub.add_parser("gguf-vision", help="GGUF + mmproj of a tiny trained SmolVLM vs llama.cpp's convert_hf_to_gguf.py (--mmproj)")
+    gv = sub.add_parser(
+        "gguf-vision", help="GGUF + mmproj of a tiny trained SmolVLM or Gemma 3 vs llama.cpp's convert_hf_to_gguf.py (--mmproj)"
+    )
+    gv.add_argument("--family", choices=("idefics3", "gemma3"), default="idefics3", help="the vision family (default idefics3)")
     gv.add_argument("--out", type=Path, default=Path("bench-out/gguf-vision"))
     gv.add_argument("--tokenizer", type=Path, default=None, help="the text tokenizer (default: SmolLM2's, make real-model)")
     gv.add_argument("--lora-vision", action="store_true", help="train with lora.vision=true (the tower's merged weights in the mmproj)")
@@ -210,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "gguf-vision":
         from bench.gguf_vision import bench_gguf_vision
 
-        for row in bench_gguf_vision(args.out, args.tokenizer or real_model_dir(), args.python, args.lora_vision):
+        for row in bench_gguf_vision(args.out, args.tokenizer or real_model_dir(), args.python, args.lora_vision, args.family):
             print(json.dumps(row))
     if args.command == "gguf-quality":
         from bench.gguf_quality import bench_gguf_quality  # transformers, peft, llama_cpp: only for this bench

@@ -1,5 +1,6 @@
-"""``python -m bench gguf-vision --out DIR``: slimtune's GGUF + mmproj of a tiny SmolVLM (Idefics3) against
-llama.cpp's own converter (``convert_hf_to_gguf.py`` and ``--mmproj``) on the same merged checkpoint.
+"""``python -m bench gguf-vision --out DIR [--family gemma3]``: slimtune's GGUF + mmproj of a tiny SmolVLM
+(Idefics3) or Gemma 3 against llama.cpp's own converter (``convert_hf_to_gguf.py`` and ``--mmproj``) on the
+same merged checkpoint.
 
 The checkpoint: ``make_tiny_vision_checkpoint`` with SmolLM2's tokenizer (the converter cannot name the
 byte-level fallback's pre-tokenizer) plus the image tokens, fine-tuned 2 steps on image rows by
@@ -7,7 +8,10 @@ byte-level fallback's pre-tokenizer) plus the image tokens, fine-tuned 2 steps o
 runs on the same directory, once with ``--mmproj`` and once for the language model. The converter picks its
 text class from ``text_config.architectures``, which SmolVLM's published configs carry
 (``VLlama3ForCausalLM``) and transformers' Idefics3 config does not write: its text run reads a copy of the
-directory whose config.json has that one key added (the weights linked, not copied).
+directory whose config.json has that one key added (the weights linked, not copied). Gemma 3: the converter
+names SigLIP's tensors as Gemma 3's published checkpoints hold them (``vision_tower.vision_model.*``), which
+transformers 5 no longer writes (its save, and so slimtune's merged one, has ``vision_tower.*``): its ``--mmproj``
+run reads a copy of the directory whose weights carry the published names (the same tensors, renamed).
 
 Prints one JSON line per file: metadata keys that differ (apart from the general.* keys only the converter writes
 (``general.name``, ``general.size_label``, ...), which it makes up from the directory name and the parameter
@@ -71,9 +75,9 @@ def compare_gguf(ours: Path, theirs: Path) -> dict:
     }
 
 
-def make_trained_vlm(out: Path, tokenizer_dir: Path, settings: tuple[str, ...] = ()) -> Path:
-    """The tiny SmolVLM with ``tokenizer_dir``'s tokenizer, fine-tuned 2 steps on image rows (more config
-    ``settings``, e.g. ``lora.vision=true``): its merged checkpoint, under ``out/run``."""
+def make_trained_vlm(out: Path, tokenizer_dir: Path, settings: tuple[str, ...] = (), model_type: str = "idefics3") -> Path:
+    """The tiny SmolVLM (or ``model_type`` ``gemma3``: Gemma 3) with ``tokenizer_dir``'s tokenizer, fine-tuned 2
+    steps on image rows (more config ``settings``, e.g. ``lora.vision=true``): its merged checkpoint, under ``out/run``."""
     import PIL.Image
     from transformers import AutoTokenizer
 
@@ -81,7 +85,7 @@ def make_trained_vlm(out: Path, tokenizer_dir: Path, settings: tuple[str, ...] =
     from slimtune.recipes.finetune import run_finetune
     from slimtune.tiny import make_tiny_vision_checkpoint
 
-    base = make_tiny_vision_checkpoint(out / "base", tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir))
+    base = make_tiny_vision_checkpoint(out / "base", tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir), model_type=model_type)
     PIL.Image.new("RGB", (48, 40), (220, 30, 30)).save(out / "red.png")
     PIL.Image.new("RGB", (30, 60), (30, 30, 220)).save(out / "blue.png")
     rows = [("Color?", "Red.", "red.png"), ("Color?", "Blue.", "blue.png")] * 2
@@ -115,22 +119,49 @@ def _with_text_architecture(ckpt: Path, out: Path) -> Path:
     return out
 
 
-def bench_gguf_vision(out: Path, tokenizer_dir: Path, python: Path | None = None, lora_vision: bool = False) -> list[dict]:
-    """slimtune's export of the trained tiny SmolVLM and the converter's, compared (``compare_gguf``)."""
+def _with_published_vision_names(ckpt: Path, out: Path) -> Path:
+    """A copy of Gemma 3 ``ckpt`` (other files linked) whose weights name SigLIP's tensors as the published
+    checkpoints do (``vision_tower.x`` -> ``vision_tower.vision_model.x``), the names the converter maps."""
+    from safetensors.torch import load_file, save_file
+
+    def published(key: str) -> str:
+        return key.replace("vision_tower.", "vision_tower.vision_model.", 1) if key.startswith("vision_tower.") else key
+
+    out.mkdir(exist_ok=True)
+    for f in ckpt.iterdir():
+        if f.suffix == ".safetensors":
+            save_file({published(k): v for k, v in load_file(str(f)).items()}, str(out / f.name), metadata={"format": "pt"})
+        elif f.name.endswith(".safetensors.index.json"):
+            index = json.loads(f.read_text())
+            index["weight_map"] = {published(k): v for k, v in index["weight_map"].items()}
+            (out / f.name).write_text(json.dumps(index))
+        elif not (out / f.name).exists():
+            (out / f.name).symlink_to(f.resolve())
+    return out
+
+
+def bench_gguf_vision(
+    out: Path, tokenizer_dir: Path, python: Path | None = None, lora_vision: bool = False, model_type: str = "idefics3"
+) -> list[dict]:
+    """slimtune's export of the trained tiny SmolVLM (or Gemma 3) and the converter's, compared (``compare_gguf``)."""
     from slimtune.cli import main as slimtune_main
 
     if not CONVERTER.is_file():
         raise SystemExit(f"{CONVERTER}: missing; run bash bench/peers/llama_cpp_convert.sh --setup")
     python = python or (PEER_PYTHON if PEER_PYTHON.is_file() else Path(sys.executable))
     out.mkdir(parents=True, exist_ok=True)
-    ckpt = make_trained_vlm(out, tokenizer_dir, (f"lora.vision={str(lora_vision).lower()}",))
+    ckpt = make_trained_vlm(out, tokenizer_dir, (f"lora.vision={str(lora_vision).lower()}",), model_type)
     started = time.perf_counter()
     assert slimtune_main(["export", str(ckpt), "--type", "f16", "--out", str(out / "model-f16.gguf"), "--overwrite"]) == 0
     ours_s = time.perf_counter() - started
-    peer_mm = _converter(python, ckpt, out / "peer-mmproj-f16.gguf", mmproj=True)
-    peer_text = _converter(python, _with_text_architecture(ckpt, out / "peer-view"), out / "peer-f16.gguf", mmproj=False)
+    gemma3 = model_type == "gemma3"
+    vision_view = _with_published_vision_names(ckpt, out / "peer-vision-view") if gemma3 else ckpt
+    peer_mm = _converter(python, vision_view, out / "peer-mmproj-f16.gguf", mmproj=True)
+    text_view = ckpt if gemma3 else _with_text_architecture(ckpt, out / "peer-view")  # Gemma 3's config names its class
+    peer_text = _converter(python, text_view, out / "peer-f16.gguf", mmproj=False)
     rows = [compare_gguf(out / f"model-{n}f16.gguf", out / f"peer-{n}f16.gguf") for n in ("mmproj-", "")]
     for row, peer_s in zip(rows, (peer_mm, peer_text), strict=True):
-        row |= {"lora_vision": lora_vision, "slimtune_s_both_files": round(ours_s, 2), "converter_s": round(peer_s, 2)}
+        row |= {"family": model_type, "lora_vision": lora_vision, "slimtune_s_both_files": round(ours_s, 2)}
+        row["converter_s"] = round(peer_s, 2)
         row["converter_python"] = str(python)
     return rows

@@ -281,3 +281,21 @@ def test_bad_vision_inputs_are_one_line_exit_2(vlm, tmp_path, capsys, edit, expe
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and expected in err, err
     assert not out.exists() and not out.with_name("m-mmproj-f16.gguf").exists()
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (dict(processor={"image_seq_length": 9}), "processor_config.json: image_seq_length 9 must be a square whose side divides the 4"),
+        (dict(config={"vision_config.hidden_size": 32}), "mmproj tensor v.patch_embd.weight is [64, 3, 16, 16]"),
+    ],
+    ids=["pooling", "tower-width"],
+)
+def test_bad_gemma3_inputs_are_one_line_exit_2(gemma3, tmp_path, capsys, edit, expected):
+    """Gemma 3's pooling that does not divide the patch grid, a tower the config contradicts: one line
+    naming the file and key, exit 2, neither file written."""
+    src, out = _edited(gemma3, tmp_path, **edit), tmp_path / "m.gguf"
+    assert slimtune_main(["export", str(src), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and expected in err, err
+    assert not out.exists() and not out.with_name("m-mmproj-f16.gguf").exists()

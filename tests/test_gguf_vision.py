@@ -24,7 +24,7 @@ import numpy as np
 import PIL.Image
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from bench.gguf_vision import make_trained_vlm
@@ -198,6 +198,20 @@ def test_gemma3_files_hold_the_checkpoint_tensors_under_llama_cpp_names(gemma3):
     assert gguf.GGUFReader(gemma3["model"]).fields["general.architecture"].contents() == "gemma3"
     lines = (gemma3["model"].parent / "Modelfile").read_text().splitlines()
     assert lines[:2] == ["FROM ./model-f16.gguf", "FROM ./model-mmproj-f16.gguf"]
+
+
+def test_gemma3_with_the_published_names_exports_the_same_files(gemma3, tmp_path):
+    """Gemma 3 as published (SigLIP under ``vision_tower.vision_model.``, what ``slimtune merge`` keeps of such a
+    base) exports the same two files as transformers 5's layout."""
+    src = tmp_path / "published"
+    shutil.copytree(gemma3["ckpt"], src)
+    weights = load_file(str(src / "model.safetensors"))
+    published = {k.replace("vision_tower.", "vision_tower.vision_model.", 1): v for k, v in weights.items()}
+    save_file(published, str(src / "model.safetensors"), metadata={"format": "pt"})
+    out = tmp_path / "model-f16.gguf"
+    assert slimtune_main(["export", str(src), "--type", "f16", "--out", str(out)]) == 0
+    for name in ("model-f16.gguf", "model-mmproj-f16.gguf"):
+        assert (tmp_path / name).read_bytes() == (gemma3["model"].parent / name).read_bytes(), name
 
 
 def test_gemma3_llama_cpp_encodes_the_image_and_answers_as_transformers_with_the_bidirectional_image_mask(gemma3):

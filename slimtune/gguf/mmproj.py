@@ -139,7 +139,8 @@ class VisionExport:
         for t in stream:
             if not self._in_vision(t.name):
                 continue
-            key = new + t.name.removeprefix(old) if old and t.name.startswith(old) else t.name
+            renamed = old and t.name.startswith(old) and not t.name.startswith(new)  # a published checkpoint has them already
+            key = new + t.name.removeprefix(old) if renamed else t.name
             if self.model_type == "gemma3":
                 key = key.replace("_weight", ".weight")
             name = self.names.get_name(key, try_suffixes=(".weight", ".bias"))

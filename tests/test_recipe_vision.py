@@ -290,3 +290,14 @@ def test_gemma3_merged_save_loads_in_transformers_and_generate_takes_an_image(ge
     assert expected == merged.tokenizer.decode(in_memory, skip_special_tokens=True)
     code = main(["generate", str(ckpt), "--prompt", "Color?", "--image", str(image), "--temperature", "0", "--max-new-tokens", "6"])
     assert code == 0 and capsys.readouterr().out == expected + "\n"
+
+
+def test_gemma3_offline_merge_of_the_runs_adapter_is_its_merged_save(gemma3, tmp_path, capsys):
+    """`slimtune merge --merge-base quantized` of the Gemma 3 run's adapter onto its base writes the checkpoint's
+    merged files byte for byte, the vision tensors and Gemma 3's processor files included."""
+    ckpt, out = gemma3["result"].checkpoint, tmp_path / "merged"
+    argv = ["merge", "--base", str(gemma3["base"]), "--adapter", str(ckpt / "adapter"), "--out", str(out), "--merge-base", "quantized"]
+    assert main(argv) == 0, capsys.readouterr().err
+    saved, merged = manifest_digests(ckpt), manifest_digests(out)
+    assert {"model-00001-of-00001.safetensors", "processor_config.json", "tokenizer_config.json", "chat_template.jinja"} <= set(merged)
+    assert set(merged) <= set(saved) and {p: saved[p] for p in merged} == merged

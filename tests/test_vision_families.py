@@ -11,6 +11,7 @@ transformers' and PEFT's save_pretrained write."""
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 
 import PIL.Image
@@ -424,3 +425,25 @@ def test_lora_vision_config_key(tmp_path):
     assert len([n for n in lora_modules(model) if vision_parts("qwen2_5_vl").in_tower(n)]) == CASES["qwen2_5_vl"].tower_adapters
     with pytest.raises(SlimtuneError, match="lora.vision"):
         load_config("tiny", [out, "lora.vision=3"])
+
+
+@pytest.mark.parametrize("trained", ["gemma3"], indirect=True)
+def test_gemma3_base_with_the_published_names_loads_trains_and_merges(trained, tmp_path):
+    """Gemma 3 as published on the Hub (SigLIP under ``vision_tower.vision_model.``, which transformers 5 reads and
+    no longer writes): it loads as the same model (the logits of transformers' own load), its in-training save
+    has transformers 5's names, and ``slimtune merge`` keeps the base file's names, the same tensors bit for bit."""
+    from safetensors.torch import save_file
+
+    base, ckpt, published = trained["root"] / "base", trained["root"] / "ckpt", tmp_path / "published"
+    shutil.copytree(base, published)
+    weights = {k.replace("vision_tower.", "vision_tower.vision_model.", 1): v for k, v in read_tensors(base).items()}
+    save_file(weights, str(published / "model.safetensors"), metadata={"format": "pt"})
+    model = load_qlora_model(published, LoRAConfig(rank=8, alpha=16), seed=0, progress=False)
+    assert torch.equal(logits(model.eval(), trained["batch"]), logits(dequantized_base(published, model), trained["batch"]))
+    save_checkpoint(model, tmp_path / "ckpt", WriteOptions(progress=False))
+    assert tensor_keys(tmp_path / "ckpt") == tensor_keys(base) == tensor_keys(ckpt)
+    merge_from_files(MergeSource(published, ckpt / "adapter", "quantized"), tmp_path / "merged", WriteOptions(progress=False))
+    merged, saved = read_tensors(tmp_path / "merged"), read_tensors(ckpt)
+    assert merged.keys() == weights.keys()
+    for key, t in merged.items():
+        assert torch.equal(t, saved[key.replace("vision_tower.vision_model.", "vision_tower.", 1)]), key

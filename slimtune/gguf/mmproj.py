@@ -194,7 +194,7 @@ class VisionExport:
     def qtypes(self, tensors: list[tuple[str, StreamTensor]], type_name: str) -> list[gguf.GGMLQuantizationType]:
         """Each tensor's GGML type in an mmproj file of ``type_name``, as the converter chooses it: the
         embeddings (patch and position), 1-D tensors and norms F32; Gemma 3's projection matrix F16 whatever
-        the type (llama.cpp issue 13025); every other tensor the file's type, F16 where a q8_0 row does not
+        the type (as the converter forces it); every other tensor the file's type, F16 where a q8_0 row does not
         divide into blocks of 32 (the converter's fallback)."""
         want = _QTYPES[type_name]
         out = []

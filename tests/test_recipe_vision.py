@@ -246,7 +246,7 @@ def gemma3(inputs):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(modeling_gemma3.Gemma3ForConditionalGeneration, "forward", recorded)
         result = run_finetune(load_config("tiny", [f"output_dir={root / 'gemma3'}", *settings]))
-    return dict(base=base, result=result, seen=seen)
+    return dict(base=base, result=result, seen=seen, settings=settings)
 
 
 def test_gemma3_trains_on_image_rows_with_its_bidirectional_image_mask(gemma3):
@@ -301,3 +301,12 @@ def test_gemma3_offline_merge_of_the_runs_adapter_is_its_merged_save(gemma3, tmp
     saved, merged = manifest_digests(ckpt), manifest_digests(out)
     assert {"model-00001-of-00001.safetensors", "processor_config.json", "tokenizer_config.json", "chat_template.jinja"} <= set(merged)
     assert set(merged) <= set(saved) and {p: saved[p] for p in merged} == merged
+
+
+def test_gemma3_run_stopped_after_a_step_resumes_bit_exactly(gemma3, inputs):
+    """Stopped after step 1 and resumed, the Gemma 3 run's losses and adapters are the straight run's, bit for bit."""
+    out, settings = inputs["root"] / "gemma3-resumed", gemma3["settings"]
+    assert run_finetune(load_config("tiny", [f"output_dir={out}", *settings, "training.stop_after_steps=1"])).global_step == 1
+    assert run_finetune(load_config("tiny", [f"output_dir={out}", *settings, "resume=true"])).global_step == 3
+    assert [m["loss"] for m in metrics(out)] == [m["loss"] for m in metrics(inputs["root"] / "gemma3")]
+    assert_same_adapters(out / "step-000003", inputs["root"] / "gemma3" / "step-000003")

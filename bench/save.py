@@ -12,6 +12,7 @@ import multiprocessing
 import queue
 import shutil
 import socket
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from slimtune.checkpoint.save import save_checkpoint
 from slimtune.checkpoint.writer import WriteOptions
 from slimtune.distributed import current_ranks, shard_model
 from slimtune.formats.manifest import read_manifest
+from slimtune.formats.safetensors import read_header
 from slimtune.memory import DEFAULT_SHARD_SIZE, bytes_read_by_process, bytes_written_by_process, peak_rss_mb, reset_peak_rss, rss_mb
 from slimtune.profiler import timing_stages
 from slimtune.synthetic import preset_config, synthetic_qlora_model
@@ -63,6 +65,7 @@ def bench_save(preset: str, out: Path, layers: int | None = None, device: str = 
     write_mb_s = output_bytes / result.seconds / 1e6
     if write_mb_s < disk:  # slower than the disk: where the time goes, from one more save timed by stage
         vram["stages_s"] = _save_stages(model, target, cuda)
+    keys = Counter(k.split(".")[0] for f in sorted(target.glob("*.safetensors")) for k in read_header(f).tensors)
     floor = floors(None, out, output_bytes, hashed_bytes=result.total_bytes)  # the base is the model in memory
     return {
         "preset": preset + (f"[{layers} layers]" if layers else ""),
@@ -77,6 +80,7 @@ def bench_save(preset: str, out: Path, layers: int | None = None, device: str = 
         "peak_rss_mb": round(peak, 1),
         "overhead_mb": round(peak - before, 1),
         "device": device,
+        "tensors_by_prefix": dict(sorted(keys.items())),  # a vision model's tower ("visual") is saved whole beside the rest
         **vram,
         "floors": floor,
         "ratio_floor": ratio_floor(floor, result.seconds),

@@ -20,9 +20,9 @@ from transformers import LlamaConfig
 from slimtune.checkpoint.save import CheckpointParts, write_checkpoint
 from slimtune.checkpoint.stream import adapter_tensor_stream
 from slimtune.checkpoint.writer import WriteOptions
+from slimtune.facts import facts_of
 from slimtune.formats.hf import export_config_dict
 from slimtune.formats.peft_config import adapter_config_dict
-from slimtune.facts import facts_of
 from slimtune.lora import DEFAULT_TARGETS, LoRAConfig, lora_modules, qlora_linears
 from slimtune.memory import DEFAULT_SHARD_SIZE
 from slimtune.model import build_qlora_skeleton, expected_checkpoint_keys, init_lora, set_tensor

@@ -23,7 +23,7 @@ from bench.step_profile import bench_step_profile
 from bench.train_save import TRAIN_SAVE_MODES, bench_train_save
 from bench.train_step import bench_recipe_step, bench_train_step, print_row
 from slimtune.cli import quiet_library_logs
-from slimtune.synthetic import PRESETS
+from slimtune.synthetic import PRESETS, VISION_PRESETS
 
 
 def _real_rows(out: Path) -> Path:
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench")
     sub = parser.add_subparsers(dest="command", required=True)
     save = sub.add_parser("save", help="merged save of a synthetic QLoRA model")
-    save.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    save.add_argument("--preset", choices=sorted(PRESETS | VISION_PRESETS), default="tiny")
     save.add_argument("--out", type=Path, required=True)
     save.add_argument("--layers", type=int, default=None, help="override the number of layers")
     save.add_argument("--keep", action="store_true", help="keep the written checkpoint")

@@ -61,6 +61,8 @@ VISION: dict[str, VisionParts] = {
     ),
 }
 
+_SIGLIP_TEST = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, image_size=64, patch_size=16)
+
 # Test widths: every language-model projection divides into NF4 blocks; the vision tower as small as
 # TRL's tiny test models (2 blocks, 64 wide, 14-pixel patches merged 2 x 2).
 TINY: dict[str, dict] = {
@@ -82,7 +84,7 @@ TINY: dict[str, dict] = {
     ),
     "idefics3": dict(
         text_config=_TEXT_TEST,
-        vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, image_size=64, patch_size=16),
+        vision_config=_SIGLIP_TEST,
         scale_factor=2,
         tie_word_embeddings=False,
     ),
@@ -91,15 +93,7 @@ TINY: dict[str, dict] = {
     # 2 x 2 into 4 image tokens
     "gemma3": dict(
         text_config=dict(_TEXT_TEST, head_dim=32, query_pre_attn_scalar=32),
-        vision_config=dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            image_size=64,
-            patch_size=16,
-            vision_use_head=False,
-        ),
+        vision_config=dict(_SIGLIP_TEST, vision_use_head=False),
         mm_tokens_per_image=4,
         tie_word_embeddings=True,  # as every published Gemma 3
     ),

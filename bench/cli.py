@@ -23,7 +23,7 @@ from bench.step_profile import bench_step_profile
 from bench.train_save import TRAIN_SAVE_MODES, bench_train_save
 from bench.train_step import bench_recipe_step, bench_train_step, print_row
 from slimtune.cli import quiet_library_logs
-from slimtune.synthetic import PRESETS
+from slimtune.synthetic import PRESETS, VISION_PRESETS
 
 
 def _real_rows(out: Path) -> Path:
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench")
     sub = parser.add_subparsers(dest="command", required=True)
     save = sub.add_parser("save", help="merged save of a synthetic QLoRA model")
-    save.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    save.add_argument("--preset", choices=sorted(PRESETS | VISION_PRESETS), default="tiny")
     save.add_argument("--out", type=Path, required=True)
     save.add_argument("--layers", type=int, default=None, help="override the number of layers")
     save.add_argument("--keep", action="store_true", help="keep the written checkpoint")
@@ -199,13 +199,15 @@ def main(argv: list[str] | None = None) -> None:
     gq.add_argument("--rows", type=int, default=12, help="held-out chat rows evaluated, besides one prose+code text (default 12)")
     gq.add_argument("--out", type=Path, default=Path("bench-out/gguf-quality"))
     gv = sub.add_parser(
-        "gguf-vision", help="GGUF + mmproj of a tiny trained SmolVLM or Qwen2.5-VL vs llama.cpp's convert_hf_to_gguf.py (--mmproj)"
+        "gguf-vision", help="GGUF + mmproj of a tiny trained SmolVLM, Gemma 3 or Qwen2.5-VL vs llama.cpp's convert_hf_to_gguf.py (--mmproj)"
     )
+    gv.add_argument(
+        "--family", choices=("idefics3", "gemma3", "qwen2_5_vl"), default="idefics3", help="the vision family (default idefics3)"
+    )
+    gv.add_argument("--type", choices=("f16", "f32", "bf16", "q8_0"), default="f16", help="both files' type and the converter's --outtype")
     gv.add_argument("--out", type=Path, default=Path("bench-out/gguf-vision"))
     gv.add_argument("--tokenizer", type=Path, default=None, help="the text tokenizer (default: SmolLM2's, make real-model)")
     gv.add_argument("--lora-vision", action="store_true", help="train with lora.vision=true (the tower's merged weights in the mmproj)")
-    gv.add_argument("--family", choices=("idefics3", "qwen2_5_vl"), default="idefics3", help="the tiny model's family (default idefics3)")
-    gv.add_argument("--type", choices=("f16", "f32", "bf16", "q8_0"), default="f16", help="both files' type and the converter's --outtype")
     gv.add_argument(
         "--python", type=Path, default=None, help="the converter's interpreter (default: bench/peers/.venv-llamacpp's, else this one)"
     )
@@ -214,10 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "gguf-vision":
         from bench.gguf_vision import bench_gguf_vision
 
-        rows = bench_gguf_vision(
-            args.out, args.tokenizer or real_model_dir(), args.python, args.lora_vision, family=args.family, type=args.type
-        )
-        for row in rows:
+        for row in bench_gguf_vision(args.out, args.tokenizer or real_model_dir(), args.python, args.lora_vision, args.family, args.type):
             print(json.dumps(row))
     if args.command == "gguf-quality":
         from bench.gguf_quality import bench_gguf_quality  # transformers, peft, llama_cpp: only for this bench

@@ -1,18 +1,21 @@
-"""``python -m bench gguf-vision --out DIR [--family qwen2_5_vl] [--type TYPE]``: slimtune's GGUF + mmproj of a
-tiny SmolVLM (Idefics3) or Qwen2.5-VL against llama.cpp's own converter (``convert_hf_to_gguf.py`` and
-``--mmproj``) on the same merged checkpoint.
+"""``python -m bench gguf-vision --out DIR [--family gemma3|qwen2_5_vl] [--type TYPE]``: slimtune's GGUF + mmproj
+of a tiny SmolVLM (Idefics3), Gemma 3 or Qwen2.5-VL against llama.cpp's own converter (``convert_hf_to_gguf.py``
+and ``--mmproj``) on the same merged checkpoint.
 
 Qwen2.5-VL: ``make_trained_qwen_vl`` (tests/test_vision_families.py's tiny model and its 2 QLoRA steps) with
 SmolLM2's tokenizer plus the image tokens and 4 vision blocks (the converter cannot convert fewer than 3: it
 names the merger's ``mlp.2`` through the block map); the converter takes its directory as it is.
-SmolVLM / Idefics3:
+
 The checkpoint: ``make_tiny_vision_checkpoint`` with SmolLM2's tokenizer (the converter cannot name the
 byte-level fallback's pre-tokenizer) plus the image tokens, fine-tuned 2 steps on image rows by
 ``slimtune finetune`` (QLoRA, merged save). slimtune exports it (``--type f16``, mmproj f16); the converter
 runs on the same directory, once with ``--mmproj`` and once for the language model. The converter picks its
 text class from ``text_config.architectures``, which SmolVLM's published configs carry
 (``VLlama3ForCausalLM``) and transformers' Idefics3 config does not write: its text run reads a copy of the
-directory whose config.json has that one key added (the weights linked, not copied).
+directory whose config.json has that one key added (the weights linked, not copied). Gemma 3: the converter
+names SigLIP's tensors as Gemma 3's published checkpoints hold them (``vision_tower.vision_model.*``), which
+transformers 5 no longer writes (its save, and so slimtune's merged one, has ``vision_tower.*``): its ``--mmproj``
+run reads a copy of the directory whose weights carry the published names (the same tensors, renamed).
 
 Prints one JSON line per file: metadata keys that differ (apart from the general.* keys only the converter writes
 (``general.name``, ``general.size_label``, ...), which it makes up from the directory name and the parameter
@@ -76,9 +79,9 @@ def compare_gguf(ours: Path, theirs: Path) -> dict:
     }
 
 
-def make_trained_vlm(out: Path, tokenizer_dir: Path, settings: tuple[str, ...] = ()) -> Path:
-    """The tiny SmolVLM with ``tokenizer_dir``'s tokenizer, fine-tuned 2 steps on image rows (more config
-    ``settings``, e.g. ``lora.vision=true``): its merged checkpoint, under ``out/run``."""
+def make_trained_vlm(out: Path, tokenizer_dir: Path, settings: tuple[str, ...] = (), model_type: str = "idefics3") -> Path:
+    """The tiny SmolVLM (or ``model_type`` ``gemma3``: Gemma 3) with ``tokenizer_dir``'s tokenizer, fine-tuned 2
+    steps on image rows (more config ``settings``, e.g. ``lora.vision=true``): its merged checkpoint, under ``out/run``."""
     import PIL.Image
     from transformers import AutoTokenizer
 
@@ -86,7 +89,7 @@ def make_trained_vlm(out: Path, tokenizer_dir: Path, settings: tuple[str, ...] =
     from slimtune.recipes.finetune import run_finetune
     from slimtune.tiny import make_tiny_vision_checkpoint
 
-    base = make_tiny_vision_checkpoint(out / "base", tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir))
+    base = make_tiny_vision_checkpoint(out / "base", tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir), model_type=model_type)
     PIL.Image.new("RGB", (48, 40), (220, 30, 30)).save(out / "red.png")
     PIL.Image.new("RGB", (30, 60), (30, 30, 220)).save(out / "blue.png")
     rows = [("Color?", "Red.", "red.png"), ("Color?", "Blue.", "blue.png")] * 2
@@ -158,31 +161,56 @@ def _with_text_architecture(ckpt: Path, out: Path) -> Path:
     return out
 
 
-def bench_gguf_vision(out: Path, tokenizer_dir: Path, python: Path | None = None, lora_vision: bool = False, **how) -> list[dict]:
-    """slimtune's export of the trained tiny vision model and the converter's, compared (``compare_gguf``).
-    ``how``: ``family`` (``idefics3``, default, or ``qwen2_5_vl``) and ``type`` (f16, default; f32, bf16,
-    q8_0: both files and the converter's ``--outtype``)."""
+def _with_published_vision_names(ckpt: Path, out: Path) -> Path:
+    """A copy of Gemma 3 ``ckpt`` (other files linked) whose weights name SigLIP's tensors as the published
+    checkpoints do (``vision_tower.x`` -> ``vision_tower.vision_model.x``), the names the converter maps."""
+    from safetensors.torch import load_file, save_file
+
+    def published(key: str) -> str:
+        return key.replace("vision_tower.", "vision_tower.vision_model.", 1) if key.startswith("vision_tower.") else key
+
+    out.mkdir(exist_ok=True)
+    for f in ckpt.iterdir():
+        if f.suffix == ".safetensors":
+            save_file({published(k): v for k, v in load_file(str(f)).items()}, str(out / f.name), metadata={"format": "pt"})
+        elif f.name.endswith(".safetensors.index.json"):
+            index = json.loads(f.read_text())
+            index["weight_map"] = {published(k): v for k, v in index["weight_map"].items()}
+            (out / f.name).write_text(json.dumps(index))
+        elif not (out / f.name).exists():
+            (out / f.name).symlink_to(f.resolve())
+    return out
+
+
+def bench_gguf_vision(
+    out: Path, tokenizer_dir: Path, python: Path | None = None, lora_vision: bool = False, model_type: str = "idefics3", kind: str = "f16"
+) -> list[dict]:
+    """slimtune's export of the trained tiny SmolVLM (or Gemma 3, or Qwen2.5-VL) and the converter's, compared
+    (``compare_gguf``); ``kind``: both files' type and the converter's ``--outtype`` (f16, f32, bf16, q8_0)."""
     from slimtune.cli import main as slimtune_main
 
-    family, kind = how.get("family", "idefics3"), how.get("type", "f16")
     if not CONVERTER.is_file():
         raise SystemExit(f"{CONVERTER}: missing; run bash bench/peers/llama_cpp_convert.sh --setup")
     python = python or (PEER_PYTHON if PEER_PYTHON.is_file() else Path(sys.executable))
     out.mkdir(parents=True, exist_ok=True)
-    if family == "qwen2_5_vl":
-        ckpt, view = _trained_qwen_vl(out, tokenizer_dir, lora_vision), None
+    if model_type == "qwen2_5_vl":
+        ckpt = _trained_qwen_vl(out, tokenizer_dir, lora_vision)
     else:
-        ckpt = make_trained_vlm(out, tokenizer_dir, (f"lora.vision={str(lora_vision).lower()}",))
-        view = _with_text_architecture(ckpt, out / "peer-view")
+        ckpt = make_trained_vlm(out, tokenizer_dir, (f"lora.vision={str(lora_vision).lower()}",), model_type)
     started = time.perf_counter()
     argv = ["export", str(ckpt), "--type", kind, "--mmproj-type", kind, "--out", str(out / f"model-{kind}.gguf"), "--overwrite"]
     assert slimtune_main(argv) == 0
     ours_s = time.perf_counter() - started
-    peer_mm = _converter(python, ckpt, out / f"peer-mmproj-{kind}.gguf", mmproj=True, kind=kind)
-    peer_text = _converter(python, view or ckpt, out / f"peer-{kind}.gguf", mmproj=False, kind=kind)
+    gemma3 = model_type == "gemma3"
+    vision_view = _with_published_vision_names(ckpt, out / "peer-vision-view") if gemma3 else ckpt
+    peer_mm = _converter(python, vision_view, out / f"peer-mmproj-{kind}.gguf", mmproj=True, kind=kind)
+    # Gemma 3's and Qwen2.5-VL's configs name their class; SmolVLM's needs the view
+    text_view = _with_text_architecture(ckpt, out / "peer-view") if model_type == "idefics3" else ckpt
+    peer_text = _converter(python, text_view, out / f"peer-{kind}.gguf", mmproj=False, kind=kind)
     rows = [compare_gguf(out / f"model-{n}{kind}.gguf", out / f"peer-{n}{kind}.gguf") for n in ("mmproj-", "")]
     for row, peer_s in zip(rows, (peer_mm, peer_text), strict=True):
-        row |= {"family": family, "lora_vision": lora_vision, "slimtune_s_both_files": round(ours_s, 2), "converter_s": round(peer_s, 2)}
+        row |= {"family": model_type, "type": kind, "lora_vision": lora_vision, "slimtune_s_both_files": round(ours_s, 2)}
+        row["converter_s"] = round(peer_s, 2)
         row["converter_python"] = str(python)
     return rows
 

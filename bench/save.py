@@ -1,7 +1,7 @@
 """``python -m bench save``: the merged save of a synthetic QLoRA model in this process (peak RSS over its RSS
 before, bytes written, seconds against the disk's own speed; when slower than the disk, one more save timed
 by stage; its floors, bench/floors.py: the O_DIRECT write of the output's size and one core's hashing of it
-over the usable cores, ``ratio_floor`` = floor / save seconds).
+over the usable cores, ``ratio_floor`` = floor / save seconds; ``stages_s``: one more save timed by stage).
 ``python -m bench dist-save`` (``--nproc 2``): the cooperative export by 2 gloo ranks of an
 FSDP2-sharded model next to the single-process save of the same model (torchtune's way beside it:
 bench/peers/fsdp_gather_merge.py)."""
@@ -12,6 +12,7 @@ import multiprocessing
 import queue
 import shutil
 import socket
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from slimtune.checkpoint.save import save_checkpoint
 from slimtune.checkpoint.writer import WriteOptions
 from slimtune.distributed import current_ranks, shard_model
 from slimtune.formats.manifest import read_manifest
+from slimtune.formats.safetensors import read_header
 from slimtune.memory import DEFAULT_SHARD_SIZE, bytes_read_by_process, bytes_written_by_process, peak_rss_mb, reset_peak_rss, rss_mb
 from slimtune.profiler import timing_stages
 from slimtune.synthetic import preset_config, synthetic_qlora_model
@@ -61,8 +63,8 @@ def bench_save(preset: str, out: Path, layers: int | None = None, device: str = 
     vram = {"vram_overhead_mb": round((torch.cuda.max_memory_allocated() - vram_before) / 2**20, 1)} if cuda else {}
     output_bytes = result.total_bytes + (target / "slimtune_manifest.json").stat().st_size
     write_mb_s = output_bytes / result.seconds / 1e6
-    if write_mb_s < disk:  # slower than the disk: where the time goes, from one more save timed by stage
-        vram["stages_s"] = _save_stages(model, target, cuda)
+    vram["stages_s"] = _save_stages(model, target, cuda)  # where the time goes, from one more save timed by stage
+    keys = Counter(k.split(".")[0] for f in sorted(target.glob("*.safetensors")) for k in read_header(f).tensors)
     floor = floors(None, out, output_bytes, hashed_bytes=result.total_bytes)  # the base is the model in memory
     return {
         "preset": preset + (f"[{layers} layers]" if layers else ""),
@@ -77,6 +79,7 @@ def bench_save(preset: str, out: Path, layers: int | None = None, device: str = 
         "peak_rss_mb": round(peak, 1),
         "overhead_mb": round(peak - before, 1),
         "device": device,
+        "tensors_by_prefix": dict(sorted(keys.items())),  # a vision model's tower ("visual") is saved whole beside the rest
         **vram,
         "floors": floor,
         "ratio_floor": ratio_floor(floor, result.seconds),

@@ -88,6 +88,13 @@ VISION_FAMILIES: tuple[Family, ...] = (
         notes="`Idefics3ForConditionalGeneration`; vision encoder and connector frozen in the base dtype (`LoRAConfig.vision`: "
         "LoRA on the encoder's linears too); `finetune` on image + text rows, `generate --image`; GGUF + mmproj",
     ),
+    Family(
+        "Gemma 3 (vision)",
+        "gemma3",
+        notes="`Gemma3ForConditionalGeneration`; SigLIP tower and projector frozen in the base dtype (`LoRAConfig.vision`: "
+        "LoRA on the tower's linears too); tied embeddings; image tokens attend to each other both ways (`token_type_ids`); "
+        "`finetune` on image + text rows, `generate --image`",
+    ),
 )
 
 
@@ -221,21 +228,37 @@ def _is_fused_experts(module: nn.Module, params: dict) -> bool:
 
 
 def materialise_buffers(model: nn.Module) -> None:
-    """Buffers computed in __init__ (rotary inv_freq, Gemma's embed_scale) are empty on meta: allocate
-    them on CPU and let the model's own ``_init_weights`` compute them, as from_pretrained does."""
+    """Buffers computed in __init__ (rotary inv_freq, Gemma's embed_scale, SigLIP's position ids) are empty
+    on meta: allocate them on CPU and let transformers' own ``_init_weights`` compute them, as from_pretrained
+    does: the ``_init_weights`` of the (sub)model that holds the module (a vision tower is a model of its own,
+    with its own init, as transformers' ``initialize_weights`` dispatches)."""
+    from transformers import PreTrainedModel  # lazy: the merge path imports this module, never transformers
+
+    owners = [(n, m) for n, m in model.named_modules() if isinstance(m, PreTrainedModel)]
     for name, module in model.named_modules():
         metas = [n for n, b in module.named_buffers(recurse=False) if b.is_meta]
         if not metas:
             continue
-        for n in metas:  # NaN marks what _init_weights does not compute
+        for n in metas:  # NaN (an integer's least value) marks what _init_weights does not compute
             buf = module._buffers[n]
-            fill = float("nan") if buf.is_floating_point() else 0
-            module._buffers[n] = torch.full_like(buf, fill, device="cpu")
+            module._buffers[n] = torch.full_like(buf, _unset(buf.dtype) or 0, device="cpu")
+        owner = max((o for o in owners if not o[0] or name == o[0] or name.startswith(f"{o[0]}.")), key=lambda o: len(o[0]))[1]
         with torch.no_grad():
-            model._init_weights(module)
+            owner._init_weights(module)
         for n in metas:  # refuse to guess a buffer transformers' own init does not compute
-            if module._buffers[n].is_floating_point() and module._buffers[n].isnan().any():
+            buf, mark = module._buffers[n], _unset(module._buffers[n].dtype)
+            if mark is not None and (buf.isnan() if buf.is_floating_point() else buf == mark).any():
                 raise SlimtuneError(f"{family_name(model.config)}: cannot compute buffer {name}.{n} of {type(module).__name__}")
+
+
+def _unset(dtype: torch.dtype) -> float | int | None:
+    """What marks a buffer element ``_init_weights`` left alone: NaN, a signed integer's least value; None
+    where no value can (bool, unsigned)."""
+    if dtype.is_floating_point:
+        return float("nan")
+    if dtype == torch.bool or torch.iinfo(dtype).min == 0:
+        return None
+    return torch.iinfo(dtype).min
 
 
 # --- Published layout ------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from slimtune.errors import SlimtuneError
 from slimtune.families import frozen_nf4_keys, model_key_names
 from slimtune.formats.base_checkpoint import BaseCheckpoint
 from slimtune.formats.hf import export_config_dict, read_model_config
-from slimtune.formats.manifest import checks_done, read_check
+from slimtune.formats.manifest import TAP_HOLDS, checks_done, read_check
 from slimtune.formats.merge_source import MERGE_BASES, MergeSource, check_merge_base
 from slimtune.formats.peft import Adapter, AdapterModule, SavedTensor, read_adapter, resolve
 from slimtune.formats.safetensors import COMPUTE_DTYPES
@@ -277,12 +277,14 @@ def merge_from_files(source: MergeSource, out_dir: str | Path, options: WriteOpt
     out_dir = Path(out_dir)
     if out_dir.exists() and not options.overwrite:
         raise SlimtuneError(f"{out_dir} already exists; pass --overwrite to replace it")
-    pool = pool_for(chunk_bytes, options.inflight_bytes, pin_memory=device == "cuda")
-    # one process reads every byte of the base in file order: its reads are hashed as they are made; with
-    # ranks each reads its rows only, and the coordinator's check reads the files beside the work; with
-    # one process, nothing reads the base again: its pages are let go as they are read
+    # one process reads every byte of the base in file order: its reads are hashed as they are made (on
+    # the check's thread, which holds TAP_HOLDS of the pool's buffers at most); with ranks each reads its
+    # rows only, and the coordinator's check reads the files beside the work; with one process, nothing
+    # reads the base again: its pages are let go as they are read
     alone = ranks.world_size == 1
     checks = [read_check(base_dir, verify, fold=alone)] if ranks.is_coordinator else []
+    held = TAP_HOLDS * chunk_bytes if alone and checks and checks[0] is not None else 0
+    pool = pool_for(chunk_bytes, options.inflight_bytes + held, pin_memory=device == "cuda")
     base = BaseCheckpoint(base_dir, pool, checks[0] if checks else None, drop_behind=alone)
     try:
         if base.bnb and ranks.is_coordinator:

@@ -20,6 +20,7 @@ from transformers import LlamaConfig
 from slimtune.checkpoint.save import CheckpointParts, write_checkpoint
 from slimtune.checkpoint.stream import adapter_tensor_stream
 from slimtune.checkpoint.writer import WriteOptions
+from slimtune.facts import facts_of
 from slimtune.formats.hf import export_config_dict
 from slimtune.formats.peft_config import adapter_config_dict
 from slimtune.lora import DEFAULT_TARGETS, LoRAConfig, lora_modules, qlora_linears
@@ -36,22 +37,53 @@ PRESETS = {
     "llama3-8b": dict(_LLAMA3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, tie_word_embeddings=False),
 }
 
+# Vision-language shapes (transformers' published configs): the language model's layers are what
+# ``num_hidden_layers`` overrides; the vision tower stays whole.
+VISION_PRESETS = {
+    "qwen2.5-vl-7b": dict(
+        model_type="qwen2_5_vl",
+        text_config=dict(
+            vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+            num_key_value_heads=4, max_position_embeddings=128000, rms_norm_eps=1e-6,
+            rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}, rope_theta=1000000.0,
+        ),
+        vision_config=dict(
+            depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584, patch_size=14,
+            spatial_merge_size=2, temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31],
+        ),
+        image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653,
+        tie_word_embeddings=False,
+    ),
+}  # fmt: skip
 
 BENCH_LORA = LoRAConfig(rank=8, alpha=16, target_modules=["q_proj", "v_proj"], quantize_modules=list(DEFAULT_TARGETS))
 
 
 def preset_config(name: str, **overrides) -> LlamaConfig:
-    """The Llama config of a preset (``tiny``, ``llama3.2-1b``, ``llama3-8b``), fields overridden.
+    """The config of a preset (``tiny``, ``llama3.2-1b``, ``llama3-8b``: Llama; ``qwen2.5-vl-7b``: a
+    vision-language model, the overrides applied to its language model), fields overridden.
 
     Example: ``preset_config("llama3-8b", num_hidden_layers=4)``"""
+    if name in VISION_PRESETS:
+        return _vision_preset_config(name, **overrides)
     if name not in PRESETS:
-        raise SystemExit(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
+        raise SystemExit(f"unknown preset {name!r}; choose from {sorted(PRESETS | VISION_PRESETS)}")
     overrides = {"architectures": ["LlamaForCausalLM"], **overrides}  # as a real checkpoint names it (llama.cpp's converter reads it)
     if name == "tiny":
         return tiny_llama_config(**overrides)
     return LlamaConfig(
         **{**PRESETS[name], "dtype": "bfloat16", "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}, **overrides}
     )
+
+
+def _vision_preset_config(name: str, **overrides):
+    """A vision-language preset's config: ``num_hidden_layers`` (and any other override) goes to the
+    language model's config."""
+    from transformers import AutoConfig
+
+    values = dict(VISION_PRESETS[name])
+    text = dict(values.pop("text_config"), **overrides)
+    return AutoConfig.for_model(values.pop("model_type"), text_config=text, dtype="bfloat16", **values)
 
 
 def synthetic_nf4(shape: tuple[int, int], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
@@ -73,7 +105,9 @@ def synthetic_qlora_model(config: LlamaConfig, lora: LoRAConfig = BENCH_LORA, se
     model = build_qlora_skeleton(config, lora)
     gen = torch.Generator().manual_seed(seed)
     nf4_keys = {f"{n}.weight" for n in qlora_linears(model)}
+    params = {p.key: p.param for p in facts_of(model).layout if p.whole}  # a vision model's names differ from the file's
     for key, (shape, dtype) in expected_checkpoint_keys(model).items():
+        key = params.get(key, key)
         if key in nf4_keys:
             value = synthetic_nf4(tuple(shape), dtype, gen)
         elif len(shape) == 1:

@@ -53,7 +53,15 @@ VISION: dict[str, VisionParts] = {
     "idefics3": VisionParts(
         tower=("model.vision_model.encoder",), projector=("model.connector",), frozen=("model.vision_model", "model.connector")
     ),
+    # SigLIP's encoder; the projector (average pool, RMSNorm, one [vision, text] matrix) is never adapted
+    "gemma3": VisionParts(
+        tower=("model.vision_tower.encoder",),
+        projector=("model.multi_modal_projector",),
+        frozen=("model.vision_tower", "model.multi_modal_projector"),
+    ),
 }
+
+_SIGLIP_TEST = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, image_size=64, patch_size=16)
 
 # Test widths: every language-model projection divides into NF4 blocks; the vision tower as small as
 # TRL's tiny test models (2 blocks, 64 wide, 14-pixel patches merged 2 x 2).
@@ -76,9 +84,18 @@ TINY: dict[str, dict] = {
     ),
     "idefics3": dict(
         text_config=_TEXT_TEST,
-        vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, image_size=64, patch_size=16),
+        vision_config=_SIGLIP_TEST,
         scale_factor=2,
         tie_word_embeddings=False,
+    ),
+    # Gemma 3: 2 sliding-window layers (llama.cpp's fixed 5 : 1 pattern), attention scaled by head_dim, the
+    # head tied to the embeddings; SigLIP without its pooling head (as published), 16 patches average-pooled
+    # 2 x 2 into 4 image tokens
+    "gemma3": dict(
+        text_config=dict(_TEXT_TEST, head_dim=32, query_pre_attn_scalar=32),
+        vision_config=dict(_SIGLIP_TEST, vision_use_head=False),
+        mm_tokens_per_image=4,
+        tie_word_embeddings=True,  # as every published Gemma 3
     ),
 }
 
@@ -91,6 +108,7 @@ IMAGE_TOKENS: dict[str, tuple[tuple[str, str], ...]] = {
         ("<|video_pad|>", "video_token_id"),
     ),
     "idefics3": (("<image>", "image_token_id"), ("<fake_token_around_image>", "")),  # "": no config key
+    "gemma3": (("<start_of_image>", "boi_token_id"), ("<image_soft_token>", "image_token_id"), ("<end_of_image>", "eoi_token_id")),
 }
 
 

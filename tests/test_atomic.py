@@ -194,3 +194,32 @@ def test_a_folded_read_check_hashes_the_reads_in_any_order(tmp_path):
     (tmp_path / "config.json").write_text("[]")  # a file other libraries parse is hashed before read_check returns
     with pytest.raises(SlimtuneError, match=r"config\.json: sha256 differs .*--no-verify reads it as it is"):
         read_check(tmp_path, fold=True)
+
+
+def test_a_folded_read_check_holds_each_pooled_buffer_until_it_is_hashed(tmp_path, monkeypatch):
+    """The tap hashes on a thread that trails the reader; a read into a pooled buffer stays held by the tap
+    until hashed, so a reader that takes the pool's only buffer again gets it only after that (here the
+    hashing is slowed down: were the buffer reused first, the check would fail)."""
+    import random
+    import time
+
+    import torch
+
+    from slimtune.checkpoint.staging import BufferPool
+    from slimtune.formats.manifest import _FileTap, read_check, sha256_file
+
+    data = random.Random(1).randbytes(70_000)
+    (tmp_path / "w.bin").write_bytes(data)
+    write_manifest(tmp_path, [FileRecord("w.bin", len(data), sha256_file(tmp_path / "w.bin"))])
+    update = _FileTap._update
+    monkeypatch.setattr(_FileTap, "_update", lambda self, offset, view: time.sleep(0.02) or update(self, offset, view))
+    pool = BufferPool(7000, 1)
+    check = read_check(tmp_path, fold=True)
+    tap = check.tap(tmp_path / "w.bin")
+    for a in range(0, len(data), 7000):
+        buf = pool.take((7000,), torch.uint8)  # waits for the tap to let the last read go
+        buf.copy_(torch.frombuffer(bytearray(data[a : a + 7000]), dtype=torch.uint8))
+        tap.seen(a, buf)
+        del buf
+    check.done()
+    assert check.bytes_reread == 0

@@ -54,3 +54,30 @@ def test_the_save_bench_prints_its_floors(tmp_path, capsys):
     assert row["floors"]["read_s"] is None  # the save reads no base: the model is in memory
     assert row["floors"]["quantize_core_s"] is None and row["floors"]["hash_core_s"] > 0
     assert row["ratio_floor"] > 0 and row["ratio_floor"] == pytest.approx(row["floors"]["floor_s"] / row["save_s"], rel=0.1, abs=0.02)
+
+
+def test_the_vision_preset_overrides_its_language_model_and_keeps_the_tower_whole():
+    config = preset_config("qwen2.5-vl-7b", num_hidden_layers=2)
+    assert config.model_type == "qwen2_5_vl" and config.text_config.num_hidden_layers == 2
+    assert config.text_config.hidden_size == 3584 and config.vision_config.depth == 32
+
+
+def test_a_synthetic_vision_model_is_filled_under_the_models_names_and_saves_the_published_keys(tmp_path):
+    """synthetic_qlora_model of a vision-language config fills the model's parameters (named
+    model.language_model... where the file says model.layers...), and its merged save holds the tower."""
+    from transformers import AutoConfig
+
+    from slimtune.checkpoint.save import save_checkpoint
+    from slimtune.checkpoint.writer import WriteOptions
+    from slimtune.formats.safetensors import read_header
+    from slimtune.synthetic import synthetic_qlora_model
+    from slimtune.vision_families import TINY
+
+    config = AutoConfig.for_model("qwen2_5_vl", **TINY["qwen2_5_vl"], dtype="bfloat16")
+    config.text_config.vocab_size = 300
+    model = synthetic_qlora_model(config)
+    assert not [n for n, p in model.named_parameters() if p.is_meta]
+    save_checkpoint(model, tmp_path / "out", WriteOptions(progress=False))
+    keys = {k for f in (tmp_path / "out").glob("*.safetensors") for k in read_header(f).tensors}
+    assert "model.layers.0.self_attn.q_proj.weight" in keys and "visual.blocks.0.attn.qkv.weight" in keys
+    assert "visual.merger.mlp.0.weight" in keys and "lm_head.weight" in keys

@@ -24,12 +24,12 @@ import numpy as np
 import PIL.Image
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from bench.gguf_vision import make_trained_vlm
 from slimtune.cli import main as slimtune_main
-from slimtune.tiny import byte_tokenizer
+from slimtune.tiny import byte_tokenizer, make_tiny_vision_checkpoint
 from tests.conftest import llama_cpp_oracle
 
 llama_cpp = llama_cpp_oracle()
@@ -109,30 +109,39 @@ def _chunks(ctx, prompt: bytes, image: np.ndarray):
     return chunks, bitmap, out
 
 
-def test_llama_cpp_encodes_the_image_and_answers_as_transformers(vlm):
-    """mtmd (llama.cpp's multimodal library) loads the pair; its image embeddings are transformers' image
-    features; its logits after an image + text prompt are transformers' on the same tokens."""
-    llm = llama_cpp.Llama(model_path=str(vlm["model"]), n_ctx=128, n_batch=128, logits_all=True, verbose=False)
+def _llama_cpp_answer(model_path, mmproj_path, prompt: bytes, image: np.ndarray, width: int = 128):
+    """mtmd (llama.cpp's multimodal library) on the pair: the prompt's chunks, each image chunk's embeddings
+    ([tokens, width]), the logits at the last position after every chunk is evaluated, and the positions used."""
+    llm = llama_cpp.Llama(model_path=str(model_path), n_ctx=128, n_batch=128, logits_all=True, verbose=False)
     params = mtmd.mtmd_context_params_default()
     params.use_gpu, params.n_threads, params.print_timings, params.warmup = False, 1, False, False
-    ctx = mtmd.mtmd_init_from_file(str(vlm["mmproj"]).encode(), llm.model, params)
+    ctx = mtmd.mtmd_init_from_file(str(mmproj_path).encode(), llm.model, params)
     assert ctx and mtmd.mtmd_support_vision(ctx)
     try:
-        image = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
-        chunks, bitmap, parts = _chunks(ctx, b"<|bos|><|user|>\n" + mtmd.mtmd_default_marker() + b"Color?<|eos|>\n<|assistant|>\n", image)
-        theirs = []  # llama.cpp splits an image into tiles plus an overview: here one tile, each the 64 x 64 image itself
+        chunks, bitmap, parts = _chunks(ctx, prompt, image)
+        embeddings = []
         for kind, n, chunk in parts:
             if kind == mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE:
                 assert mtmd.mtmd_encode_chunk(ctx, chunk) == 0
-                theirs.append(np.ctypeslib.as_array(mtmd.mtmd_get_output_embd(ctx), shape=(n * 128,)).reshape(n, 128).copy())
+                embeddings.append(np.ctypeslib.as_array(mtmd.mtmd_get_output_embd(ctx), shape=(n * width,)).reshape(n, width).copy())
         n_past = llama_cpp.llama_pos(0)
         assert mtmd.mtmd_helper_eval_chunks(ctx, llm.ctx, chunks, 0, 0, 128, True, ctypes.byref(n_past)) == 0
-        cpp_last = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),)).copy()
+        last = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),)).copy()
         mtmd.mtmd_input_chunks_free(chunks)
         mtmd.mtmd_bitmap_free(bitmap)
     finally:
         mtmd.mtmd_free(ctx)
         llm.close()
+    return parts, embeddings, last, int(n_past.value)
+
+
+def test_llama_cpp_encodes_the_image_and_answers_as_transformers(vlm):
+    """mtmd (llama.cpp's multimodal library) loads the pair; its image embeddings are transformers' image
+    features; its logits after an image + text prompt are transformers' on the same tokens."""
+    image = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    prompt = b"<|bos|><|user|>\n" + mtmd.mtmd_default_marker() + b"Color?<|eos|>\n<|assistant|>\n"
+    parts, theirs, cpp_last, n_past = _llama_cpp_answer(vlm["model"], vlm["mmproj"], prompt, image)
+    # llama.cpp splits an image into tiles plus an overview: here one tile, each the 64 x 64 image itself
     model = AutoModelForImageTextToText.from_pretrained(vlm["ckpt"], dtype=torch.float32).eval()
     pixels = AutoProcessor.from_pretrained(vlm["ckpt"]).image_processor(images=[[PIL.Image.fromarray(image)]], return_tensors="pt")
     pixels = {k: v.repeat(1, len(theirs), *[1] * (v.dim() - 2)) for k, v in pixels.items()}  # the image once per image chunk
@@ -144,10 +153,90 @@ def test_llama_cpp_encodes_the_image_and_answers_as_transformers(vlm):
         image_id = model.config.image_token_id  # the image's place in transformers' input: its token, once per embedding
         ids = [i for kind, x, _ in parts for i in (x if kind == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT else [image_id] * x)]
         logits = model(input_ids=torch.tensor([ids]), **pixels).logits[0, -1].numpy()
-    assert int(n_past.value) == len(ids)
+    assert n_past == len(ids)
     assert np.abs(logits - cpp_last).max() <= LOGIT_BOUND * logits.std()
     top2 = np.sort(logits)[-2:]
     assert int(cpp_last.argmax()) == int(logits.argmax()) or top2[1] - top2[0] <= LOGIT_BOUND * logits.std()
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    """The tiny Gemma 3 (make_tiny_vision_checkpoint: byte tokenizer + <start_of_image>, <image_soft_token>,
+    <end_of_image>; a checkpoint in transformers' layout, as a merged save is) and its f16 GGUF + f16 mmproj."""
+    root = tmp_path_factory.mktemp("gguf-gemma3")
+    ckpt = make_tiny_vision_checkpoint(root / "ckpt", model_type="gemma3")
+    out = root / "export" / "model-f16.gguf"
+    out.parent.mkdir()
+    assert slimtune_main(["export", str(ckpt), "--type", "f16", "--out", str(out)]) == 0
+    return dict(ckpt=ckpt, model=out, mmproj=out.with_name("model-mmproj-f16.gguf"))
+
+
+def test_gemma3_files_hold_the_checkpoint_tensors_under_llama_cpp_names(gemma3):
+    """The mmproj: SigLIP's tensors under the names of its published layout (``vision_tower.vision_model.``),
+    the projector's norm as 1 + w (F32), its [vision, text] matrix F16; the language model: ``gemma3``, its
+    norms as 1 + w; metadata as llama.cpp reads it (projector gemma3, pooling 2 x 2 where published is 4 x 4)."""
+    weights = load_file(str(gemma3["ckpt"] / "model.safetensors"))
+    vision = {k: v for k, v in weights.items() if k.startswith(("vision_tower.", "multi_modal_projector."))}
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, 2)
+    mm = _read(gemma3["mmproj"])
+    assert len(mm) == len(vision) == 39
+    for key, value in vision.items():
+        name = names.get_name(
+            key.replace("vision_tower.", "vision_tower.vision_model.").replace("_weight", ".weight"), (".weight", ".bias")
+        )
+        t, f32 = mm[name], ".embeddings." in key or value.dim() == 1
+        assert t.tensor_type == (gguf.GGMLQuantizationType.F32 if f32 else gguf.GGMLQuantizationType.F16), key
+        want = (value.float() + (name == "mm.soft_emb_norm.weight")).numpy().astype(np.float32 if f32 else np.float16)
+        assert np.array_equal(np.asarray(t.data).reshape(want.shape), want), key
+    text = _read(gemma3["model"])
+    assert len(text) == len(weights) - len(vision) and not any(n.startswith(("v.", "mm.")) for n in text)
+    norm = weights["language_model.model.layers.0.input_layernorm.weight"].float() + 1
+    assert np.array_equal(np.asarray(text["blk.0.attn_norm.weight"].data), norm.numpy())
+    fields = gguf.GGUFReader(gemma3["mmproj"]).fields
+    keys = ("clip.projector_type", "clip.vision.projection_dim", "clip.vision.projector.scale_factor", "clip.use_gelu")
+    assert {k: fields[k].contents() for k in keys} == dict(zip(keys, ("gemma3", 128, 2, True), strict=True))
+    assert gguf.GGUFReader(gemma3["model"]).fields["general.architecture"].contents() == "gemma3"
+    lines = (gemma3["model"].parent / "Modelfile").read_text().splitlines()
+    assert lines[:2] == ["FROM ./model-f16.gguf", "FROM ./model-mmproj-f16.gguf"]
+
+
+def test_gemma3_with_the_published_names_exports_the_same_files(gemma3, tmp_path):
+    """Gemma 3 as published (SigLIP under ``vision_tower.vision_model.``, what ``slimtune merge`` keeps of such a
+    base) exports the same two files as transformers 5's layout."""
+    src = tmp_path / "published"
+    shutil.copytree(gemma3["ckpt"], src)
+    weights = load_file(str(src / "model.safetensors"))
+    published = {k.replace("vision_tower.", "vision_tower.vision_model.", 1): v for k, v in weights.items()}
+    save_file(published, str(src / "model.safetensors"), metadata={"format": "pt"})
+    out = tmp_path / "model-f16.gguf"
+    assert slimtune_main(["export", str(src), "--type", "f16", "--out", str(out)]) == 0
+    for name in ("model-f16.gguf", "model-mmproj-f16.gguf"):
+        assert (tmp_path / name).read_bytes() == (gemma3["model"].parent / name).read_bytes(), name
+
+
+def test_gemma3_llama_cpp_encodes_the_image_and_answers_as_transformers_with_the_bidirectional_image_mask(gemma3):
+    """mtmd loads the pair; its 4 image embeddings are transformers' (SigLIP, 2 x 2 pooling, RMSNorm,
+    projection); its logits after an image + text prompt are transformers' given token_type_ids (the image's
+    tokens see each other, as llama.cpp decodes an image batch non-causally), not the causal model's."""
+    image = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    prompt = b"<|bos|><|user|>\n" + mtmd.mtmd_default_marker() + b"Color?<|eos|>\n<|assistant|>\n"
+    parts, theirs, cpp_last, n_past = _llama_cpp_answer(gemma3["model"], gemma3["mmproj"], prompt, image)
+    model = AutoModelForImageTextToText.from_pretrained(gemma3["ckpt"], dtype=torch.float32).eval()
+    pixels = AutoProcessor.from_pretrained(gemma3["ckpt"]).image_processor(images=[[PIL.Image.fromarray(image)]], return_tensors="pt")
+    image_id = model.config.image_token_id
+    ids = torch.tensor([[i for kind, x, _ in parts for i in (x if kind == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT else [image_id] * x)]])
+    with torch.no_grad():
+        ours = model.model.get_image_features(pixel_values=pixels["pixel_values"]).pooler_output.reshape(-1, 128).numpy()
+        assert len(theirs) == 1 and ours.shape == (4, 128)
+        assert np.abs(ours - theirs[0]).max() <= EMBED_BOUND * ours.std()
+        both_ways, causal = (
+            model(input_ids=ids, pixel_values=pixels["pixel_values"], token_type_ids=types).logits[0, -1].numpy()
+            for types in ((ids == image_id).long(), None)
+        )
+    assert n_past == ids.shape[1]
+    assert np.abs(both_ways - cpp_last).max() <= LOGIT_BOUND * both_ways.std()
+    assert np.abs(causal - cpp_last).max() > LOGIT_BOUND * causal.std()
+    assert int(cpp_last.argmax()) == int(both_ways.argmax())
 
 
 def test_unsupported_vision_exports_are_one_line_exit_2(vlm, tmp_path, capsys, monkeypatch):
@@ -205,6 +294,24 @@ def test_bad_vision_inputs_are_one_line_exit_2(vlm, tmp_path, capsys, edit, expe
     """What llama.cpp would compute wrongly or refuse (the image statistics, shapes its metadata implies) is
     one line naming the file and key, exit 2, neither file written."""
     src, out = _edited(vlm, tmp_path, **edit), tmp_path / "m.gguf"
+    assert slimtune_main(["export", str(src), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and expected in err, err
+    assert not out.exists() and not out.with_name("m-mmproj-f16.gguf").exists()
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (dict(processor={"image_seq_length": 9}), "processor_config.json: image_seq_length 9 must be a square whose side divides the 4"),
+        (dict(config={"vision_config.hidden_size": 32}), "mmproj tensor v.patch_embd.weight is [64, 3, 16, 16]"),
+    ],
+    ids=["pooling", "tower-width"],
+)
+def test_bad_gemma3_inputs_are_one_line_exit_2(gemma3, tmp_path, capsys, edit, expected):
+    """Gemma 3's pooling that does not divide the patch grid, a tower the config contradicts: one line
+    naming the file and key, exit 2, neither file written."""
+    src, out = _edited(gemma3, tmp_path, **edit), tmp_path / "m.gguf"
     assert slimtune_main(["export", str(src), "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and expected in err, err

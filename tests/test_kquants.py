@@ -312,6 +312,15 @@ def test_the_c_loop_runs_where_it_is_built(path, monkeypatch):
     assert kquant_kernel.loop_status() == "C" if path == "C" else kquant_kernel.loop_status().startswith("torch (")
 
 
+def test_the_c_loop_quantizes_on_threads_and_torch_on_forked_workers(path):
+    """A type the C loop quantizes goes to threads of this process (nothing forked, no shared-memory copy);
+    one torch quantizes goes to the forked pool (two torch threads would wait on each other's GIL)."""
+    rows = random_rows(5)[:8, :2048]
+    with ggml.Quantizer(2) as q:
+        assert torch.equal(q.submit(rows, "Q4_K")(), ggml.quantize(rows, "Q4_K", threads=1))
+        assert (q._pool is None) == (path == "C") and (q._lanes is not None) == (path == "C")
+
+
 @pytest.mark.parametrize("path", ["C"], indirect=True)
 def test_c_fp16_rounding_is_ggmls(path):
     """The C loop's fp32 -> fp16 (its block scales) equals ggml_fp32_to_fp16_row on bit patterns of every

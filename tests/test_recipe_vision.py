@@ -222,3 +222,91 @@ def test_lora_vision_adapters_on_the_tower_load_for_generation_on_the_nf4_base(i
     ours, theirs = logits_of(adapter.model, batch), logits_of(merged.model, batch)
     base = logits_of(AutoModelForImageTextToText.from_pretrained(inputs["base"], dtype=torch.bfloat16).eval(), batch)
     assert (ours - theirs).abs().max() < 0.1 * (ours - base).abs().max()
+
+
+# --- Gemma 3 ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gemma3(inputs):
+    """The tiny Gemma 3 (make_tiny_vision_checkpoint, Gemma3Processor) trained one epoch on the same rows; the
+    token_type_ids each forward pass of training got beside its input_ids."""
+    from transformers.models.gemma3 import modeling_gemma3
+
+    root = inputs["root"]
+    base = make_tiny_vision_checkpoint(root / "gemma3-base", model_type="gemma3")
+    settings = [f"model.path={base}", *inputs["settings"][1:], "training.total_epochs=1", "checkpoint.async=false"]
+    seen = []
+    forward = modeling_gemma3.Gemma3ForConditionalGeneration.forward
+
+    def recorded(self, input_ids=None, *args, token_type_ids=None, **kwargs):
+        seen.append((input_ids, token_type_ids))
+        return forward(self, input_ids, *args, token_type_ids=token_type_ids, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(modeling_gemma3.Gemma3ForConditionalGeneration, "forward", recorded)
+        result = run_finetune(load_config("tiny", [f"output_dir={root / 'gemma3'}", *settings]))
+    return dict(base=base, result=result, seen=seen, settings=settings)
+
+
+def test_gemma3_trains_on_image_rows_with_its_bidirectional_image_mask(gemma3):
+    """Every forward pass of training gets token_type_ids, 1 exactly on the image (soft) tokens, as
+    Gemma3Processor makes them: transformers then builds the mask in which an image's tokens see each other."""
+    result, seen = gemma3["result"], gemma3["seen"]
+    assert result.global_step == 3 and all(torch.isfinite(torch.tensor(result.losses)))
+    soft = AutoProcessor.from_pretrained(gemma3["base"]).tokenizer.image_token_id
+    assert len(seen) >= 3 and all(types is not None for _, types in seen)
+    assert all(torch.equal(types, (ids == soft).long()) for ids, types in seen)
+    assert sum(int(types.sum()) for _, types in seen[:3]) == 4 * 4  # the 4 image rows of the epoch, 4 soft tokens each
+
+
+def test_gemma3_merged_save_loads_in_transformers_and_generate_takes_an_image(gemma3, inputs, capsys):
+    """The merged checkpoint loads with AutoModelForImageTextToText + AutoProcessor (its processor files as the
+    base has them); on an image prompt the processor's inputs (token_type_ids included) give the in-memory
+    model's greedy tokens, slimtune's image prompt is the processor's, and `slimtune generate --image` answers."""
+    result, base, ckpt = gemma3["result"], gemma3["base"], gemma3["result"].checkpoint
+    for name in ("processor_config.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (ckpt / name).read_bytes() == (base / name).read_bytes(), name
+    processor = AutoProcessor.from_pretrained(ckpt)
+    model = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=torch.bfloat16).eval()
+    assert type(processor).__name__ == "Gemma3Processor" and type(model).__name__ == "Gemma3ForConditionalGeneration"
+    merged = load_for_generation(MergeSource(checkpoint=ckpt))
+    image = inputs["root"] / "red.png"
+    ids, pixels = prompt(merged, image)
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Color?"}]}], add_generation_prompt=True
+    )
+    plain = processor(text=[text], images=[[PIL.Image.open(image)]], add_special_tokens=False, return_tensors="pt")
+    assert plain["input_ids"][0].tolist() == ids and set(pixels) == {"pixel_values", "token_type_ids"}
+    assert torch.equal(pixels["token_type_ids"], plain["token_type_ids"])
+    result.model.eval()
+    in_memory = greedy(result.model, ids, pixels)
+    assert greedy(model, ids, {k: plain[k] for k in pixels}) == in_memory
+    untrained = AutoModelForImageTextToText.from_pretrained(base, dtype=torch.bfloat16).eval()
+    logits = [logits_of(m, plain) for m in (result.model, model, untrained)]
+    assert (logits[1] - logits[0]).abs().max() < 0.1 * (logits[2] - logits[0]).abs().max()  # the merge's one rounding
+    options = SamplingOptions(max_new_tokens=6, temperature=0.0)
+    expected = generate(merged, ids, options, pixels=pixels)
+    assert expected == merged.tokenizer.decode(in_memory, skip_special_tokens=True)
+    code = main(["generate", str(ckpt), "--prompt", "Color?", "--image", str(image), "--temperature", "0", "--max-new-tokens", "6"])
+    assert code == 0 and capsys.readouterr().out == expected + "\n"
+
+
+def test_gemma3_offline_merge_of_the_runs_adapter_is_its_merged_save(gemma3, tmp_path, capsys):
+    """`slimtune merge --merge-base quantized` of the Gemma 3 run's adapter onto its base writes the checkpoint's
+    merged files byte for byte, the vision tensors and Gemma 3's processor files included."""
+    ckpt, out = gemma3["result"].checkpoint, tmp_path / "merged"
+    argv = ["merge", "--base", str(gemma3["base"]), "--adapter", str(ckpt / "adapter"), "--out", str(out), "--merge-base", "quantized"]
+    assert main(argv) == 0, capsys.readouterr().err
+    saved, merged = manifest_digests(ckpt), manifest_digests(out)
+    assert {"model-00001-of-00001.safetensors", "processor_config.json", "tokenizer_config.json", "chat_template.jinja"} <= set(merged)
+    assert set(merged) <= set(saved) and {p: saved[p] for p in merged} == merged
+
+
+def test_gemma3_run_stopped_after_a_step_resumes_bit_exactly(gemma3, inputs):
+    """Stopped after step 1 and resumed, the Gemma 3 run's losses and adapters are the straight run's, bit for bit."""
+    out, settings = inputs["root"] / "gemma3-resumed", gemma3["settings"]
+    assert run_finetune(load_config("tiny", [f"output_dir={out}", *settings, "training.stop_after_steps=1"])).global_step == 1
+    assert run_finetune(load_config("tiny", [f"output_dir={out}", *settings, "resume=true"])).global_step == 3
+    assert [m["loss"] for m in metrics(out)] == [m["loss"] for m in metrics(inputs["root"] / "gemma3")]
+    assert_same_adapters(out / "step-000003", inputs["root"] / "gemma3" / "step-000003")

@@ -88,6 +88,33 @@ def test_vision_rows_expand_images_as_the_processor_does_and_train_assistant_tur
     assert set(model_inputs(batch)) == {"input_ids", "attention_mask", "use_cache", "pixel_values", "pixel_attention_mask"}
 
 
+def test_gemma3_rows_expand_as_its_processor_does_with_token_type_ids(vlm):
+    """Gemma 3's processor (the tiny one: <start_of_image> in the template, 4 <image_soft_token> an image):
+    the ids are the processor's on the whole conversation, image tokens never targets (train_on_inputs too),
+    and the batch carries the processor's token_type_ids (1 on the soft tokens) into the forward pass."""
+    base = make_tiny_vision_checkpoint(vlm["root"] / "gemma3", model_type="gemma3")
+    processor, data_dir = load_processor(base), vlm["root"] / "data"
+    rows = [image_row("Compare.", "Both.", ["img/red.png", "img/blue.png"]), image_row("What color?", "Red.", ["img/red.png"])]
+    spec = DataSpec([str(write_rows(data_dir / "gemma3.jsonl", rows))], max_seq_len=256, train_on_inputs=True)
+    data = load_data(spec, load_tokenizer(base), vocab_size=262, processor=processor)
+    soft, boi = processor.tokenizer.image_token_id, processor.tokenizer.boi_token_id
+    oracles = []
+    for row, example in zip(rows, data.train, strict=True):
+        images = [[PIL.Image.open(data_dir / p) for p in row["images"]]]
+        oracle = processor(text=[processor.apply_chat_template(row["messages"], tokenize=False)], images=images, add_special_tokens=False)
+        oracles.append(oracle)
+        assert example.input_ids.tolist() == list(oracle["input_ids"][0])
+        assert int((example.input_ids == soft).sum()) == 4 * len(row["images"])
+        trained = example.labels[example.labels != IGNORE_INDEX]
+        assert soft not in trained.tolist() and boi not in trained.tolist() and len(trained) > 20  # the text tokens, user turn too
+    batch = collate(data.train, pad_id=256, images=data.images)
+    for row, oracle in enumerate(oracles):
+        n = len(oracle["token_type_ids"][0])
+        assert batch["token_type_ids"][row, :n].tolist() == list(oracle["token_type_ids"][0]) and not batch["token_type_ids"][row, n:].any()
+    assert batch["pixel_values"].shape == (3, 3, 64, 64)  # one 64 x 64 tile an image
+    assert set(model_inputs(batch)) == {"input_ids", "attention_mask", "use_cache", "pixel_values", "token_type_ids"}
+
+
 def test_a_parquet_image_feature_gives_the_same_tokens_and_pixels_as_paths(vlm):
     datasets = pytest.importorskip("datasets")
     data_dir = vlm["root"] / "data"

@@ -11,6 +11,7 @@ transformers' and PEFT's save_pretrained write."""
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 
 import PIL.Image
@@ -80,17 +81,28 @@ CASES = {
         r"^(?:model\.vision_model\..*)$",  # the encoder's q/k/v_proj
         None,  # every encoder linear of a target's name is adapted; the connector's `proj` is not a target
     ),
+    # one 64 x 64 image in 16-pixel patches: 16 patches, average-pooled 2 x 2 into 4 soft tokens; token_type_ids
+    # (1 on the soft tokens) make them attend to each other both ways
+    "gemma3": Case(
+        "Read the chart: <start_of_image>" + "<image_soft_token>" * 4 + "<end_of_image> The value is ",
+        {"pixel_values": (1, 3, 64, 64)},
+        {},
+        sorted([*LM_LINEARS, "fc1", "fc2", "out_proj"]),
+        6 * 2,  # q/k/v/out_proj, fc1, fc2 of both layers
+        r"^(?:model\.vision_tower\..*)$",  # SigLIP's q/k/v_proj
+        None,  # the projector holds no linear: one [vision, text] matrix
+    ),
 }
 FAMILY_IDS = [f.model_type for f in VISION_FAMILIES]
 
 
 def write_base(family, path, **overrides):
     """What a user brings: transformers' from_config + save_pretrained (bf16) and a tokenizer with the image
-    tokens. Idefics3: the tiny SmolVLM with its whole processor (tiny.make_tiny_vision_checkpoint: 64-pixel
-    images, unsplit, 4 image tokens); Qwen2.5-VL: its image processor's preprocessor_config.json only, as
+    tokens. Idefics3 and Gemma 3: the tiny model with its whole processor (tiny.make_tiny_vision_checkpoint:
+    64-pixel images, 4 image tokens); Qwen2.5-VL: its image processor's preprocessor_config.json only, as
     transformers' Qwen2_5_VLProcessor needs torchvision, not installed here."""
-    if family.model_type == "idefics3":
-        make_tiny_vision_checkpoint(path, seed=0, **overrides)
+    if family.model_type in ("idefics3", "gemma3"):
+        make_tiny_vision_checkpoint(path, seed=0, model_type=family.model_type, **overrides)
         return load_tokenizer(path)
     from transformers import Qwen2VLImageProcessor
 
@@ -108,7 +120,10 @@ def image_batch(model_type: str, tok, answer: str = "") -> dict[str, torch.Tenso
     ids = torch.tensor([[tok.bos_token_id, *tok(case.prompt + answer, add_special_tokens=False)["input_ids"]]])
     gen = torch.Generator().manual_seed(1)
     pixels = {k: torch.randn(shape, generator=gen).to(torch.bfloat16) for k, shape in case.pixels.items()}
-    return dict(input_ids=ids, **pixels, **{k: torch.tensor(v) for k, v in case.extra.items()})
+    batch = dict(input_ids=ids, **pixels, **{k: torch.tensor(v) for k, v in case.extra.items()})
+    if model_type == "gemma3":  # as its processor gives them: 1 on the image (soft) tokens
+        batch["token_type_ids"] = (ids == tok.convert_tokens_to_ids("<image_soft_token>")).long()
+    return batch
 
 
 def logits(model, batch):
@@ -178,6 +193,11 @@ def test_qlora_training_steps_run_with_the_vision_tower_frozen(trained):
     vision = {n: p for n, p in model.named_parameters() if parts.in_vision(n)}
     assert len(vision) > 15 and all(p.dtype == torch.bfloat16 and not is_nf4(p) and not p.requires_grad for p in vision.values())
     assert all(is_nf4(m.weight) for m in adapters.values())
+    other = {k: v.flip(-1) if k == "pixel_values" else v for k, v in trained["batch"].items()}
+    assert not torch.equal(logits(model, other), logits(model, trained["batch"]))  # the image reaches the language model
+    if "token_type_ids" in trained["batch"]:  # Gemma 3: its image tokens attend to each other both ways
+        causal = {k: v for k, v in trained["batch"].items() if k != "token_type_ids"}
+        assert not torch.equal(logits(model, causal), logits(model, trained["batch"]))
 
 
 def test_merged_save_reloads_in_transformers_with_the_same_logits_and_tokens(trained):
@@ -268,13 +288,19 @@ def test_offline_merge_of_the_adapter_is_the_in_training_save(trained, tmp_path)
         assert torch.equal(t.view(torch.int16), expected.view(torch.int16)), key
 
 
-PROCESSOR_FILES = {"qwen2_5_vl": {"preprocessor_config.json"}, "idefics3": {"processor_config.json", "tokenizer.json"}}
+PROCESSOR_FILES = {
+    "qwen2_5_vl": {"preprocessor_config.json"},
+    "idefics3": {"processor_config.json", "tokenizer.json"},
+    "gemma3": {"processor_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"},
+}
+# the processor's class and its image placeholder in text
+PROCESSORS = {"idefics3": ("Idefics3Processor", "<image>"), "gemma3": ("Gemma3Processor", "<start_of_image>")}
 
 
 def test_merged_checkpoint_carries_the_processor(trained, tmp_path):
     """The base's processor files are in the in-training save and the offline merge, byte for byte; the
-    merged directory loads with AutoProcessor (Idefics3: the whole processor), whose image + text inputs
-    give the in-memory model's logits on the merged model."""
+    merged directory loads with AutoProcessor (Idefics3, Gemma 3: the whole processor), whose image + text
+    inputs (Gemma 3's token_type_ids included) give the in-memory model's logits on the merged model."""
     from transformers import AutoImageProcessor, AutoProcessor
 
     base, ckpt = trained["root"] / "base", trained["root"] / "ckpt"
@@ -286,10 +312,14 @@ def test_merged_checkpoint_carries_the_processor(trained, tmp_path):
         assert AutoImageProcessor.from_pretrained(tmp_path / "merged").size["longest_edge"] == 56 * 56
         return
     processor = AutoProcessor.from_pretrained(ckpt)
-    assert type(processor).__name__ == "Idefics3Processor"
+    name, placeholder = PROCESSORS[trained["type"]]
+    assert type(processor).__name__ == name
     image = PIL.Image.fromarray(torch.randint(0, 256, (64, 64, 3), generator=torch.Generator().manual_seed(2), dtype=torch.uint8).numpy())
-    inputs = processor(images=[image], text=["Read the chart: <image> The value is "], return_tensors="pt")
-    assert (inputs["input_ids"] == trained["model"].config.image_token_id).sum() == 4
+    inputs = processor(images=[image], text=[f"Read the chart: {placeholder} The value is "], return_tensors="pt")
+    image_tokens = inputs["input_ids"] == trained["model"].config.image_token_id
+    assert image_tokens.sum() == 4
+    if trained["type"] == "gemma3":
+        assert torch.equal(inputs["token_type_ids"], image_tokens.long())
     merged = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=torch.bfloat16).eval()
     batch = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in inputs.items()}
     gap = bf16_ulps(logits(merged, batch), logits(trained["model"], batch))
@@ -325,7 +355,7 @@ def test_lora_vision_adapts_the_tower_and_loads_in_peft(model_type, tmp_path):
 
 @pytest.mark.parametrize("model_type", FAMILY_IDS)
 def test_tied_embeddings_stay_tied_and_the_merged_save_reloads(model_type, tmp_path):
-    """The smaller published checkpoints (Qwen2.5-VL-3B, SmolVLM) tie the head to the embeddings."""
+    """The smaller published checkpoints (Qwen2.5-VL-3B, SmolVLM) and every Gemma 3 tie the head to the embeddings."""
     tok = write_base(family_of(model_type), tmp_path / "base", tie_word_embeddings=True)
     batch = image_batch(model_type, tok, ANSWER)
     model = load_qlora_model(tmp_path / "base", LoRAConfig(rank=8, alpha=16), seed=0, progress=False)
@@ -395,3 +425,25 @@ def test_lora_vision_config_key(tmp_path):
     assert len([n for n in lora_modules(model) if vision_parts("qwen2_5_vl").in_tower(n)]) == CASES["qwen2_5_vl"].tower_adapters
     with pytest.raises(SlimtuneError, match="lora.vision"):
         load_config("tiny", [out, "lora.vision=3"])
+
+
+@pytest.mark.parametrize("trained", ["gemma3"], indirect=True)
+def test_gemma3_base_with_the_published_names_loads_trains_and_merges(trained, tmp_path):
+    """Gemma 3 as published on the Hub (SigLIP under ``vision_tower.vision_model.``, which transformers 5 reads and
+    no longer writes): it loads as the same model (the logits of transformers' own load), its in-training save
+    has transformers 5's names, and ``slimtune merge`` keeps the base file's names, the same tensors bit for bit."""
+    from safetensors.torch import save_file
+
+    base, ckpt, published = trained["root"] / "base", trained["root"] / "ckpt", tmp_path / "published"
+    shutil.copytree(base, published)
+    weights = {k.replace("vision_tower.", "vision_tower.vision_model.", 1): v for k, v in read_tensors(base).items()}
+    save_file(weights, str(published / "model.safetensors"), metadata={"format": "pt"})
+    model = load_qlora_model(published, LoRAConfig(rank=8, alpha=16), seed=0, progress=False)
+    assert torch.equal(logits(model.eval(), trained["batch"]), logits(dequantized_base(published, model), trained["batch"]))
+    save_checkpoint(model, tmp_path / "ckpt", WriteOptions(progress=False))
+    assert tensor_keys(tmp_path / "ckpt") == tensor_keys(base) == tensor_keys(ckpt)
+    merge_from_files(MergeSource(published, ckpt / "adapter", "quantized"), tmp_path / "merged", WriteOptions(progress=False))
+    merged, saved = read_tensors(tmp_path / "merged"), read_tensors(ckpt)
+    assert merged.keys() == weights.keys()
+    for key, t in merged.items():
+        assert torch.equal(t, saved[key.replace("vision_tower.vision_model.", "vision_tower.", 1)]), key

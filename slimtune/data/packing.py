@@ -69,7 +69,8 @@ def epoch_steps(order: list[int], batch_size: int, accumulation: int) -> list[li
 def collate(examples: list[Example], pad_id: int, images: ImageInputs | None = None) -> dict[str, torch.Tensor]:
     """Right-padded input_ids, attention_mask and labels (IGNORE_INDEX on padding). Packed rows get
     position_ids instead of an attention mask (the padding tail is one more document of its own). Vision
-    rows' images are decoded here by ``images`` (the processor's pixel values, ``data/vision.py``).
+    rows' images are decoded here by ``images`` (the processor's pixel values, ``data/vision.py``), and
+    Gemma 3's ``token_type_ids`` (1 on image tokens) made from the ids.
 
     Example: ``collate([example], pad_id=0)["input_ids"].shape`` -> (1, len(example.input_ids))"""
     length = max(len(e.input_ids) for e in examples)
@@ -91,6 +92,7 @@ def collate(examples: list[Example], pad_id: int, images: ImageInputs | None = N
         batch["position_ids"] = positions
     if images is not None:
         batch.update(images.pixels(examples))
+        batch.update(images.token_type_ids(input_ids))
     return batch
 
 

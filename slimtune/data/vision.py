@@ -35,8 +35,9 @@ from slimtune.data.readers import Record
 from slimtune.data.shapes import IGNORE_INDEX, Example, templated_segments
 from slimtune.errors import SlimtuneError
 
-# What a batch passes to the model beside the token ids: the processor's image outputs.
-PIXEL_INPUTS = ("pixel_values", "pixel_attention_mask", "image_grid_thw")
+# What a batch passes to the model beside the token ids: the processor's image outputs, and Gemma 3's
+# token_type_ids (1 on image tokens: its image tokens attend to each other both ways).
+PIXEL_INPUTS = ("pixel_values", "pixel_attention_mask", "image_grid_thw", "token_type_ids")
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,10 @@ class ImageInputs:
         self.processor = processor
         self.image_token = getattr(processor, "image_token", None)
         self.image_token_id = getattr(processor, "image_token_id", None)
+        # the ids of image tokens: the placeholder and what it expands into (Gemma 3: <start_of_image>, <image_soft_token>)
+        self.image_ids = {i for i in (self.image_token_id, *(getattr(processor, "image_token_ids", None) or ())) if i is not None}
+        # the processor gives token_type_ids (image tokens 1) the model's attention mask is built from (Gemma 3)
+        self.token_types = "token_type_ids" in (getattr(processor, "model_input_names", None) or ())
         self._digest = hashlib.sha256()
         self.rows = 0  # rows with images tokenized
 
@@ -95,7 +100,7 @@ class ImageInputs:
             used += count
             ids += piece
             kept = train or train_on_inputs  # image tokens are never targets
-            labels += [IGNORE_INDEX if t == self.image_token_id or not kept else t for t in piece]
+            labels += [IGNORE_INDEX if t in self.image_ids or not kept else t for t in piece]
         if len(ids) > max_seq_len:
             if images:
                 raise SlimtuneError(
@@ -118,6 +123,17 @@ class ImageInputs:
             where = next(x.images[0].where for x in examples if x.images)
             raise SlimtuneError(f"{where}: the image processor failed on this batch's images ({_line(e)})") from None
         return {k: v for k, v in out.items() if k in PIXEL_INPUTS}
+
+    def token_type_ids(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``{"token_type_ids": 1 on image tokens, 0 elsewhere}`` for a batch's ``input_ids``, as the processor
+        makes them, when the model takes them (Gemma 3: its image tokens attend to each other both ways);
+        empty otherwise.
+
+        Example: ``batch.update(images.token_type_ids(batch["input_ids"]))``"""
+        if not self.token_types:
+            return {}
+        ids = torch.tensor(sorted(self.processor.image_token_ids), dtype=input_ids.dtype)
+        return {"token_type_ids": torch.isin(input_ids, ids).long()}
 
     def _expand(self, record: Record, text: str, images: list) -> list[int]:
         """``text``'s token ids, each image token expanded into its image's tokens (the processor's own rule)."""

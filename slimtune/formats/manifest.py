@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path, PurePosixPath
 
+import torch
 from tqdm.auto import tqdm
 
 from slimtune.errors import SlimtuneError
@@ -25,6 +26,7 @@ from slimtune.formats.layout import MANIFEST_NAME
 from slimtune.formats.strict_json import json_kind, load_json, safe_name
 from slimtune.profiler import in_context, stage
 from slimtune.runtime import usable_cores
+from slimtune.tensors import tensor_bytes
 
 MANIFEST_FORMAT = "slimtune-checkpoint/1"
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -168,27 +170,78 @@ class _FileTap:
     """The sha256 of one file fed with the bytes its reader reads (``seen``), in file order: bytes behind
     the hashed prefix are skipped (hashed already), a read past it first has the gap read from the file
     and hashed. Reads in file order, as a merge of a checkpoint makes them, are hashed from the reader's
-    own buffers and nothing is read twice; any order is still exact, reading each byte at most twice."""
+    own buffers and nothing is read twice; any order is still exact, reading each byte at most twice.
+
+    The hashing runs on a thread of its own that trails the reader (``_TAP_QUEUE`` reads behind at most;
+    it ends when idle and starts again with the next read): the reader goes on to its next read and its
+    work on these bytes while they are hashed. Each queued read holds its buffer (a pooled one is not
+    reused until it is hashed)."""
 
     def __init__(self, path: Path):
+        import queue
         import threading
 
         self.path = path
         self.sha = hashlib.sha256()
         self.pos = 0  # bytes [0, pos) are hashed
         self.extra = 0  # bytes this tap read itself (gaps and the tail)
-        self._lock = threading.Lock()
+        self.error: BaseException | None = None
+        self._queue: queue.Queue = queue.Queue(_TAP_QUEUE)
+        self._lock = threading.Lock()  # the worker's start and end
+        self._worker: threading.Thread | None = None
 
-    def seen(self, offset: int, data: memoryview) -> None:
-        """Bytes [offset, offset + len(data)) of the file, as just read."""
-        with self._lock, stage("verify", device_work=False):
-            end = offset + len(data)
-            if end <= self.pos:
-                return
-            if offset > self.pos:
-                self._fill(offset)
-            self.sha.update(data[self.pos - offset :])
-            self.pos = end
+    def seen(self, offset: int, data: torch.Tensor | memoryview) -> None:
+        """Bytes [offset, offset + its size) of the file, as just read into ``data`` (a tensor, or its bytes),
+        hashed on the tap's thread, which holds ``data`` until then: the reader must not write to it again,
+        and a pooled buffer goes back to its pool once the tap lets it go (``BufferPool.take``)."""
+        import threading
+
+        self._queue.put((offset, data))
+        with self._lock:
+            if self._worker is None:
+                self._worker = threading.Thread(target=in_context(self._run), name="slimtune-sha256-read", daemon=True)
+                self._worker.start()
+
+    def _run(self) -> None:
+        import queue
+
+        while True:
+            try:
+                item = self._queue.get(timeout=_TAP_IDLE_S)
+            except queue.Empty:
+                item = None
+            if item is None:  # idle, or problems() waits: end unless a read came in meanwhile
+                with self._lock:
+                    if self._queue.empty():
+                        self._worker = None
+                        return
+                continue
+            offset, data = item
+            del item
+            try:
+                if self.error is None:
+                    with stage("verify", device_work=False):
+                        self._update(offset, data if isinstance(data, memoryview) else tensor_bytes(data))
+            except BaseException as e:  # noqa: BLE001 - reported by problems()
+                self.error = e
+            del data  # the buffer goes back to its pool now, not with the next read
+
+    def _update(self, offset: int, data: memoryview) -> None:
+        end = offset + len(data)
+        if end <= self.pos:
+            return
+        if offset > self.pos:
+            self._fill(offset)
+        self.sha.update(data[self.pos - offset :])
+        self.pos = end
+
+    def _drain(self) -> None:
+        """Wait until every read handed to ``seen`` is hashed."""
+        with self._lock:
+            worker = self._worker
+        if worker is not None:  # no read is queued without one (seen() starts it)
+            self._queue.put(None)
+            worker.join()
 
     def _fill(self, end: int | None) -> None:
         """Hash bytes [pos, end) (to the end of the file: None) read from the file itself."""
@@ -205,15 +258,27 @@ class _FileTap:
                 self.extra += n
 
     def problems(self, entry: dict) -> list[str]:
-        with self._lock:
-            if not self.path.is_file():
-                return [f"{self.path}: listed in the manifest but missing"]
-            self._fill(None)
-            if self.pos != entry["size"]:
-                return [f"{self.path}: {self.pos} bytes, the manifest says {entry['size']}"]
-            if self.sha.hexdigest() != entry["sha256"]:
-                return [f"{self.path}: sha256 differs from the manifest (changed or corrupted bytes)"]
-            return []
+        self._drain()
+        if self.error is not None:
+            if isinstance(self.error, OSError):
+                raise self.error
+            return [f"{self.path}: cannot hash what was read: {self.error}"]
+        if not self.path.is_file():
+            return [f"{self.path}: listed in the manifest but missing"]
+        self._fill(None)
+        if self.pos != entry["size"]:
+            return [f"{self.path}: {self.pos} bytes, the manifest says {entry['size']}"]
+        if self.sha.hexdigest() != entry["sha256"]:
+            return [f"{self.path}: sha256 differs from the manifest (changed or corrupted bytes)"]
+        return []
+
+
+_TAP_QUEUE = 2
+"""Reads a tap's thread may trail its reader by, beside the one it hashes (each holds the reader's
+buffer until hashed: a pool for such a reader has ``TAP_HOLDS`` buffers more)."""
+TAP_HOLDS = _TAP_QUEUE + 1
+_TAP_IDLE_S = 0.5
+"""A tap's thread ends after this long with nothing to hash (a failed command leaves none behind)."""
 
 
 class ReadCheck:

@@ -273,7 +273,7 @@ class SafetensorsReader:
     reader's own time, ~1 s of system CPU per GB here against ~0.2 s with the drop. Such a stream also
     has the kernel read ``READ_AHEAD`` bytes ahead of it (``_read_ahead``)."""
 
-    def __init__(self, path: str | Path, observe: Callable[[int, memoryview], None] | None = None, drop_behind: bool = False):
+    def __init__(self, path: str | Path, observe: Callable[[int, torch.Tensor], None] | None = None, drop_behind: bool = False):
         self.header = read_header(path)
         self.path = self.header.path
         self._observe = observe
@@ -327,8 +327,8 @@ class SafetensorsReader:
             got = self._file.readinto(data)
             if got != nbytes:
                 raise SlimtuneError(f"{self.path}: tensor {name}: read {got} of {nbytes} bytes (file changed or truncated)")
-            if self._observe is not None:
-                self._observe(offset, data)
+            if self._observe is not None:  # the tensor itself: holding it keeps a pooled buffer from reuse
+                self._observe(offset, out)
             if self._drop_behind:  # whole pages inside the range only: a neighbour's partial page stays
                 drop_cached(self._file.fileno(), offset, nbytes)
                 self._read_ahead(offset + nbytes)

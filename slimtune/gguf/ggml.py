@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -159,7 +160,11 @@ def _q5_1(b: torch.Tensor, check: bool = False) -> torch.Tensor:
     return torch.cat([le16(_fp16(d)), le16(_fp16(m)), _high_bits(q).to(torch.uint8), _nibbles(q).to(torch.uint8)], dim=1)
 
 
-def _native(type_name: str, in_torch: Callable[[torch.Tensor, bool], torch.Tensor]) -> Callable[[torch.Tensor, bool], torch.Tensor]:
+_BlockFn = Callable[[torch.Tensor, bool], torch.Tensor]
+"""A quantizer of blocks (N, block values), check -> their bytes (N, block bytes)."""
+
+
+def _native(type_name: str, in_torch: _BlockFn) -> _BlockFn:
     """``type_name``'s quantizer of blocks (N, block values): the C loop (``kquant_kernel``) where it runs,
     else ``in_torch``; the same bytes and errors. With ``check``, NaN and infinities are a
     ``NonFiniteError`` first (from the blocks' maxima and minima, as the torch code finds them)."""
@@ -220,13 +225,15 @@ def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 class Quantizer:
-    """``threads`` worker processes (default: torch's intra-op thread count, the cores the process may use)
-    that quantize pieces of blocks, one torch thread each (``slimtune.gguf.pool``: forked, rows and bytes
-    in shared memory; processes, because two threads of one process wait on each other's GIL hundreds of
-    times a piece). Torch's own intra-op parallelism is off in this process meanwhile (restored on exit):
-    the cores are the workers'. ``submit`` returns at once; the export makes the next chunk's rows while
-    the workers quantize this one. Where ``fork`` is missing (not Linux), pieces are quantized in the
-    calling thread at ``submit``.
+    """``threads`` workers (default: torch's intra-op thread count, the cores the process may use) that
+    quantize pieces of blocks, one torch thread each. A type the C loop quantizes (``kquant_kernel``, which
+    releases the GIL for the whole piece) goes to threads of this process: nothing is copied and no process
+    is forked. A type quantized in torch goes to forked processes (``slimtune.gguf.pool``: rows and bytes in
+    shared memory; processes, because two threads of one process wait on each other's GIL hundreds of times
+    a torch piece), started on first need. Torch's own intra-op parallelism is off in this process
+    meanwhile (restored on exit): the cores are the workers'. ``submit`` returns at once; the export makes
+    the next chunk's rows while the workers quantize this one. Where ``fork`` is missing (not Linux), torch
+    pieces are quantized in the calling thread at ``submit``.
 
     Example::
 
@@ -237,22 +244,28 @@ class Quantizer:
     def __init__(self, threads: int | None = None):
         self.threads = threads or torch.get_num_threads()
         self._pool: PiecePool | None = None
+        self._lanes: ThreadPoolExecutor | None = None
         self._before = 0
 
     def __enter__(self) -> Quantizer:
         self._before = torch.get_num_threads()
         torch.set_num_threads(1)
-        if can_fork():
-            self._pool = PiecePool(_work, self.threads, _SLOT_BYTES).__enter__()
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
         try:
+            if self._lanes is not None:
+                self._lanes.shutdown(wait=True, cancel_futures=True)
             if self._pool is not None:
                 self._pool.__exit__(exc_type, *exc)
         finally:
-            self._pool = None
+            self._pool, self._lanes = None, None
             torch.set_num_threads(self._before)
+
+    def _processes(self) -> PiecePool | None:
+        if self._pool is None and can_fork():
+            self._pool = PiecePool(_work, self.threads, _SLOT_BYTES).__enter__()
+        return self._pool
 
     def submit(self, rows: torch.Tensor, type_name: str, finite: bool = False) -> Callable[[], torch.Tensor]:
         """Start quantizing ``rows`` (see ``quantize``); the returned function waits and gives the bytes
@@ -263,7 +276,10 @@ class Quantizer:
     def submit_parts(self, rows: torch.Tensor, type_name: str, finite: bool = False) -> Callable[[], list[torch.Tensor]]:
         """``submit``, the bytes given as the pieces' flat uint8 tensors in order (no copy joins them)."""
         fn, blocks, piece = _blocks(rows, type_name)
-        if self._pool is None:
+        if kquant_kernel.runs(type_name):
+            return self._in_lanes(fn, blocks, piece, finite)
+        pool = self._processes()
+        if pool is None:
             done = _in_thread(fn, blocks, piece, finite)
             return lambda: done
         per_block = max(blocks.shape[1] * blocks.element_size(), BLOCK_BYTES[type_name])
@@ -273,8 +289,20 @@ class Quantizer:
             seg = blocks[start : start + segment]
             pieces = [(a, min(a + piece, seg.shape[0])) for a in range(0, seg.shape[0], piece)]
             sizes = [(b - a) * BLOCK_BYTES[type_name] for a, b in pieces]
-            waits.append(self._pool.submit(seg, pieces, type_name, sizes, finite))
+            waits.append(pool.submit(seg, pieces, type_name, sizes, finite))
         return lambda: [part for wait in waits for part in wait()]
+
+    def _in_lanes(self, fn: _BlockFn, blocks: torch.Tensor, piece: int, finite: bool) -> Callable[[], list[torch.Tensor]]:
+        """The pieces of ``blocks`` on this process's threads (the C loop releases the GIL); ``blocks`` is
+        held until every piece is done (the rows may be a pooled buffer)."""
+        if self._lanes is None:
+            self._lanes = ThreadPoolExecutor(self.threads, thread_name_prefix="slimtune-quantize")
+        futures = [self._lanes.submit(_no_grad, fn, blocks[i : i + piece], finite) for i in range(0, blocks.shape[0], piece)]
+
+        def wait(held: torch.Tensor = blocks) -> list[torch.Tensor]:
+            return [f.result().reshape(-1) for f in futures]
+
+        return wait
 
 
 _SLOT_BYTES = 16 * 1024 * 1024

@@ -29,14 +29,13 @@ import torch
 
 from slimtune import native
 
-__all__ = ["c_fp16_bits", "loop_status", "quantize_blocks"]
+__all__ = ["c_fp16_bits", "loop_status", "quantize_blocks", "runs"]
 
 SOURCE = Path(__file__).with_name("kquant_kernel.c")
 FLAGS = ("-O2", "-ffp-contract=off", "-fno-math-errno")  # one rounding per float operation; sqrtf inline
 TYPES = {"Q2_K": (0, 84, 256), "Q3_K": (1, 110, 256), "Q4_K": (2, 144, 256), "Q5_K": (3, 176, 256), "Q6_K": (4, 210, 256)}
 TYPES |= {"Q4_0": (5, 18, 32), "Q4_1": (6, 20, 32), "Q5_0": (7, 22, 32), "Q5_1": (8, 24, 32)}
 """type: (the C's number, block bytes, block values); Q8_0 is not here (torch's six passes keep up with ggml's C)."""
-
 
 
 def _load() -> tuple[ctypes.CDLL | None, str]:
@@ -57,6 +56,11 @@ _library = native.once(_load)  # (library, ...status), once per process
 def loop_status() -> str:
     """One line: what quantizes K-quants here. Example: ``loop_status()`` -> ``"C"`` or ``"torch (SLIMTUNE_NATIVE=0)"``"""
     return _library()[1]
+
+
+def runs(type_name: str) -> bool:
+    """Whether the C loop quantizes ``type_name`` here. Example: ``runs("Q4_K")`` -> ``True`` where it built"""
+    return type_name in TYPES and _library()[0] is not None
 
 
 def quantize_blocks(x: torch.Tensor, type_name: str) -> torch.Tensor | None:

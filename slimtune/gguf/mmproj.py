@@ -8,9 +8,11 @@ the family does (facts followed, not code copied).
 
 Families (``_FAMILIES``, one ``_Family`` each: where the language model's and the vision tensors are in the
 stream, how vision tensors are named and split, their shape checks, types and ``clip.*`` metadata):
-SmolVLM / Idefics3 (``idefics3``: the converter's ``SmolVLMModel``, projector type ``idefics3``) and
-Qwen2.5-VL (``qwen2_5_vl``: its ``Qwen2VLVisionModel``, projector type ``qwen2.5vl``; the language model is
-``qwen2vl``). Any other vision family is refused in one line. Example::
+SmolVLM / Idefics3 (``idefics3``: the converter's ``SmolVLMModel``, projector type ``idefics3``), Gemma 3
+(``gemma3``: its ``Gemma3VisionModel``, projector type ``gemma3``: the SigLIP tower, the projector's RMSNorm
+stored as 1 + w, its [vision, text] matrix always F16) and Qwen2.5-VL (``qwen2_5_vl``: its
+``Qwen2VLVisionModel``, projector type ``qwen2.5vl``; the language model is ``qwen2vl``). Any other vision
+family is refused in one line. Example::
 
     vision = vision_export(cfg, [ckpt])          # None for a text model
     text_cfg, text_stream = vision.text_part(stream)
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
+import torch
 
 from slimtune.errors import SlimtuneError
 from slimtune.formats.gguf_types import MMPROJ_TYPES
@@ -39,7 +42,7 @@ K = gguf.Keys
 _QTYPES = {name: Q[name.upper()] for name in MMPROJ_TYPES}
 """Each mmproj type name (``slimtune.formats.gguf_types.MMPROJ_TYPES``) -> the GGML type of its weights."""
 _FILE_TYPES = {name: gguf.LlamaFileType.ALL_F32 if name == "f32" else gguf.LlamaFileType[f"MOSTLY_{name.upper()}"] for name in MMPROJ_TYPES}
-_IDEFICS3_LN_EPS = 1e-6  # transformers' Idefics3VisionConfig default (the converter assumes 1e-5 when the key is absent)
+_LN_EPS = 1e-6  # transformers' Idefics3VisionConfig and SiglipVisionConfig default (the converter assumes 1e-5 for Idefics3)
 
 
 @dataclass(frozen=True)
@@ -47,10 +50,10 @@ class _Family:
     """What differs between vision families in the split and the mmproj file (``VisionExport`` calls these)."""
 
     projector: gguf.VisionProjectorType
-    text_prefix: str
-    """Where the language model's tensors are in the stream; the converter reads them as ``model.``."""
-    in_vision: Callable[[str], bool]
-    """Whether a stream key is the vision tower's or the projector's."""
+    text: tuple[str, str]
+    """The language model's key prefix in the stream -> the text family's (the converter reads it so)."""
+    vision: tuple[str, ...]
+    """Key prefixes of the vision tower and the projector in the stream."""
     counts: Callable[[VisionExport], dict[str, int]]
     """image_size, patch_size, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads."""
     tensors: Callable[[VisionExport, StreamTensor], list[StreamTensor]]
@@ -125,16 +128,20 @@ class VisionExport:
         return _number(self.text_config().get("hidden_size"), "text_config.hidden_size", self.where)
 
     def text_part(self, stream: list[StreamTensor]) -> list[StreamTensor]:
-        """The language model's entries of ``stream``, named as the text family's (``model.text_model.x`` ->
-        ``model.x``; ``lm_head`` as it is); the vision tower and projector left out."""
-        prefix = self.family.text_prefix
-        out = []
+        """The language model's entries of ``stream``, named as the text family's (``model.text_model.x``,
+        ``language_model.model.x``, ``model.language_model.x`` -> ``model.x``; ``lm_head`` as it is); the vision
+        tower and projector left out."""
+        (prefix, to), out = self.family.text, []
         for t in stream:
-            if self.family.in_vision(t.name):
+            if self.in_vision(t.name):
                 continue
-            name = "model." + t.name.removeprefix(prefix) if t.name.startswith(prefix) else t.name
+            name = to + t.name.removeprefix(prefix) if t.name.startswith(prefix) else t.name
             out.append(t if name == t.name else StreamTensor(name, t.shape, t.dtype, t.rows))
         return out
+
+    def in_vision(self, key: str) -> bool:
+        """Whether the stream's ``key`` is the vision tower's or the projector's."""
+        return key.startswith(self.family.vision)
 
     def tensors(self, stream: list[StreamTensor]) -> list[tuple[str, StreamTensor]]:
         """(HF key, GGUF entry) of the mmproj file: the vision tower's and projector's entries of ``stream``
@@ -142,7 +149,7 @@ class VisionExport:
         entry with no name there is one line."""
         out = []
         for t in stream:
-            if not self.family.in_vision(t.name):
+            if not self.in_vision(t.name):
                 continue
             if not t.dtype.is_floating_point:
                 raise SlimtuneError(f"tensor {t.name}: dtype {t.dtype} cannot be written to GGUF")
@@ -229,8 +236,39 @@ def _plain_qtype(t: StreamTensor, want: gguf.GGMLQuantizationType) -> gguf.GGMLQ
 # --- SmolVLM / Idefics3 -----------------------------------------------------------------------------------
 
 
-def _idefics3_counts(x: VisionExport) -> dict[str, int]:
+# --- SigLIP towers: SmolVLM / Idefics3 and Gemma 3 ---------------------------------------------------------
+
+
+def _siglip_counts(x: VisionExport) -> dict[str, int]:
     return {k: _number(x.vision.get(k), f"vision_config.{k}", x.where) for k in _VISION_COUNTS}
+
+
+def _siglip_check(x: VisionExport, shapes: dict[str, tuple[int, ...]], projector: dict, why: str) -> None:
+    """The patch and position embeddings, each block's projections and the family's ``projector`` shapes."""
+    n, v = x.counts, x.vision
+    width, ff, patch = n["hidden_size"], n["intermediate_size"], n["patch_size"]
+    want = {
+        "v.patch_embd.weight": (width, v.get("num_channels", 3), patch, patch),
+        "v.position_embd.weight": ((n["image_size"] // patch) ** 2, width),
+        **projector,
+    }
+    for i in range(x.blocks):
+        want |= {f"v.blk.{i}.attn_{p}.weight": (width, width) for p in ("q", "k", "v", "out")}
+        want |= {f"v.blk.{i}.ffn_up.weight": (ff, width), f"v.blk.{i}.ffn_down.weight": (width, ff)}
+    x.require(want, shapes, f"vision_config (image_size, patch_size, hidden_size, intermediate_size), {why}")
+
+
+def _siglip_qtype(key: str, t: StreamTensor, want: gguf.GGMLQuantizationType) -> gguf.GGMLQuantizationType:
+    """The embeddings (patch and position) F32 too (the converter's ``SmolVLMModel`` and ``Gemma3VisionModel``);
+    Gemma 3's projection matrix F16 whatever the type (as the converter forces it)."""
+    if t.name == "mm.input_projection.weight":
+        return Q.F16
+    return Q.F32 if ".embeddings." in key else _plain_qtype(t, want)
+
+
+def _siglip_eps(x: VisionExport) -> tuple[str, object, gguf.GGUFValueType]:
+    eps = _number(x.vision.get("layer_norm_eps", _LN_EPS), "vision_config.layer_norm_eps", x.where, float)
+    return (K.ClipVision.Attention.LAYERNORM_EPS, float(eps), T.FLOAT32)
 
 
 def _idefics3_tensors(x: VisionExport, t: StreamTensor) -> list[StreamTensor]:
@@ -238,39 +276,63 @@ def _idefics3_tensors(x: VisionExport, t: StreamTensor) -> list[StreamTensor]:
 
 
 def _idefics3_check(x: VisionExport, shapes: dict[str, tuple[int, ...]]) -> None:
-    """The patch and position embeddings, each block's projections and the projector's input (the tower's
-    width times the pixel shuffle's scale squared)."""
-    n, v = x.counts, x.vision
-    width, ff, patch = n["hidden_size"], n["intermediate_size"], n["patch_size"]
+    """The projector's input: the tower's width times the pixel shuffle's scale squared."""
     scale = _number(x.cfg.get("scale_factor", 2), "scale_factor", x.where)
-    want = {
-        "v.patch_embd.weight": (width, v.get("num_channels", 3), patch, patch),
-        "v.position_embd.weight": ((n["image_size"] // patch) ** 2, width),
-        "mm.model.fc.weight": (x.text_hidden(), width * scale * scale),
-    }
-    for i in range(x.blocks):
-        want |= {f"v.blk.{i}.attn_{p}.weight": (width, width) for p in ("q", "k", "v", "out")}
-        want |= {f"v.blk.{i}.ffn_up.weight": (ff, width), f"v.blk.{i}.ffn_down.weight": (width, ff)}
-    why = "vision_config (image_size, patch_size, hidden_size, intermediate_size), scale_factor and text_config.hidden_size"
-    x.require(want, shapes, why)
-
-
-def _idefics3_qtype(key: str, t: StreamTensor, want: gguf.GGMLQuantizationType) -> gguf.GGMLQuantizationType:
-    """The embeddings (patch and position) F32 too (the converter's ``SmolVLMModel``)."""
-    return Q.F32 if ".embeddings." in key else _plain_qtype(t, want)
+    projector = {"mm.model.fc.weight": (x.text_hidden(), x.counts["hidden_size"] * scale * scale)}
+    _siglip_check(x, shapes, projector, "scale_factor and text_config.hidden_size")
 
 
 def _idefics3_kv(x: VisionExport, type_name: str) -> list[tuple[str, object, gguf.GGUFValueType]]:
     CV, where = K.ClipVision, x.where
     size = x.processor.get("size") if isinstance(x.processor.get("size"), dict) else {}
     preproc = _number(size.get("longest_edge", x.counts["image_size"]), f"{x.processor_file}: size.longest_edge", where)
-    eps = _number(x.vision.get("layer_norm_eps", _IDEFICS3_LN_EPS), "vision_config.layer_norm_eps", where, float)
     return [
-        (CV.Attention.LAYERNORM_EPS, float(eps), T.FLOAT32),
+        _siglip_eps(x),
         (CV.Projector.SCALE_FACTOR, _number(x.cfg.get("scale_factor", 2), "scale_factor", where), T.UINT32),
         (CV.USE_GELU, True, T.BOOL),
         (CV.PREPROC_IMAGE_SIZE, preproc, T.UINT32),
     ]
+
+
+def _gemma3_tensors(x: VisionExport, t: StreamTensor) -> list[StreamTensor]:
+    """transformers 5 saves SigLIP's tensors without the ``vision_model.`` its published checkpoints hold (and
+    the gguf package's map names); the converter also reads ``mm_input_projection_weight`` as ``.weight``.
+    The projector's norm as 1 + w (Gemma3RMSNorm computes x * (1 + w)), f32, one rounding (the file's)."""
+    old, new = "vision_tower.", "vision_tower.vision_model."
+    key = new + t.name.removeprefix(old) if t.name.startswith(old) and not t.name.startswith(new) else t.name
+    name = x.gguf_name(key.replace("_weight", ".weight"))
+    if name == "mm.soft_emb_norm.weight":
+        return [StreamTensor(name, t.shape, torch.float32, lambda s, e: t.rows(s, e).float() + 1.0)]
+    return [StreamTensor(name, t.shape, t.dtype, t.rows)]
+
+
+def _gemma3_check(x: VisionExport, shapes: dict[str, tuple[int, ...]]) -> None:
+    """The projector: a [width, text width] matrix after its RMSNorm; the pooling divides the patch grid."""
+    _gemma3_scale(x)
+    width = x.counts["hidden_size"]
+    projector = {"mm.input_projection.weight": (width, x.text_hidden()), "mm.soft_emb_norm.weight": (width,)}
+    _siglip_check(x, shapes, projector, "and text_config.hidden_size")
+
+
+def _gemma3_kv(x: VisionExport, type_name: str) -> list[tuple[str, object, gguf.GGUFValueType]]:
+    """The pooling's kernel only where it is not the published 4 (896 / 14 / 16)."""
+    scale = _gemma3_scale(x)
+    return [_siglip_eps(x), (K.ClipVision.USE_GELU, True, T.BOOL)] + (
+        [(K.ClipVision.Projector.SCALE_FACTOR, scale, T.UINT32)] if scale != 4 else []
+    )
+
+
+def _gemma3_scale(x: VisionExport) -> int:
+    """Gemma 3's pooling kernel, as the converter computes it: patches a side over image tokens a side
+    (``image_seq_length`` of the processor's config, 256 when absent); one line where it does not divide."""
+    tokens = _number(x.processor.get("image_seq_length", 256), f"{x.processor_file}: image_seq_length", x.where)
+    side = (x.vision["image_size"] // x.vision["patch_size"], int(tokens**0.5))
+    if side[1] * side[1] != tokens or side[0] % side[1]:
+        raise SlimtuneError(
+            f"{x.processor_file}: image_seq_length {tokens} must be a square whose side divides the {side[0]} patches a side "
+            "(vision_config.image_size / patch_size)"
+        )
+    return side[0] // side[1]
 
 
 # --- Qwen2.5-VL -------------------------------------------------------------------------------------------
@@ -280,10 +342,6 @@ _QWEN25VL_NORM_EPS = 1e-6  # transformers' Qwen2.5-VL vision blocks and merger (
 _QWEN25VL_FIXED = {"temporal_patch_size": 2, "spatial_merge_size": 2, "window_size": 112, "hidden_act": "silu"}
 """vision_config values llama.cpp's qwen2.5vl graph assumes (its file has no key for them): two frames per
 patch (the Conv3d split in two), 2 x 2 patches merged, windows of 112 pixels, the SiLU-gated MLP."""
-
-
-def _qwen25vl_in_vision(key: str) -> bool:
-    return key.startswith(("visual.", "model.visual."))  # the published keys; transformers 5's module names
 
 
 def _qwen25vl_counts(x: VisionExport) -> dict[str, int]:
@@ -376,18 +434,28 @@ def _qwen25vl_kv(x: VisionExport, type_name: str) -> list[tuple[str, object, ggu
 _FAMILIES: dict[str, _Family] = {
     "idefics3": _Family(
         gguf.VisionProjectorType.IDEFICS3,
-        "model.text_model.",
-        vision_parts("idefics3").in_vision,
-        _idefics3_counts,
+        ("model.text_model.", "model."),
+        ("model.vision_model.", "model.connector."),
+        _siglip_counts,
         _idefics3_tensors,
         _idefics3_check,
-        _idefics3_qtype,
+        _siglip_qtype,
         _idefics3_kv,
+    ),
+    "gemma3": _Family(
+        gguf.VisionProjectorType.GEMMA3,
+        ("language_model.", ""),
+        ("vision_tower.", "multi_modal_projector."),
+        _siglip_counts,
+        _gemma3_tensors,
+        _gemma3_check,
+        _siglip_qtype,
+        _gemma3_kv,
     ),
     "qwen2_5_vl": _Family(
         gguf.VisionProjectorType.QWEN25VL,
-        "model.language_model.",
-        _qwen25vl_in_vision,
+        ("model.language_model.", "model."),  # transformers 5's module names; the published keys are the text family's
+        ("visual.", "model.visual."),  # the published keys; transformers 5's module names
         _qwen25vl_counts,
         _qwen25vl_tensors,
         _qwen25vl_check,

@@ -33,7 +33,6 @@ KINDS = {0: "plain C", 1: "SSE4.1", 2: "AVX-512 BW"}
 _MIN_KIND = 1  # the plain C loop is slower than torch's ops: it only stands in for the vector loops in the tests
 
 
-
 def _load() -> tuple[ctypes.CDLL | None, int, str]:
     lib, why = native.load(SOURCE, FLAGS)
     if lib is None:

@@ -110,7 +110,9 @@ def make_trained_qwen_vl(out: Path, tokenizer=None, lora_vision: bool = False, *
     with Qwen2VLImageProcessor's preprocessor_config.json, QLoRA-trained 2 steps on an image + text row as
     that test trains it (the random-pixel batch: Qwen2.5-VL's processor needs torchvision; ``lora_vision``:
     LoRA on the tower's linears too) and saved:
-    the merged checkpoint, under ``out/ckpt``."""
+    the merged checkpoint, under ``out/ckpt``.
+
+    Example: ``make_trained_qwen_vl(Path("q"), depth=4, fullatt_block_indexes=[1, 3])`` -> ``Path("q/ckpt")``"""
     import torch
     from transformers import AutoModelForImageTextToText, Qwen2VLImageProcessor
 

@@ -300,15 +300,14 @@ def test_bad_input():
 
 
 def test_the_c_loop_runs_where_it_is_built(path, monkeypatch):
-    """``ggml.quantize`` runs the C loop for the K-quants and Q4_0 ... Q5_1 where it is built (the ``path`` fixture fails
+    """``ggml.quantize`` runs the C loop for the K-quants and Q4_0 ... Q8_0 where it is built (the ``path`` fixture fails
     where a compiler is and the build is not), torch's code where it is switched off."""
     calls = []
     real = kquant_kernel.quantize_blocks
     monkeypatch.setattr(kquant_kernel, "quantize_blocks", lambda *a: calls.append(a[1]) or real(*a))
     for type_name in KQUANTS + LEGACY:
         ggml.quantize(torch.randn(2, 512), type_name, threads=1)
-    in_c = KQUANTS + ["Q4_0", "Q4_1", "Q5_0", "Q5_1"]  # Q8_0: torch's passes keep up with ggml's C
-    assert calls == (in_c if path == "C" else [])
+    assert calls == (KQUANTS + LEGACY if path == "C" else [])
     assert kquant_kernel.loop_status() == "C" if path == "C" else kquant_kernel.loop_status().startswith("torch (")
 
 

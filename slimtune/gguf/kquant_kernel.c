@@ -7,7 +7,10 @@
  * multiply-adds, as ggml-base's reference quantizers are built on x86-64), sums run one term at a time, an
  * int level meets a float by conversion, and nearest_int is ggml's bit trick (exact garbage included where
  * its argument is out of range). The fp16 block scales round to nearest, ties to even (NaN: 0x7e00 with
- * its sign), as ggml's fp32 -> fp16 conversion does. */
+ * its sign), as ggml's fp32 -> fp16 conversion does. The K-quants' scale searches, independent per
+ * sub-block, run on 8 sub-blocks at once in the lanes of a GCC/Clang vector, each lane doing the scalar
+ * search's operations in the scalar order (a branch becomes a select): the same bytes, several times
+ * ggml's scalar speed per core. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>

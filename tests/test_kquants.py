@@ -188,6 +188,18 @@ def test_finite_rows_checked_as_the_export_checks_them_byte_identical_to_ggml(ty
 
 
 @pytest.mark.parametrize("path", ["C"], indirect=True)
+@pytest.mark.parametrize("type_name", KQUANTS + LEGACY)
+def test_c_baseline_lanes_byte_identical_to_ggml(path, monkeypatch, type_name):
+    """The C loop built without its AVX2 code (``-DSLIMTUNE_BASELINE_ONLY``: what a CPU without AVX2 runs,
+    its comparisons in pieces of 4 lanes): random and edge rows give ggml's bytes."""
+    baseline = kquant_kernel._load(kquant_kernel.FLAGS + ("-DSLIMTUNE_BASELINE_ONLY",))
+    assert baseline[0] is not None, baseline[1]
+    monkeypatch.setattr(kquant_kernel, "_library", lambda: baseline)
+    rows = torch.cat([random_rows(1)[:, :256], edge_rows(0)])
+    _assert_blocks_equal(rows if type_name in KQUANTS else _fp16_safe(rows), type_name, threads=1)
+
+
+@pytest.mark.parametrize("path", ["C"], indirect=True)
 def test_c_q8_0_blocks_with_nan_are_ggmls(path):
     """ggml's running max |x| starts again after a NaN (the comparison is false): the C loop's Q8_0 of a
     block holding one, not last, is ggml's bytes (torch's code takes the block's max, NaN: an overflow)."""

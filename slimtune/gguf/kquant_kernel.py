@@ -11,9 +11,9 @@ seventh of ggml's C). This file is that algorithm written again in C, with
 ggml's float32 operations in ggml's order, compiled with ``-ffp-contract=off`` (no fused multiply-adds:
 one rounding per operation, as ggml's reference quantizers are built), so its bytes are ggml's
 (tests/test_kquants.py runs every byte-identity test on both paths). The K-quants' scale searches run
-on 8 groups (sub-blocks) at once, one per lane of a vector (an AVX2 clone where the CPU has it, chosen
-at load): each lane does the scalar search's operations in its order, a branch is a select, so the
-bytes stay ggml's at several times ggml's speed per core. ctypes releases the GIL for the call.
+on 8 groups (sub-blocks) at once, one per lane of a vector (AVX2 code where the CPU has it, chosen at
+run time; baseline code elsewhere): each lane does the scalar search's operations in its order, a
+branch is a select, so the bytes stay ggml's at several times ggml's speed per core. ctypes releases the GIL for the call.
 
 ``SLIMTUNE_NATIVE=0``, no compiler or a failed build: torch's code runs; ``loop_status()`` says which
 (``slimtune --version`` prints it).
@@ -40,8 +40,11 @@ TYPES = {"Q2_K": (0, 84, 256), "Q3_K": (1, 110, 256), "Q4_K": (2, 144, 256), "Q5
 TYPES |= {"Q4_0": (5, 18, 32), "Q4_1": (6, 20, 32), "Q5_0": (7, 22, 32), "Q5_1": (8, 24, 32), "Q8_0": (9, 34, 32)}
 """type: (the C's number, block bytes, block values)."""
 
-def _load() -> tuple[ctypes.CDLL | None, str]:
-    lib, why = native.load(SOURCE, FLAGS)
+
+def _load(flags: tuple[str, ...] = FLAGS) -> tuple[ctypes.CDLL | None, str]:
+    """The library built with ``flags`` (the tests add ``-DSLIMTUNE_BASELINE_ONLY``: no AVX2 code), and "C";
+    or None and "torch (why not)"."""
+    lib, why = native.load(SOURCE, flags)
     if lib is None:
         return None, f"torch ({why})"
     pointer = ctypes.c_void_p

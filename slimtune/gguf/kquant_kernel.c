@@ -837,9 +837,30 @@ LANE_INLINE vi LN(round_int)(vf v) {
     return t - LN(fle)(vsplat(0.5f), frac) + LN(fle)(frac, vsplat(-0.5f)); /* a true comparison is -1 */
 }
 
+/* The largest |x| of a block as ggml's fold amax = amax > |x| ? amax : |x| (from 0) finds it: without a
+ * NaN the largest bits of |x| (they order as the values do), 8 lanes at a time; with one, abs_max. */
+LANE_INLINE float LN(abs_max)(const float *x) {
+    vi top = isplat(0);
+    for (int j = 0; j < 32; j += LANES) {
+        vi u;
+        memcpy(&u, x + j, sizeof u);
+        u &= 0x7fffffff;
+        top = isel(LN(ilt)(top, u), u, top);
+    }
+    int32_t t = top[0];
+    for (int k = 1; k < LANES; k++) t = top[k] > t ? top[k] : t;
+    if (t > 0x7f800000) return abs_max(x);
+    float amax;
+    memcpy(&amax, &t, 4);
+    return amax;
+}
+
 /* Q8_0 block: d = max |x| / 127 (fp16), qs[32] = roundf(x * id), id = d ? 1 / d : 0. */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("O3"))) /* the bytes' loop vectorizes */
+#endif
 LANE_FN int LN(q8_0)(const float *x, uint8_t *y) {
-    float d = abs_max(x) / 127, id = d ? 1.0f / d : 0.0f;
+    float d = LN(abs_max)(x) / 127, id = d ? 1.0f / d : 0.0f;
     int32_t q[32];
     uint16_t h = fp16_bits(d);
     put16(y, h);

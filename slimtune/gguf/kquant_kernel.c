@@ -611,7 +611,6 @@ LANE_INLINE int any(vi m) {
     return z[0] != 0;
 }
 
-
 /* Comparisons (-1 where true). Without AVX2 GCC lowers a comparison of 8 lanes lane by lane in scalar
  * code: the baseline pass compares in pieces of 4 (SSE2's, NEON's) and joins them; GCC before 12 has no
  * __builtin_shufflevector for that, and compares whole. */
@@ -620,7 +619,7 @@ LANE_INLINE int any(vi m) {
     LANE_INLINE vi name(type a, type b) { return a op b; }
 #else
 #define CMP(name, type, half, op)                                                                          \
-    LANE_INLINE vi name(type a, type b) {                                                                       \
+    LANE_INLINE vi name(type a, type b) {                                                                  \
         half a0 = __builtin_shufflevector(a, a, 0, 1, 2, 3), a1 = __builtin_shufflevector(a, a, 4, 5, 6, 7); \
         half b0 = __builtin_shufflevector(b, b, 0, 1, 2, 3), b1 = __builtin_shufflevector(b, b, 4, 5, 6, 7); \
         hi m0 = a0 op b0, m1 = a1 op b1;                                                                   \
@@ -702,11 +701,9 @@ LANE_INLINE void LN(search_min)(const struct min_search *p, struct lanes *g) {
     g->neg_min = -vsel(flat, lo0, lo);
 }
 
-
 LANE_FN void LN(search_q2)(struct lanes *g) { LN(search_min)(&Q2_SEARCH, g); }
 LANE_FN void LN(search_q4)(struct lanes *g) { LN(search_min)(&Q4_SEARCH, g); }
 LANE_FN void LN(search_q5)(struct lanes *g) { LN(search_min)(&Q5_SEARCH, g); }
-
 
 /* Every lane's first value of largest magnitude (0 where all are 0), its magnitude in *amax. */
 LANE_INLINE vf LN(signed_absmax)(int n, const struct lanes *g, vf *amax) {
@@ -788,7 +785,7 @@ LANE_INLINE vi LN(q3_round)(int n, int nmax, struct lanes *g, vf *s, vi active) 
     return changed;
 }
 
-/* Q3_K's search on every lane: levels from -nmax / max, then up to 5 rounds (LN(q3_round)) until one moves
+/* Q3_K's search on every lane: levels from -nmax / max, then up to 5 rounds (q3_round) until one moves
  * nothing. Levels stored as l + nmax; a group whose max is below GROUP_MAX_EPS: levels 0, scale 0. */
 LANE_INLINE void LN(search_q3)(int n, int nmax, struct lanes *g) {
     vf amax, mx = LN(signed_absmax)(n, g, &amax), s[2];
@@ -800,11 +797,10 @@ LANE_INLINE void LN(search_q3)(int n, int nmax, struct lanes *g) {
     g->scale = vsel(small, vsplat(0), s[0] / s[1]);
 }
 
-
 LANE_FN void LN(search_q3_16)(struct lanes *g) { LN(search_q3)(16, 4, g); }
 LANE_FN void LN(search_q6_16)(struct lanes *g) { LN(search_sym)(16, 32, g); }
 
-
+/* The final levels of a block (struct final_levels), LANES values at a time. */
 LANE_INLINE void LN(apply_levels)(const struct final_levels *p, const float *x, const float *d, const float *m, uint8_t *L) {
     int32_t l[32];
     for (int j = 0; j < p->ngroups; j++) {
@@ -820,13 +816,11 @@ LANE_INLINE void LN(apply_levels)(const struct final_levels *p, const float *x, 
     }
 }
 
-
 LANE_FN void LN(levels_q2)(const float *x, const float *d, const float *m, uint8_t *L) { LN(apply_levels)(&Q2_LEVELS, x, d, m, L); }
 LANE_FN void LN(levels_q3)(const float *x, const float *d, const float *m, uint8_t *L) { LN(apply_levels)(&Q3_LEVELS, x, d, m, L); }
 LANE_FN void LN(levels_q4)(const float *x, const float *d, const float *m, uint8_t *L) { LN(apply_levels)(&Q4_LEVELS, x, d, m, L); }
 LANE_FN void LN(levels_q5)(const float *x, const float *d, const float *m, uint8_t *L) { LN(apply_levels)(&Q5_LEVELS, x, d, m, L); }
 LANE_FN void LN(levels_q6)(const float *x, const float *d, const float *m, uint8_t *L) { LN(apply_levels)(&Q6_LEVELS, x, d, m, L); }
-
 
 /* roundf(v) of LANES values as x86-64's (int8_t) conversion sees it: half away from zero; NaN, an
  * infinity or |v| >= 2^31 as cvttss2si's 0x80000000 (low byte 0) does. v - t is exact. */
@@ -873,7 +867,6 @@ LANE_FN int LN(q8_0)(const float *x, uint8_t *y) {
     for (int j = 0; j < 32; j++) y[2 + j] = (uint8_t)q[j]; /* the low byte (a loop that vectorizes) */
     return overflows(h);
 }
-
 
 #undef CMP
 #undef vsplat

@@ -201,7 +201,7 @@ class _Version(argparse.Action):
         print(f"NF4 dequantization on the CPU: {nf4_kernel.status()}")
         from slimtune.gguf import kquant_kernel  # lazy: imports torch
 
-        print(f"GGUF quantization (K-quants, Q4_0-Q5_1): {kquant_kernel.loop_status()}")
+        print(f"GGUF quantization (K-quants, Q4_0-Q8_0): {kquant_kernel.loop_status()}")
         parser.exit()
 
 

@@ -103,7 +103,7 @@ def test_version_names_slimtune_and_its_libraries(capsys):
     from slimtune.quant import nf4_kernel
 
     assert kernel == f"NF4 dequantization on the CPU: {nf4_kernel.status()}", kernel
-    assert kquant == f"GGUF quantization (K-quants, Q4_0-Q5_1): {kquant_kernel.loop_status()}", kquant
+    assert kquant == f"GGUF quantization (K-quants, Q4_0-Q8_0): {kquant_kernel.loop_status()}", kquant
 
 
 @pytest.mark.parametrize(

@@ -99,11 +99,27 @@ def edge_rows(seed: int) -> torch.Tensor:
     r[200] = 1.0
     rows.append(r)
     rows += [torch.linspace(-1, 1, n), torch.linspace(0, 1e-7, n)]
+    rows += [_lanes_apart(randn()), _lanes_apart(randn()).flip(0)]
     r = torch.full((n,), 3.4e38)
     r[::2] = -3.4e38  # spans that overflow to inf
     rows.append(r)
     rows += [randn().exp() * randn().sign(), (randn() * 20).exp2().clamp(max=3e38)]
     return torch.stack(rows)
+
+
+def _lanes_apart(r: torch.Tensor) -> torch.Tensor:
+    """A row whose 16-value groups each take another branch of the scale searches, side by side in the C
+    loop's lanes (8 groups at once): constant (max == min: positive, negative, zero), one live value,
+    one sign, max == min within a 32-value group only, tiny beside huge, live."""
+    r = r.clone()
+    r[0:16], r[16:32], r[32:48], r[48:64] = 0.25, -3.0, 0.0, 0.0
+    r[52] = -1.0
+    r[64:80] = r[64:80].abs()
+    r[96:128] = 7.0
+    r[128:144] *= 1e-20
+    r[144:160] *= 1e20
+    r[160:176] = -r[160:176].abs()
+    return r
 
 
 def random_rows(seed: int) -> torch.Tensor:
@@ -169,6 +185,28 @@ def test_finite_rows_checked_as_the_export_checks_them_byte_identical_to_ggml(ty
     rows = torch.cat([random_rows(5)[:, :256], *(edge_rows(seed) for seed in range(2))])
     rows = rows[torch.isfinite(rows).all(1)]
     _assert_blocks_equal(rows if type_name in KQUANTS else _fp16_safe(rows), type_name, finite=True)
+
+
+@pytest.mark.parametrize("path", ["C"], indirect=True)
+@pytest.mark.parametrize("type_name", KQUANTS + LEGACY)
+def test_c_baseline_lanes_byte_identical_to_ggml(path, monkeypatch, type_name):
+    """The C loop built without its AVX2 code (``-DSLIMTUNE_BASELINE_ONLY``: what a CPU without AVX2 runs,
+    its comparisons in pieces of 4 lanes): random and edge rows give ggml's bytes."""
+    baseline = kquant_kernel._load(kquant_kernel.FLAGS + ("-DSLIMTUNE_BASELINE_ONLY",))
+    assert baseline[0] is not None, baseline[1]
+    monkeypatch.setattr(kquant_kernel, "_library", lambda: baseline)
+    rows = torch.cat([random_rows(1)[:, :256], edge_rows(0)])
+    _assert_blocks_equal(rows if type_name in KQUANTS else _fp16_safe(rows), type_name, threads=1)
+
+
+@pytest.mark.parametrize("path", ["C"], indirect=True)
+def test_c_q8_0_blocks_with_nan_are_ggmls(path):
+    """ggml's running max |x| starts again after a NaN (the comparison is false): the C loop's Q8_0 of a
+    block holding one, not last, is ggml's bytes (torch's code takes the block's max, NaN: an overflow)."""
+    rows = torch.randn(4, 256, generator=torch.Generator().manual_seed(4))
+    rows[0, 0], rows[1, 37], rows[2, 64 + 30], rows[3, 96 + 15] = float("nan"), float("nan"), float("nan"), float("nan")
+    rows[3, 96 + 3] = 50.0  # before the NaN: not the block's max in ggml's fold
+    _assert_blocks_equal(rows, "Q8_0", threads=1)
 
 
 @pytest.mark.parametrize("type_name", LEGACY)
@@ -300,15 +338,14 @@ def test_bad_input():
 
 
 def test_the_c_loop_runs_where_it_is_built(path, monkeypatch):
-    """``ggml.quantize`` runs the C loop for the K-quants and Q4_0 ... Q5_1 where it is built (the ``path`` fixture fails
+    """``ggml.quantize`` runs the C loop for the K-quants and Q4_0 ... Q8_0 where it is built (the ``path`` fixture fails
     where a compiler is and the build is not), torch's code where it is switched off."""
     calls = []
     real = kquant_kernel.quantize_blocks
     monkeypatch.setattr(kquant_kernel, "quantize_blocks", lambda *a: calls.append(a[1]) or real(*a))
     for type_name in KQUANTS + LEGACY:
         ggml.quantize(torch.randn(2, 512), type_name, threads=1)
-    in_c = KQUANTS + ["Q4_0", "Q4_1", "Q5_0", "Q5_1"]  # Q8_0: torch's passes keep up with ggml's C
-    assert calls == (in_c if path == "C" else [])
+    assert calls == (KQUANTS + LEGACY if path == "C" else [])
     assert kquant_kernel.loop_status() == "C" if path == "C" else kquant_kernel.loop_status().startswith("torch (")
 
 

@@ -2,8 +2,8 @@
 for byte what ggml's reference quantizers (``quantize_row_*_ref`` in ``ggml-quants.c``, the path
 ``llama_model_quantize`` takes without an importance matrix) write:
 
-- the legacy 32-value blocks Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (here in torch: a few passes over the blocks
-  each; Q4_0 ... Q5_1 in C where a compiler is, ``slimtune.gguf.kquant_kernel``);
+- the legacy 32-value blocks Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (in C where a compiler is,
+  ``slimtune.gguf.kquant_kernel``; here in torch, a few passes over the blocks each, wherever it is not);
 - the K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K: the iterative scale searches, in C where a compiler is
   (``slimtune.gguf.kquant_kernel``), else in torch (``slimtune.gguf.kquants``, ``kquants23``).
 
@@ -185,7 +185,7 @@ QUANTIZERS = {name: _native(name, fn) for name, fn in _KQUANTS}
 
 _TYPES: dict[str, tuple[Callable[[torch.Tensor, bool], torch.Tensor], int, int]] = {
     # type: (quantizer of blocks (N, block values), check -> (N, block bytes), values per block, blocks per piece)
-    "Q8_0": (_q8_0, 32, 16384),
+    "Q8_0": (_native("Q8_0", _q8_0), 32, 16384),
     "Q4_0": (_native("Q4_0", _q4_0), 32, 4096),
     "Q4_1": (_native("Q4_1", _q4_1), 32, 4096),
     "Q5_0": (_native("Q5_0", _q5_0), 32, 4096),

@@ -1,4 +1,4 @@
-/* ggml's K-quant block formats Q2_K, Q3_K, Q4_K, Q5_K and Q6_K, and the legacy Q4_0, Q4_1, Q5_0 and Q5_1, quantized as ggml's reference quantizers
+/* ggml's K-quant block formats Q2_K, Q3_K, Q4_K, Q5_K and Q6_K, and the legacy Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0, quantized as ggml's reference quantizers
  * (quantize_row_*_ref, the path llama_model_quantize takes without an importance matrix) quantize them,
  * byte for byte (slimtune/gguf/kquant_kernel.py builds it; slimtune/gguf/kquants.py is the same in torch).
  *
@@ -7,7 +7,11 @@
  * multiply-adds, as ggml-base's reference quantizers are built on x86-64), sums run one term at a time, an
  * int level meets a float by conversion, and nearest_int is ggml's bit trick (exact garbage included where
  * its argument is out of range). The fp16 block scales round to nearest, ties to even (NaN: 0x7e00 with
- * its sign), as ggml's fp32 -> fp16 conversion does. */
+ * its sign), as ggml's fp32 -> fp16 conversion does. The K-quants' scale searches, independent per
+ * sub-block, run on 8 sub-blocks at once in the lanes of a GCC/Clang vector, each lane doing the scalar
+ * search's operations in the scalar order (a branch becomes a select): the same bytes, several times
+ * ggml's scalar speed per core. */
+#ifndef KQ_PASS /* the file, but for the lane code at its end (included once per pass) */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -66,169 +70,96 @@ static inline void put16(uint8_t *p, uint16_t v) {
     p[1] = (uint8_t)(v >> 8);
 }
 
-/* The scale search with a min (Q2_K, Q4_K, Q5_K): levels 0..nmax of x = scale * l + min, the error the
- * weighted squares (mad: the weighted absolute values); candidate scales from (rmin + rdelta * is + nmax) /
- * (max - min), is = 0..nstep, each from the best min so far. Returns the scale, -min in *neg_min. */
-static float search_min(int n, int nmax, const float *x, const float *w, uint8_t *L, float *neg_min, float rmin,
-                        float rdelta, int nstep, int mad) {
-    uint8_t cand[32];
-    float lo = x[0], hi = x[0];
-    float sum_w = w[0];
-    float sum_x = sum_w * x[0];
-    for (int i = 1; i < n; i++) {
-        if (x[i] < lo) lo = x[i];
-        if (x[i] > hi) hi = x[i];
-        float wi = w[i];
-        sum_w += wi;
-        sum_x += wi * x[i];
-    }
-    if (lo > 0) lo = 0;
-    if (hi == lo) {
-        for (int i = 0; i < n; i++) L[i] = 0;
-        *neg_min = -lo;
-        return 0.f;
-    }
-    float iscale = nmax / (hi - lo);
-    float scale = 1 / iscale;
-    float best = 0;
-    for (int i = 0; i < n; i++) {
-        int l = clampi(nearest_int(iscale * (x[i] - lo)), 0, nmax);
-        L[i] = (uint8_t)l;
-        float diff = scale * L[i] + lo - x[i];
-        diff = mad ? fabsf(diff) : diff * diff;
-        best += w[i] * diff;
-    }
-    for (int is = 0; is <= nstep; is++) {
-        iscale = (rmin + rdelta * is + nmax) / (hi - lo);
-        float sum_l = 0, sum_l2 = 0, sum_xl = 0;
-        for (int i = 0; i < n; i++) {
-            int l = clampi(nearest_int(iscale * (x[i] - lo)), 0, nmax);
-            cand[i] = (uint8_t)l;
-            float wi = w[i];
-            sum_l += wi * l;
-            sum_l2 += wi * l * l;
-            sum_xl += wi * l * x[i];
-        }
-        float D = sum_w * sum_l2 - sum_l * sum_l;
-        if (D > 0) {
-            float this_scale = (sum_w * sum_xl - sum_x * sum_l) / D;
-            float this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D;
-            if (this_min > 0) {
-                this_min = 0;
-                this_scale = sum_xl / sum_l2;
-            }
-            float err = 0;
-            for (int i = 0; i < n; i++) {
-                float diff = this_scale * cand[i] + this_min - x[i];
-                diff = mad ? fabsf(diff) : diff * diff;
-                err += w[i] * diff;
-            }
-            if (err < best) {
-                memcpy(L, cand, (size_t)n);
-                best = err;
-                scale = this_scale;
-                lo = this_min;
-            }
-        }
-    }
-    *neg_min = -lo;
-    return scale;
+/* The scale searches run on LANES groups (sub-blocks) at once, one group per lane of a GCC/Clang vector:
+ * every lane does the scalar search's float32 operations in the scalar order (sums one term at a time,
+ * no operation reordered or fused), and a branch of one group becomes a select of its lane, so each
+ * group's result is the scalar search's, bit for bit. x[i] holds value i of every lane's group.
+ * That lane code is at the end of the file, compiled twice by including the file in itself: for AVX2
+ * (x86-64; chosen at run time where the CPU has it) and for the baseline (SSE2, NEON, ...: comparisons
+ * in pieces of 4 lanes); lane_ops() picks one. The helpers here serve the block code between. */
+#define LANES 8
+typedef float vf __attribute__((vector_size(4 * LANES)));
+typedef int32_t vi __attribute__((vector_size(4 * LANES)));
+typedef float hf __attribute__((vector_size(16))); /* half of one: 4 lanes */
+typedef int32_t hi __attribute__((vector_size(16)));
+#define INLINE static inline __attribute__((always_inline))
+#pragma GCC diagnostic ignored "-Wpsabi" /* vectors pass only between inlined functions */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && !defined(SLIMTUNE_BASELINE_ONLY)
+#define WIDE __attribute__((target_clones("avx2", "default"))) /* chosen at load by the CPU; the same operations */
+#else
+#define WIDE
+#endif
+
+INLINE vf vsplat(float a) {
+    vf v = {a, a, a, a, a, a, a, a};
+    return v;
+}
+INLINE vi isplat(int a) {
+    vi v = {a, a, a, a, a, a, a, a};
+    return v;
+}
+INLINE vf vsel(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); } /* m ? a : b, lane by lane */
+INLINE vi isel(vi m, vi a, vi b) { return (a & m) | (b & ~m); }
+INLINE vf vabs(vf a) { return (vf)((vi)a & 0x7fffffff); }
+INLINE vf vfloat(vi a) { return __builtin_convertvector(a, vf); }
+INLINE vi vnearest(vf f) { return ((vi)(f + vsplat(12582912.f)) & 0x7fffff) - 0x400000; } /* nearest_int */
+INLINE int any(vi m) {
+    vi z = m;
+    for (int k = 1; k < LANES; k++) z[0] |= m[k];
+    return z[0] != 0;
 }
 
-/* The first value of largest magnitude (0 where all are 0), its magnitude in *amax. */
-static float signed_absmax(int n, const float *x, float *amax) {
-    float mx = 0, a = 0;
-    for (int i = 0; i < n; i++) {
-        float ax = fabsf(x[i]);
-        if (ax > a) {
-            a = ax;
-            mx = x[i];
-        }
-    }
-    *amax = a;
-    return mx;
+/* LANES groups of n values (n <= 32): the values, their weights (w; wx = w * x for the symmetric
+ * searches), the levels found, each group's scale and -min. */
+struct lanes {
+    vf x[32], w[32], wx[32];
+    vi L[32];
+    vf scale, neg_min;
+};
+/* The search with a min: levels 0..nmax, candidate scales (rmin + rdelta * is + nmax) / (max - min) for
+ * is = 0..nstep; the error the weighted squares, or (mad) the weighted absolute values. */
+struct min_search {
+    int n, nmax, nstep, mad;
+    float rmin, rdelta;
+};
+
+/* Each type's search constants, static so that they fold into its lane code (a splat of a variable is
+ * rebuilt in every loop: several times slower). */
+static const struct min_search Q2_SEARCH = {16, 3, 15, 1, -0.5f, 0.1f}, Q4_SEARCH = {32, 15, 20, 0, -1.f, 0.1f};
+static const struct min_search Q5_SEARCH = {32, 31, 15, 0, -0.5f, 0.1f};
+/* The final levels from the stored scales: ngroups groups of n values, each value's level
+ * clamp(nearest_int((x + m) / d), lo, hi) + off (without_min: of x / d), LANES values at a time; a group
+ * whose d is 0 keeps its levels. */
+struct final_levels {
+    int ngroups, n, lo, hi, off, with_min;
+};
+
+static const struct final_levels Q2_LEVELS = {16, 16, 0, 3, 0, 1}, Q3_LEVELS = {16, 16, -4, 3, 4, 0};
+static const struct final_levels Q4_LEVELS = {8, 32, 0, 15, 0, 1}, Q5_LEVELS = {8, 32, 0, 31, 0, 1};
+static const struct final_levels Q6_LEVELS = {16, 16, -32, 31, 32, 0};
+typedef void (*levels_fn)(const float *, const float *, const float *, uint8_t *);
+/* LANES groups of n values from x (group k at x + n * k) into the lanes' x. */
+static void gather(const float *x, int n, struct lanes *g) {
+    for (int k = 0; k < LANES; k++)
+        for (int i = 0; i < n; i++) g->x[i][k] = x[n * k + i];
 }
 
-/* The symmetric scale search of Q6_K (weights x^2): levels -nmax..nmax-1 stored as l + nmax; the first
- * scale -nmax / max, then -(nmax + 0.1 * is) / max for is = -9..-1, 1..9, the best by sumlx^2 / suml2. */
-static float search_sym(int n, int nmax, const float *x, int8_t *L) {
-    float amax, mx = signed_absmax(n, x, &amax);
-    if (amax < GROUP_MAX_EPS) {
-        for (int i = 0; i < n; i++) L[i] = 0;
-        return 0.f;
+/* The lanes' levels back to groups of n (L + n * k), their scales and -mins (where asked) to arrays. */
+static void scatter(const struct lanes *g, int n, uint8_t *L, float *scale, float *neg_min) {
+    for (int k = 0; k < LANES; k++) {
+        for (int i = 0; i < n; i++) L[n * k + i] = (uint8_t)g->L[i][k];
+        scale[k] = g->scale[k];
+        if (neg_min) neg_min[k] = g->neg_min[k];
     }
-    float iscale = -nmax / mx;
-    float sumlx = 0, suml2 = 0;
-    for (int i = 0; i < n; i++) {
-        int l = clampi(nearest_int(iscale * x[i]), -nmax, nmax - 1);
-        L[i] = (int8_t)(l + nmax);
-        float w = x[i] * x[i];
-        sumlx += w * x[i] * l;
-        suml2 += w * l * l;
-    }
-    float scale = suml2 ? sumlx / suml2 : 0.0f;
-    float best = scale * sumlx;
-    for (int is = -9; is <= 9; is++) {
-        if (is == 0) continue;
-        iscale = -(nmax + 0.1f * is) / mx;
-        sumlx = suml2 = 0;
-        for (int i = 0; i < n; i++) {
-            int l = clampi(nearest_int(iscale * x[i]), -nmax, nmax - 1);
-            float w = x[i] * x[i];
-            sumlx += w * x[i] * l;
-            suml2 += w * l * l;
-        }
-        if (suml2 > 0 && sumlx * sumlx > best * suml2) {
-            for (int i = 0; i < n; i++) L[i] = (int8_t)(nmax + clampi(nearest_int(iscale * x[i]), -nmax, nmax - 1));
-            scale = sumlx / suml2;
-            best = scale * sumlx;
-        }
-    }
-    return scale;
 }
 
-/* Q3_K's search: levels from -nmax / max, then up to 5 rounds that move one level at a time where that
- * raises sumlx^2 / suml2 (weights x^2). Levels stored as l + nmax. */
-static float search_q3(int n, int nmax, const float *x, int8_t *L) {
-    float amax, mx = signed_absmax(n, x, &amax);
-    if (amax < GROUP_MAX_EPS) {
-        for (int i = 0; i < n; i++) L[i] = 0;
-        return 0.f;
-    }
-    float iscale = -nmax / mx;
-    float sumlx = 0, suml2 = 0;
-    for (int i = 0; i < n; i++) {
-        int l = clampi(nearest_int(iscale * x[i]), -nmax, nmax - 1);
-        L[i] = (int8_t)l;
-        float w = x[i] * x[i];
-        sumlx += w * x[i] * l;
-        suml2 += w * l * l;
-    }
-    for (int round = 0; round < 5; round++) {
-        int changed = 0;
-        for (int i = 0; i < n; i++) {
-            float w = x[i] * x[i];
-            float slx = sumlx - w * x[i] * L[i];
-            if (slx > 0) {
-                float sl2 = suml2 - w * L[i] * L[i];
-                int nl = clampi(nearest_int(x[i] * sl2 / slx), -nmax, nmax - 1);
-                if (nl != L[i]) {
-                    slx += w * x[i] * nl;
-                    sl2 += w * nl * nl;
-                    if (sl2 > 0 && slx * slx * suml2 > sumlx * sumlx * sl2) {
-                        L[i] = (int8_t)nl;
-                        sumlx = slx;
-                        suml2 = sl2;
-                        changed++;
-                    }
-                }
-            }
-        }
-        if (!changed) break;
-    }
-    for (int i = 0; i < n; i++) L[i] = (int8_t)(L[i] + nmax);
-    return sumlx / suml2;
-}
+/* The lane code for each type (Q2_K .. Q6_K) and Q8_0's, of one pass. */
+typedef void (*lanes_fn)(struct lanes *);
+struct lane_ops {
+    lanes_fn search[5];
+    levels_fn levels[5];
+    int (*q8_0)(const float *, uint8_t *);
+};
 
 /* 2-bit levels L[256] (0..3) -> 64 bytes: byte 32h + l holds L[128h + l + 32k] at bits 2k. */
 static void pack2(const uint8_t *L, uint8_t *qs) {
@@ -238,12 +169,17 @@ static void pack2(const uint8_t *L, uint8_t *qs) {
 }
 
 /* Q2_K block: scales[16] (scale | min << 4), qs[64], d, dmin. */
-static void q2_k(const float *x, uint8_t *y) {
+static void q2_k(const struct lane_ops *ops, const float *x, uint8_t *y) {
     uint8_t L[QK_K], *sc = y, *qs = y + 16;
-    float w[16], mins[16], scales[16], max_scale = 0, max_min = 0;
+    float mins[16], scales[16], max_scale = 0, max_min = 0;
+    struct lanes g;
+    for (int j = 0; j < 16; j += LANES) {
+        gather(x + 16 * j, 16, &g);
+        for (int i = 0; i < 16; i++) g.w[i] = vabs(g.x[i]);
+        ops->search[0](&g);
+        scatter(&g, 16, L + 16 * j, scales + j, mins + j);
+    }
     for (int j = 0; j < 16; j++) {
-        for (int l = 0; l < 16; l++) w[l] = fabsf(x[16 * j + l]);
-        scales[j] = search_min(16, 3, x + 16 * j, w, L + 16 * j, &mins[j], -0.5f, 0.1f, 15, 1);
         if (scales[j] > max_scale) max_scale = scales[j];
         if (mins[j] > max_min) max_min = mins[j];
     }
@@ -263,24 +199,29 @@ static void q2_k(const float *x, uint8_t *y) {
     } else {
         dmin = fp16_bits(0.f);
     }
+    float dj[16], mj[16];
     for (int j = 0; j < 16; j++) {
-        const float dj = fp16_f32(d) * (sc[j] & 0xF);
-        if (!dj) continue;
-        const float mj = fp16_f32(dmin) * (sc[j] >> 4);
-        for (int i = 0; i < 16; i++) L[16 * j + i] = (uint8_t)clampi(nearest_int((x[16 * j + i] + mj) / dj), 0, 3);
+        dj[j] = fp16_f32(d) * (sc[j] & 0xF);
+        mj[j] = fp16_f32(dmin) * (sc[j] >> 4);
     }
+    ops->levels[0](x, dj, mj, L);
     pack2(L, qs);
     put16(y + 80, d);
     put16(y + 82, dmin);
 }
 
 /* Q3_K block: hmask[32], qs[64], scales[12] (6-bit, offset 32), d. */
-static void q3_k(const float *x, uint8_t *y) {
+static void q3_k(const struct lane_ops *ops, const float *x, uint8_t *y) {
     int8_t L[QK_K];
     uint8_t *hmask = y, *qs = y + 32, *sc = y + 96;
     float scales[16], amax = 0, max_scale = 0;
+    struct lanes g;
+    for (int j = 0; j < 16; j += LANES) {
+        gather(x + 16 * j, 16, &g);
+        ops->search[1](&g);
+        scatter(&g, 16, (uint8_t *)L + 16 * j, scales + j, 0);
+    }
     for (int j = 0; j < 16; j++) {
-        scales[j] = search_q3(16, 4, x + 16 * j, L + 16 * j);
         float a = fabsf(scales[j]);
         if (a > amax) {
             amax = a;
@@ -305,40 +246,44 @@ static void q3_k(const float *x, uint8_t *y) {
     } else {
         d = fp16_bits(0.f);
     }
+    float dj[16];
     for (int j = 0; j < 16; j++) {
         int8_t s = (int8_t)(j < 8 ? sc[j] & 0xF : sc[j - 8] >> 4);
         s = (int8_t)((s | (((sc[8 + j % 4] >> (2 * (j / 4))) & 3) << 4)) - 32);
-        float dj = fp16_f32(d) * s;
-        if (!dj) continue;
-        for (int i = 0; i < 16; i++) L[16 * j + i] = (int8_t)(clampi(nearest_int(x[16 * j + i] / dj), -4, 3) + 4);
+        dj[j] = fp16_f32(d) * s;
     }
+    ops->levels[1](x, dj, 0, (uint8_t *)L);
     memset(hmask, 0, 32);
     uint8_t low[QK_K];
-    for (int j = 0; j < QK_K; j++) {
-        int l = L[j];
-        if (l > 3) {
-            hmask[j % 32] |= (uint8_t)(1u << (j / 32));
-            l -= 4;
-        }
-        low[j] = (uint8_t)l;
+    for (int j = 0; j < QK_K; j++) { /* levels 0..7: bit 2 to hmask (bit j / 32 of byte j % 32), the rest to qs */
+        hmask[j % 32] |= (uint8_t)(((L[j] >> 2) & 1) << (j / 32));
+        low[j] = (uint8_t)(L[j] & 3);
     }
     pack2(low, qs);
     put16(y + 108, d);
 }
 
+/* Q4_K and Q5_K's weights of 32-value groups: av_x + |x|, av_x = sqrt(the mean of x^2). */
+static void qkx_weights(struct lanes *g) {
+    vf sum_x2 = vsplat(0), av_x;
+    for (int i = 0; i < 32; i++) sum_x2 += g->x[i] * g->x[i];
+    sum_x2 = sum_x2 / vsplat(32);
+    for (int k = 0; k < LANES; k++) av_x[k] = sqrtf(sum_x2[k]);
+    for (int i = 0; i < 32; i++) g->w[i] = av_x + vabs(g->x[i]);
+}
+
 /* Q4_K and Q5_K's shared part: per 32-value sub-block a scale and a min by search_min (weights
  * av_x + |x|), both to 6 bits against their largest (12 packed bytes), then the levels again from the
  * stored ones. Writes d, dmin and the scales at y, the levels to L. */
-static void qkx(const float *x, uint8_t *y, uint8_t *L, int nmax, float rmin, int nstep) {
+static void qkx(const float *x, uint8_t *y, uint8_t *L, lanes_fn search, levels_fn levels) {
     uint8_t *packed = y + 4;
-    float w[32], mins[8], scales[8], max_scale = 0, max_min = 0;
+    float mins[8], scales[8], max_scale = 0, max_min = 0;
+    struct lanes g;
+    gather(x, 32, &g);
+    qkx_weights(&g);
+    search(&g);
+    scatter(&g, 32, L, scales, mins);
     for (int j = 0; j < 8; j++) {
-        const float *xs = x + 32 * j;
-        float sum_x2 = 0;
-        for (int l = 0; l < 32; l++) sum_x2 += xs[l] * xs[l];
-        float av_x = sqrtf(sum_x2 / 32);
-        for (int l = 0; l < 32; l++) w[l] = av_x + fabsf(xs[l]);
-        scales[j] = search_min(32, nmax, xs, w, L + 32 * j, &mins[j], rmin, 0.1f, nstep, 0);
         if (scales[j] > max_scale) max_scale = scales[j];
         if (mins[j] > max_min) max_min = mins[j];
     }
@@ -358,26 +303,26 @@ static void qkx(const float *x, uint8_t *y, uint8_t *L, int nmax, float rmin, in
     uint16_t d = fp16_bits(max_scale / 63.f), dmin = fp16_bits(max_min / 63.f);
     put16(y, d);
     put16(y + 2, dmin);
+    float dj[8], mj[8];
     for (int j = 0; j < 8; j++) {
-        const float dj = fp16_f32(d) * ls[j];
-        if (!dj) continue;
-        const float mj = fp16_f32(dmin) * lm[j];
-        for (int i = 0; i < 32; i++) L[32 * j + i] = (uint8_t)clampi(nearest_int((x[32 * j + i] + mj) / dj), 0, nmax);
+        dj[j] = fp16_f32(d) * ls[j];
+        mj[j] = fp16_f32(dmin) * lm[j];
     }
+    levels(x, dj, mj, L);
 }
 
 /* Q4_K block: d, dmin, scales[12], qs[128] (byte 32h + l: L[64h + l] low nibble, L[64h + 32 + l] high). */
-static void q4_k(const float *x, uint8_t *y) {
+static void q4_k(const struct lane_ops *ops, const float *x, uint8_t *y) {
     uint8_t L[QK_K], *qs = y + 16;
-    qkx(x, y, L, 15, -1.f, 20);
+    qkx(x, y, L, ops->search[2], ops->levels[2]);
     for (int j = 0; j < QK_K; j += 64)
         for (int l = 0; l < 32; l++) qs[j / 2 + l] = (uint8_t)(L[j + l] | (L[j + l + 32] << 4));
 }
 
 /* Q5_K block: d, dmin, scales[12], qh[32] (bit 2h of byte l: L[64h + l]'s bit 4, bit 2h + 1: L[64h + 32 + l]'s), qs[128]. */
-static void q5_k(const float *x, uint8_t *y) {
+static void q5_k(const struct lane_ops *ops, const float *x, uint8_t *y) {
     uint8_t L[QK_K], *qh = y + 16, *qs = y + 48;
-    qkx(x, y, L, 31, -0.5f, 15);
+    qkx(x, y, L, ops->search[3], ops->levels[3]);
     memset(qh, 0, 32);
     for (int h = 0; h < 4; h++)
         for (int l = 0; l < 32; l++) {
@@ -388,13 +333,18 @@ static void q5_k(const float *x, uint8_t *y) {
 }
 
 /* Q6_K block: ql[128], qh[64], scales[16] (int8), d. */
-static void q6_k(const float *x, uint8_t *y) {
+static void q6_k(const struct lane_ops *ops, const float *x, uint8_t *y) {
     int8_t L[QK_K];
     uint8_t *ql = y, *qh = y + 128;
     int8_t *sc = (int8_t *)(y + 192);
     float scales[16], max_abs = 0, max_scale = 0;
+    struct lanes g;
+    for (int j = 0; j < 16; j += LANES) {
+        gather(x + 16 * j, 16, &g);
+        ops->search[4](&g);
+        scatter(&g, 16, (uint8_t *)L + 16 * j, scales + j, 0);
+    }
     for (int j = 0; j < 16; j++) {
-        scales[j] = search_sym(16, 32, x + 16 * j, L + 16 * j);
         float a = fabsf(scales[j]);
         if (a > max_abs) {
             max_abs = a;
@@ -411,11 +361,9 @@ static void q6_k(const float *x, uint8_t *y) {
         int l = nearest_int(iscale * scales[j]);
         sc[j] = (int8_t)(l < 127 ? l : 127);
     }
-    for (int j = 0; j < 16; j++) {
-        float dj = fp16_f32(d) * sc[j];
-        if (!dj) continue;
-        for (int i = 0; i < 16; i++) L[16 * j + i] = (int8_t)(clampi(nearest_int(x[16 * j + i] / dj), -32, 31) + 32);
-    }
+    float dj[16];
+    for (int j = 0; j < 16; j++) dj[j] = fp16_f32(d) * sc[j];
+    ops->levels[4](x, dj, 0, (uint8_t *)L);
     for (int h = 0; h < 2; h++) {
         const int8_t *Lh = L + 128 * h;
         for (int l = 0; l < 32; l++) {
@@ -428,15 +376,10 @@ static void q6_k(const float *x, uint8_t *y) {
 }
 
 #if defined(__GNUC__) && !defined(__clang__)
-/* The legacy types' 16-value loops vectorize at -O3 (Q4_0, Q4_1 a quarter faster); the K-quants' searches
- * run slower there (Q6_K by a fifth), so only these functions get it. */
+/* The legacy types' 16-value loops vectorize at -O3 (Q4_0, Q4_1 a quarter faster); only these functions
+ * get it (the K-quants' lane code is written in vectors). */
 #pragma GCC push_options
 #pragma GCC optimize("O3")
-#endif
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-#define WIDE __attribute__((target_clones("avx2", "default"))) /* chosen at load by the CPU; the same operations */
-#else
-#define WIDE
 #endif
 
 /* The legacy 32-value blocks. (int8_t)v of a float level: C's truncation toward zero; an infinite or NaN v
@@ -552,28 +495,74 @@ WIDE static int q5_1(const float *x, uint8_t *y) {
     return overflows(h) | overflows(m);
 }
 
+/* The largest |x| of a block as ggml's fold amax = amax > |x| ? amax : |x| (from 0) finds it: without a
+ * NaN the maximum of the bits of |x| (they order as the values do; a loop that vectorizes); with one, the
+ * fold itself (a NaN resets it: what follows the last NaN decides). */
+static float abs_max(const float *x) {
+    uint32_t top = 0;
+    for (int j = 0; j < 32; j++) {
+        uint32_t u;
+        memcpy(&u, x + j, 4);
+        u &= 0x7fffffffu;
+        top = u > top ? u : top;
+    }
+    float amax = 0.0f;
+    if (top <= 0x7f800000u) {
+        memcpy(&amax, &top, 4);
+        return amax;
+    }
+    for (int j = 0; j < 32; j++) amax = amax > fabsf(x[j]) ? amax : fabsf(x[j]);
+    return amax;
+}
+
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC pop_options
 #endif
 
-typedef void (*block_fn)(const float *, uint8_t *);
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(SLIMTUNE_BASELINE_ONLY)
+#define KQ_AVX2 1
+#define KQ_PASS 1
+#include "kquant_kernel.c" /* this file again: its lane code at the end, for this pass */
+#undef KQ_PASS
+static const struct lane_ops AVX2_OPS = {{search_q2_avx2, search_q3_16_avx2, search_q4_avx2, search_q5_avx2, search_q6_16_avx2},
+                                         {levels_q2_avx2, levels_q3_avx2, levels_q4_avx2, levels_q5_avx2, levels_q6_avx2},
+                                         q8_0_avx2};
+#endif
+#define KQ_PASS 2
+#include "kquant_kernel.c" /* this file again: its lane code at the end, for this pass */
+#undef KQ_PASS
+static const struct lane_ops BASE_OPS = {{search_q2_base, search_q3_16_base, search_q4_base, search_q5_base, search_q6_16_base},
+                                         {levels_q2_base, levels_q3_base, levels_q4_base, levels_q5_base, levels_q6_base},
+                                         q8_0_base};
+
+/* AVX2's lane code where the CPU has it, else the baseline's. */
+static const struct lane_ops *lane_ops(void) {
+#ifdef KQ_AVX2
+    if (__builtin_cpu_supports("avx2")) return &AVX2_OPS;
+#endif
+    return &BASE_OPS;
+}
+
+typedef void (*block_fn)(const struct lane_ops *, const float *, uint8_t *);
 static const block_fn BLOCKS[5] = {q2_k, q3_k, q4_k, q5_k, q6_k};
 static const int BYTES[5] = {84, 110, 144, 176, 210};
 typedef int (*legacy_fn)(const float *, uint8_t *);
 static const legacy_fn LEGACY[4] = {q4_0, q4_1, q5_0, q5_1};
-static const int LEGACY_BYTES[4] = {18, 20, 22, 24};
+static const int LEGACY_BYTES[5] = {18, 20, 22, 24, 34};
 
 /* Blocks [0, n) of x of type t into out (n * its block bytes): t 0..4 Q2_K .. Q6_K (256 values a block),
- * 5..8 Q4_0, Q4_1, Q5_0, Q5_1 (32). Returns the blocks whose fp16 scale overflowed (legacy types;
+ * 5..9 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (32). Returns the blocks whose fp16 scale overflowed (legacy types;
  * the K-quants write ggml's bytes for any input), or -1 for an unknown type. */
 int64_t slimtune_kquant(int t, const float *x, uint8_t *out, int64_t n) {
     if (t >= 0 && t <= 4) {
-        for (int64_t b = 0; b < n; b++) BLOCKS[t](x + QK_K * b, out + (int64_t)BYTES[t] * b);
+        const struct lane_ops *ops = lane_ops();
+        for (int64_t b = 0; b < n; b++) BLOCKS[t](ops, x + QK_K * b, out + (int64_t)BYTES[t] * b);
         return 0;
     }
-    if (t < 5 || t > 8) return -1;
+    if (t < 5 || t > 9) return -1;
     int64_t bad = 0;
-    for (int64_t b = 0; b < n; b++) bad += LEGACY[t - 5](x + 32 * b, out + (int64_t)LEGACY_BYTES[t - 5] * b);
+    legacy_fn quantize = t == 9 ? lane_ops()->q8_0 : LEGACY[t - 5];
+    for (int64_t b = 0; b < n; b++) bad += quantize(x + 32 * b, out + (int64_t)LEGACY_BYTES[t - 5] * b);
     return bad;
 }
 
@@ -581,3 +570,314 @@ int64_t slimtune_kquant(int t, const float *x, uint8_t *out, int64_t n) {
 void slimtune_fp16_bits(const float *x, uint16_t *out, int64_t n) {
     for (int64_t i = 0; i < n; i++) out[i] = fp16_bits(x[i]);
 }
+
+#else /* KQ_PASS: the lane code, once for AVX2 (KQ_PASS 1, x86-64) and once for the baseline (2) */
+#if KQ_PASS == 1
+#define LN(name) name##_avx2
+#define LANE_FN static __attribute__((target("avx2")))
+#define LANE_INLINE static inline __attribute__((always_inline, target("avx2")))
+#else
+#define LN(name) name##_base
+#define LANE_FN static
+#define LANE_INLINE INLINE
+#endif
+/* The vector helpers again, compiled for this pass's target (GCC lowers a vector operation in the
+ * function that holds it, before inlining: a baseline helper in an AVX2 function builds each splat lane
+ * by lane). */
+#define vsplat LN(vsplat)
+#define isplat LN(isplat)
+#define vsel LN(vsel)
+#define isel LN(isel)
+#define vabs LN(vabs)
+#define vfloat LN(vfloat)
+#define vnearest LN(vnearest)
+#define any LN(any)
+LANE_INLINE vf vsplat(float a) {
+    vf v = {a, a, a, a, a, a, a, a};
+    return v;
+}
+LANE_INLINE vi isplat(int a) {
+    vi v = {a, a, a, a, a, a, a, a};
+    return v;
+}
+LANE_INLINE vf vsel(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); } /* m ? a : b, lane by lane */
+LANE_INLINE vi isel(vi m, vi a, vi b) { return (a & m) | (b & ~m); }
+LANE_INLINE vf vabs(vf a) { return (vf)((vi)a & 0x7fffffff); }
+LANE_INLINE vf vfloat(vi a) { return __builtin_convertvector(a, vf); }
+LANE_INLINE vi vnearest(vf f) { return ((vi)(f + vsplat(12582912.f)) & 0x7fffff) - 0x400000; } /* nearest_int */
+LANE_INLINE int any(vi m) {
+    vi z = m;
+    for (int k = 1; k < LANES; k++) z[0] |= m[k];
+    return z[0] != 0;
+}
+
+/* Comparisons (-1 where true). Without AVX2 GCC lowers a comparison of 8 lanes lane by lane in scalar
+ * code: the baseline pass compares in pieces of 4 (SSE2's, NEON's) and joins them; GCC before 12 has no
+ * __builtin_shufflevector for that, and compares whole. */
+#if KQ_PASS == 1 || !(defined(__clang__) || __GNUC__ >= 12)
+#define CMP(name, type, half, op) \
+    LANE_INLINE vi name(type a, type b) { return a op b; }
+#else
+#define CMP(name, type, half, op)                                                                          \
+    LANE_INLINE vi name(type a, type b) {                                                                  \
+        half a0 = __builtin_shufflevector(a, a, 0, 1, 2, 3), a1 = __builtin_shufflevector(a, a, 4, 5, 6, 7); \
+        half b0 = __builtin_shufflevector(b, b, 0, 1, 2, 3), b1 = __builtin_shufflevector(b, b, 4, 5, 6, 7); \
+        hi m0 = a0 op b0, m1 = a1 op b1;                                                                   \
+        return __builtin_shufflevector(m0, m1, 0, 1, 2, 3, 4, 5, 6, 7);                                    \
+    }
+#endif
+CMP(LN(flt), vf, hf, <)
+CMP(LN(fle), vf, hf, <=)
+CMP(LN(feq), vf, hf, ==)
+CMP(LN(fne), vf, hf, !=)
+CMP(LN(ilt), vi, hi, <)
+CMP(LN(ine), vi, hi, !=)
+
+LANE_INLINE vi LN(vclamp)(vi v, int lo, int hi) {
+    v = isel(LN(ilt)(v, isplat(lo)), isplat(lo), v);
+    return isel(LN(ilt)(isplat(hi), v), isplat(hi), v);
+}
+
+/* The levels of x = scale * l + min at iscale, in cand; their weighted sums sum_l, sum_l2, sum_xl in s. */
+LANE_INLINE void LN(min_levels)(const struct min_search *p, const struct lanes *g, vf iscale, vf lo, vf *cand, vf *s) {
+    vf sum_l = vsplat(0), sum_l2 = vsplat(0), sum_xl = vsplat(0);
+    for (int i = 0; i < p->n; i++) {
+        vf l = vfloat(LN(vclamp)(vnearest(iscale * (g->x[i] - lo)), 0, p->nmax));
+        cand[i] = l;
+        vf wl = g->w[i] * l;
+        sum_l += wl;
+        sum_l2 += wl * l;
+        sum_xl += wl * g->x[i];
+    }
+    s[0] = sum_l, s[1] = sum_l2, s[2] = sum_xl;
+}
+
+/* The weighted error of levels l at scale and min. */
+LANE_INLINE vf LN(min_error)(const struct min_search *p, const struct lanes *g, const vf *l, vf scale, vf min) {
+    vf err = vsplat(0);
+    for (int i = 0; i < p->n; i++) {
+        vf diff = scale * l[i] + min - g->x[i];
+        diff = p->mad ? vabs(diff) : diff * diff;
+        err += g->w[i] * diff;
+    }
+    return err;
+}
+
+/* The scale search with a min (Q2_K, Q4_K, Q5_K), on every lane: the first levels from nmax / (max - min),
+ * then each candidate scale's levels, their least-squares scale and min (min <= 0), kept where the error
+ * is lower; the candidates from the best min so far. A group with max == min: levels 0, scale 0. */
+LANE_INLINE void LN(search_min)(const struct min_search *p, struct lanes *g) {
+    vf lo = g->x[0], hi = lo, sum_w = g->w[0], sum_x = sum_w * g->x[0], L[32], cand[32], s[3];
+    for (int i = 1; i < p->n; i++) {
+        lo = vsel(LN(flt)(g->x[i], lo), g->x[i], lo);
+        hi = vsel(LN(flt)(hi, g->x[i]), g->x[i], hi);
+        sum_w += g->w[i];
+        sum_x += g->w[i] * g->x[i];
+    }
+    lo = vsel(LN(flt)(vsplat(0), lo), vsplat(0), lo);
+    vi flat = LN(feq)(hi, lo);
+    vf lo0 = lo, iscale = vsplat((float)p->nmax) / (hi - lo), scale = vsplat(1) / iscale;
+    LN(min_levels)(p, g, iscale, lo, L, s);
+    vf best = LN(min_error)(p, g, L, scale, lo);
+    for (int is = 0; is <= p->nstep; is++) {
+        LN(min_levels)(p, g, vsplat(p->rmin + p->rdelta * is + p->nmax) / (hi - lo), lo, cand, s);
+        vf D = sum_w * s[1] - s[0] * s[0];
+        vi ok = LN(flt)(vsplat(0), D);
+        if (!any(ok)) continue;
+        vf this_scale = (sum_w * s[2] - sum_x * s[0]) / D, this_min = (s[1] * sum_x - s[0] * s[2]) / D;
+        vi pos = LN(flt)(vsplat(0), this_min);
+        this_min = vsel(pos, vsplat(0), this_min);
+        this_scale = vsel(pos, s[2] / s[1], this_scale);
+        vf err = LN(min_error)(p, g, cand, this_scale, this_min);
+        vi take = ok & LN(flt)(err, best);
+        if (!any(take)) continue;
+        for (int i = 0; i < p->n; i++) L[i] = vsel(take, cand[i], L[i]);
+        best = vsel(take, err, best);
+        scale = vsel(take, this_scale, scale);
+        lo = vsel(take, this_min, lo);
+    }
+    for (int i = 0; i < p->n; i++) g->L[i] = isel(flat, isplat(0), __builtin_convertvector(L[i], vi));
+    g->scale = vsel(flat, vsplat(0), scale);
+    g->neg_min = -vsel(flat, lo0, lo);
+}
+
+LANE_FN void LN(search_q2)(struct lanes *g) { LN(search_min)(&Q2_SEARCH, g); }
+LANE_FN void LN(search_q4)(struct lanes *g) { LN(search_min)(&Q4_SEARCH, g); }
+LANE_FN void LN(search_q5)(struct lanes *g) { LN(search_min)(&Q5_SEARCH, g); }
+
+/* Every lane's first value of largest magnitude (0 where all are 0), its magnitude in *amax. */
+LANE_INLINE vf LN(signed_absmax)(int n, const struct lanes *g, vf *amax) {
+    vf mx = vsplat(0), a = vsplat(0);
+    for (int i = 0; i < n; i++) {
+        vf ax = vabs(g->x[i]);
+        vi m = LN(flt)(a, ax);
+        a = vsel(m, ax, a);
+        mx = vsel(m, g->x[i], mx);
+    }
+    *amax = a;
+    return mx;
+}
+
+/* The weights x^2 and x^3 of the symmetric searches. */
+LANE_INLINE void LN(square_weights)(int n, struct lanes *g) {
+    for (int i = 0; i < n; i++) {
+        g->w[i] = g->x[i] * g->x[i];
+        g->wx[i] = g->w[i] * g->x[i];
+    }
+}
+
+/* Levels -nmax..nmax-1 at iscale in cand (may be g->L), their sums sumlx (s[0]) and suml2 (s[1]). */
+LANE_INLINE void LN(sym_levels)(int n, int nmax, const struct lanes *g, vf iscale, vi *cand, vf *s) {
+    vf sumlx = vsplat(0), suml2 = vsplat(0);
+    for (int i = 0; i < n; i++) {
+        vi l = LN(vclamp)(vnearest(iscale * g->x[i]), -nmax, nmax - 1);
+        vf lf = vfloat(l);
+        cand[i] = l;
+        sumlx += g->wx[i] * lf;
+        suml2 += g->w[i] * lf * lf;
+    }
+    s[0] = sumlx, s[1] = suml2;
+}
+
+/* The symmetric scale search of Q6_K on every lane (weights x^2): levels -nmax..nmax-1 stored as
+ * l + nmax; the first scale -nmax / max, then -(nmax + 0.1 * is) / max for is = -9..-1, 1..9, the best
+ * by sumlx^2 / suml2. A group whose max is below GROUP_MAX_EPS: levels 0, scale 0. */
+LANE_INLINE void LN(search_sym)(int n, int nmax, struct lanes *g) {
+    vf amax, mx = LN(signed_absmax)(n, g, &amax), s[2];
+    vi small = LN(flt)(amax, vsplat(GROUP_MAX_EPS)), cand[32];
+    LN(square_weights)(n, g);
+    LN(sym_levels)(n, nmax, g, vsplat((float)-nmax) / mx, g->L, s);
+    vf scale = vsel(LN(fne)(s[1], vsplat(0)), s[0] / s[1], vsplat(0)), best = scale * s[0];
+    for (int is = -9; is <= 9; is++) {
+        if (is == 0) continue;
+        LN(sym_levels)(n, nmax, g, vsplat(-(nmax + 0.1f * is)) / mx, cand, s);
+        vi take = LN(flt)(vsplat(0), s[1]) & LN(flt)(best * s[1], s[0] * s[0]);
+        if (!any(take)) continue;
+        for (int i = 0; i < n; i++) g->L[i] = isel(take, cand[i], g->L[i]);
+        vf this_scale = s[0] / s[1];
+        scale = vsel(take, this_scale, scale);
+        best = vsel(take, this_scale * s[0], best);
+    }
+    for (int i = 0; i < n; i++) g->L[i] = isel(small, isplat(0), g->L[i] + nmax);
+    g->scale = vsel(small, vsplat(0), scale);
+}
+
+/* One round of Q3_K's search on the active lanes: each level in turn moved to its best where that raises
+ * sumlx^2 / suml2 (s[0], s[1]). Returns the lanes where a level moved. */
+LANE_INLINE vi LN(q3_round)(int n, int nmax, struct lanes *g, vf *s, vi active) {
+    vi changed = isplat(0);
+    for (int i = 0; i < n; i++) {
+        vf Lf = vfloat(g->L[i]);
+        vf slx = s[0] - g->wx[i] * Lf;
+        vi m = active & LN(flt)(vsplat(0), slx);
+        if (!any(m)) continue;
+        vf sl2 = s[1] - g->w[i] * Lf * Lf;
+        vi nl = LN(vclamp)(vnearest(g->x[i] * sl2 / slx), -nmax, nmax - 1);
+        vf nlf = vfloat(nl);
+        slx += g->wx[i] * nlf;
+        sl2 += g->w[i] * nlf * nlf;
+        m &= LN(ine)(nl, g->L[i]) & LN(flt)(vsplat(0), sl2) & LN(flt)(s[0] * s[0] * sl2, slx * slx * s[1]);
+        g->L[i] = isel(m, nl, g->L[i]);
+        s[0] = vsel(m, slx, s[0]);
+        s[1] = vsel(m, sl2, s[1]);
+        changed |= m;
+    }
+    return changed;
+}
+
+/* Q3_K's search on every lane: levels from -nmax / max, then up to 5 rounds (q3_round) until one moves
+ * nothing. Levels stored as l + nmax; a group whose max is below GROUP_MAX_EPS: levels 0, scale 0. */
+LANE_INLINE void LN(search_q3)(int n, int nmax, struct lanes *g) {
+    vf amax, mx = LN(signed_absmax)(n, g, &amax), s[2];
+    vi small = LN(flt)(amax, vsplat(GROUP_MAX_EPS)), active = ~small;
+    LN(square_weights)(n, g);
+    LN(sym_levels)(n, nmax, g, vsplat((float)-nmax) / mx, g->L, s);
+    for (int round = 0; round < 5 && any(active); round++) active &= LN(q3_round)(n, nmax, g, s, active);
+    for (int i = 0; i < n; i++) g->L[i] = isel(small, isplat(0), g->L[i] + nmax);
+    g->scale = vsel(small, vsplat(0), s[0] / s[1]);
+}
+
+LANE_FN void LN(search_q3_16)(struct lanes *g) { LN(search_q3)(16, 4, g); }
+LANE_FN void LN(search_q6_16)(struct lanes *g) { LN(search_sym)(16, 32, g); }
+
+/* The final levels of a block (struct final_levels), LANES values at a time. */
+LANE_INLINE void LN(apply_levels)(const struct final_levels *p, const float *x, const float *d, const float *m, uint8_t *L) {
+    int32_t l[32];
+    for (int j = 0; j < p->ngroups; j++) {
+        if (!d[j]) continue;
+        for (int i = 0; i < p->n; i += LANES) {
+            vf v;
+            memcpy(&v, x + p->n * j + i, sizeof v);
+            if (p->with_min) v = v + vsplat(m[j]);
+            vi q = LN(vclamp)(vnearest(v / vsplat(d[j])), p->lo, p->hi) + p->off;
+            memcpy(l + i, &q, sizeof q);
+        }
+        for (int i = 0; i < p->n; i++) L[p->n * j + i] = (uint8_t)l[i];
+    }
+}
+
+LANE_FN void LN(levels_q2)(const float *x, const float *d, const float *m, uint8_t *L) { LN(apply_levels)(&Q2_LEVELS, x, d, m, L); }
+LANE_FN void LN(levels_q3)(const float *x, const float *d, const float *m, uint8_t *L) { LN(apply_levels)(&Q3_LEVELS, x, d, m, L); }
+LANE_FN void LN(levels_q4)(const float *x, const float *d, const float *m, uint8_t *L) { LN(apply_levels)(&Q4_LEVELS, x, d, m, L); }
+LANE_FN void LN(levels_q5)(const float *x, const float *d, const float *m, uint8_t *L) { LN(apply_levels)(&Q5_LEVELS, x, d, m, L); }
+LANE_FN void LN(levels_q6)(const float *x, const float *d, const float *m, uint8_t *L) { LN(apply_levels)(&Q6_LEVELS, x, d, m, L); }
+
+/* roundf(v) of LANES values as x86-64's (int8_t) conversion sees it: half away from zero; NaN, an
+ * infinity or |v| >= 2^31 as cvttss2si's 0x80000000 (low byte 0) does. v - t is exact. */
+LANE_INLINE vi LN(round_int)(vf v) {
+    v = vsel(LN(flt)(vabs(v), vsplat(2147483648.f)), v, vsplat(0));
+    vi t = __builtin_convertvector(v, vi);
+    vf frac = v - vfloat(t);
+    return t - LN(fle)(vsplat(0.5f), frac) + LN(fle)(frac, vsplat(-0.5f)); /* a true comparison is -1 */
+}
+
+/* The largest |x| of a block as ggml's fold amax = amax > |x| ? amax : |x| (from 0) finds it: without a
+ * NaN the largest bits of |x| (they order as the values do), 8 lanes at a time; with one, abs_max. */
+LANE_INLINE float LN(abs_max)(const float *x) {
+    vi top = isplat(0);
+    for (int j = 0; j < 32; j += LANES) {
+        vi u;
+        memcpy(&u, x + j, sizeof u);
+        u &= 0x7fffffff;
+        top = isel(LN(ilt)(top, u), u, top);
+    }
+    int32_t t = top[0];
+    for (int k = 1; k < LANES; k++) t = top[k] > t ? top[k] : t;
+    if (t > 0x7f800000) return abs_max(x);
+    float amax;
+    memcpy(&amax, &t, 4);
+    return amax;
+}
+
+/* Q8_0 block: d = max |x| / 127 (fp16), qs[32] = roundf(x * id), id = d ? 1 / d : 0. */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("O3"))) /* the bytes' loop vectorizes */
+#endif
+LANE_FN int LN(q8_0)(const float *x, uint8_t *y) {
+    float d = LN(abs_max)(x) / 127, id = d ? 1.0f / d : 0.0f;
+    int32_t q[32];
+    uint16_t h = fp16_bits(d);
+    put16(y, h);
+    for (int j = 0; j < 32; j += LANES) {
+        vf v;
+        memcpy(&v, x + j, sizeof v);
+        vi l = LN(round_int)(v * vsplat(id));
+        memcpy(q + j, &l, sizeof l);
+    }
+    for (int j = 0; j < 32; j++) y[2 + j] = (uint8_t)q[j]; /* the low byte (a loop that vectorizes) */
+    return overflows(h);
+}
+
+#undef CMP
+#undef vsplat
+#undef isplat
+#undef vsel
+#undef isel
+#undef vabs
+#undef vfloat
+#undef vnearest
+#undef any
+#undef LANE_INLINE
+#undef LN
+#undef LANE_FN
+#endif /* KQ_PASS */

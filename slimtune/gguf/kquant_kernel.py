@@ -1,4 +1,4 @@
-"""ggml's K-quants (Q2_K ... Q6_K) and the legacy Q4_0, Q4_1, Q5_0, Q5_1 in C (``kquant_kernel.c``), byte for
+"""ggml's K-quants (Q2_K ... Q6_K) and the legacy Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 in C (``kquant_kernel.c``), byte for
 byte what ggml's reference quantizers write, built once with the machine's C compiler and loaded with ctypes (``slimtune.native``);
 ``slimtune.gguf.kquants`` (and ``slimtune.gguf.ggml`` for the legacy types) quantizes in torch, with the
 same bytes, wherever it cannot be.
@@ -10,7 +10,10 @@ short loops over 16 or 32 values held in registers (the legacy types' few passes
 seventh of ggml's C). This file is that algorithm written again in C, with
 ggml's float32 operations in ggml's order, compiled with ``-ffp-contract=off`` (no fused multiply-adds:
 one rounding per operation, as ggml's reference quantizers are built), so its bytes are ggml's
-(tests/test_kquants.py runs every byte-identity test on both paths). ctypes releases the GIL for the call.
+(tests/test_kquants.py runs every byte-identity test on both paths). The K-quants' scale searches run
+on 8 groups (sub-blocks) at once, one per lane of a vector (AVX2 code where the CPU has it, chosen at
+run time; baseline code elsewhere): each lane does the scalar search's operations in its order, a
+branch is a select, so the bytes stay ggml's at several times ggml's speed per core. ctypes releases the GIL for the call.
 
 ``SLIMTUNE_NATIVE=0``, no compiler or a failed build: torch's code runs; ``loop_status()`` says which
 (``slimtune --version`` prints it).
@@ -34,12 +37,14 @@ __all__ = ["c_fp16_bits", "loop_status", "quantize_blocks", "runs"]
 SOURCE = Path(__file__).with_name("kquant_kernel.c")
 FLAGS = ("-O2", "-ffp-contract=off", "-fno-math-errno")  # one rounding per float operation; sqrtf inline
 TYPES = {"Q2_K": (0, 84, 256), "Q3_K": (1, 110, 256), "Q4_K": (2, 144, 256), "Q5_K": (3, 176, 256), "Q6_K": (4, 210, 256)}
-TYPES |= {"Q4_0": (5, 18, 32), "Q4_1": (6, 20, 32), "Q5_0": (7, 22, 32), "Q5_1": (8, 24, 32)}
-"""type: (the C's number, block bytes, block values); Q8_0 is not here (torch's six passes keep up with ggml's C)."""
+TYPES |= {"Q4_0": (5, 18, 32), "Q4_1": (6, 20, 32), "Q5_0": (7, 22, 32), "Q5_1": (8, 24, 32), "Q8_0": (9, 34, 32)}
+"""type: (the C's number, block bytes, block values)."""
 
 
-def _load() -> tuple[ctypes.CDLL | None, str]:
-    lib, why = native.load(SOURCE, FLAGS)
+def _load(flags: tuple[str, ...] = FLAGS) -> tuple[ctypes.CDLL | None, str]:
+    """The library built with ``flags`` (the tests add ``-DSLIMTUNE_BASELINE_ONLY``: no AVX2 code), and "C";
+    or None and "torch (why not)"."""
+    lib, why = native.load(SOURCE, flags)
     if lib is None:
         return None, f"torch ({why})"
     pointer = ctypes.c_void_p
@@ -64,7 +69,7 @@ def runs(type_name: str) -> bool:
 
 
 def quantize_blocks(x: torch.Tensor, type_name: str) -> torch.Tensor | None:
-    """Blocks ``x`` (N, 256 for a K-quant, N, 32 for Q4_0, Q4_1, Q5_0, Q5_1) quantized to ``type_name``: uint8
+    """Blocks ``x`` (N, 256 for a K-quant, N, 32 for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) quantized to ``type_name``: uint8
     (N, block bytes); None where the C loop does not run (then torch's code does, with the same bytes).
     ``FloatingPointError`` where a legacy block's fp16 scale overflows (as torch's code raises it).
     Example: ``quantize_blocks(torch.zeros(1, 256), "Q6_K").shape == (1, 210)``"""

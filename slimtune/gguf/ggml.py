@@ -36,6 +36,7 @@ from slimtune.gguf import kquant_kernel, kquants
 from slimtune.gguf.kquants import NonFiniteError, _scratch, finite_blocks, first_extreme, fp16_bits, le16, signed_absmax
 from slimtune.gguf.kquants23 import _q2_k, _q3_k
 from slimtune.gguf.pool import PiecePool, can_fork, register_error
+from slimtune.tensors import all_finite
 
 __all__ = ["BLOCK_BYTES", "BLOCK_VALUES", "NonFiniteError", "Quantizer", "quantize"]
 
@@ -167,12 +168,13 @@ _BlockFn = Callable[[torch.Tensor, bool], torch.Tensor]
 def _native(type_name: str, in_torch: _BlockFn) -> _BlockFn:
     """``type_name``'s quantizer of blocks (N, block values): the C loop (``kquant_kernel``) where it runs,
     else ``in_torch``; the same bytes and errors. With ``check``, NaN and infinities are a
-    ``NonFiniteError`` first (from the blocks' maxima and minima, as the torch code finds them)."""
+    ``NonFiniteError`` first (``all_finite``: one sum of the values decides, as a rule)."""
 
     def run(x: torch.Tensor, check: bool = False) -> torch.Tensor:
         if kquant_kernel.loop_status() != "C":
             return in_torch(x, check)
-        finite_blocks(check, *(torch.aminmax(x, dim=1) if check else ()))
+        if check and not all_finite(x):  # one vectorized sum, not a per-block reduction (as long as the C call)
+            raise NonFiniteError("NaN or infinite values")
         return kquant_kernel.quantize_blocks(x, type_name)
 
     return run

@@ -358,6 +358,24 @@ def test_the_c_loop_quantizes_on_threads_and_torch_on_forked_workers(path):
         assert (q._pool is None) == (path == "C") and (q._lanes is not None) == (path == "C")
 
 
+def test_bf16_pieces_on_threads_are_their_float32_values_and_their_check(path):
+    """bf16 rows on the quantizer's threads (the C loop widens each block itself; torch's workers widen the
+    piece) give the bytes of their float32 values, for every type; with ``finite`` a NaN or an infinity
+    anywhere is a NonFiniteError, and a legacy scale's float16 overflow a FloatingPointError."""
+    rows = random_rows(6)[::8].clamp(-60000, 60000).bfloat16()  # 40 rows of 512
+    with ggml.Quantizer(2) as q:
+        for type_name in KQUANTS + LEGACY:
+            assert torch.equal(q.submit(rows, type_name, finite=True)(), ggml.quantize(rows.float(), type_name, threads=1)), type_name
+        for bad in (float("nan"), float("inf")):
+            hit = rows.clone()
+            hit[17, 300] = bad
+            for type_name in ("Q4_K", "Q8_0"):
+                with pytest.raises(ggml.NonFiniteError):
+                    q.submit(hit, type_name, finite=True)()
+        with pytest.raises(FloatingPointError):
+            q.submit(torch.full((1, 32), 3e38).bfloat16(), "Q4_0")()
+
+
 @pytest.mark.parametrize("path", ["C"], indirect=True)
 def test_c_fp16_rounding_is_ggmls(path):
     """The C loop's fp32 -> fp16 (its block scales) equals ggml_fp32_to_fp16_row on bit patterns of every

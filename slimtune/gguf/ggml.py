@@ -26,6 +26,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -279,7 +280,8 @@ class Quantizer:
         """``submit``, the bytes given as the pieces' flat uint8 tensors in order (no copy joins them)."""
         fn, blocks, piece = _blocks(rows, type_name)
         if kquant_kernel.runs(type_name):
-            return self._in_lanes(fn, blocks, piece, finite)
+            bf16 = blocks.dtype == torch.bfloat16  # widened inside the C loop, block by block
+            return self._in_lanes(functools.partial(_c_bf16, type_name) if bf16 else functools.partial(_no_grad, fn), blocks, piece, finite)
         pool = self._processes()
         if pool is None:
             done = _in_thread(fn, blocks, piece, finite)
@@ -294,12 +296,12 @@ class Quantizer:
             waits.append(pool.submit(seg, pieces, type_name, sizes, finite))
         return lambda: [part for wait in waits for part in wait()]
 
-    def _in_lanes(self, fn: _BlockFn, blocks: torch.Tensor, piece: int, finite: bool) -> Callable[[], list[torch.Tensor]]:
-        """The pieces of ``blocks`` on this process's threads (the C loop releases the GIL); ``blocks`` is
-        held until every piece is done (the rows may be a pooled buffer)."""
+    def _in_lanes(self, run: _BlockFn, blocks: torch.Tensor, piece: int, finite: bool) -> Callable[[], list[torch.Tensor]]:
+        """``run`` (piece, finite) -> bytes on the pieces of ``blocks`` on this process's threads (the C loop
+        releases the GIL); ``blocks`` is held until every piece is done (the rows may be a pooled buffer)."""
         if self._lanes is None:
             self._lanes = ThreadPoolExecutor(self.threads, thread_name_prefix="slimtune-quantize")
-        futures = [self._lanes.submit(_no_grad, fn, blocks[i : i + piece], finite) for i in range(0, blocks.shape[0], piece)]
+        futures = [self._lanes.submit(run, blocks[i : i + piece], finite) for i in range(0, blocks.shape[0], piece)]
 
         def wait(held: torch.Tensor = blocks) -> list[torch.Tensor]:
             return [f.result().reshape(-1) for f in futures]
@@ -319,6 +321,12 @@ def _work(type_name: str, piece: torch.Tensor, finite: bool) -> torch.Tensor:
 def _in_thread(fn: Callable[[torch.Tensor, bool], torch.Tensor], blocks: torch.Tensor, piece: int, finite: bool) -> list[torch.Tensor]:
     """Every piece of ``blocks`` quantized here, one after the other: their flat bytes, in order."""
     return [_no_grad(fn, blocks[i : i + piece], finite).reshape(-1) for i in range(0, blocks.shape[0], piece)]
+
+
+def _c_bf16(type_name: str, piece: torch.Tensor, finite: bool) -> torch.Tensor:
+    """A bf16 piece quantized by the C loop, which widens each block itself (and finds NaN and infinities
+    with ``finite``): no float32 copy of the piece."""
+    return kquant_kernel.quantize_bf16_blocks(piece, type_name, finite)
 
 
 def _no_grad(fn: Callable[[torch.Tensor, bool], torch.Tensor], piece: torch.Tensor, finite: bool) -> torch.Tensor:

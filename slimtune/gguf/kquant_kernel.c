@@ -566,6 +566,32 @@ int64_t slimtune_kquant(int t, const float *x, uint8_t *out, int64_t n) {
     return bad;
 }
 
+/* slimtune_kquant of bf16 blocks x (their bits), each widened to its exact float32 values in a buffer of
+ * one block first (the bytes are those of the float32 values, with no pass of its own over them). With
+ * check, a NaN or an infinity anywhere (exponent bits all ones) stops it before anything is quantized:
+ * returns -2. */
+int64_t slimtune_kquant_bf16(int t, const uint16_t *x, uint8_t *out, int64_t n, int check) {
+    int values = t >= 0 && t <= 4 ? QK_K : 32;
+    if (t < 0 || t > 9) return -1;
+    if (check) {
+        uint16_t bad = 0;
+        for (int64_t i = 0; i < n * values; i++) bad |= (uint16_t)((x[i] & 0x7f80u) == 0x7f80u);
+        if (bad) return -2;
+    }
+    float block[QK_K];
+    int64_t overflowed = 0;
+    for (int64_t b = 0; b < n; b++) {
+        const uint16_t *src = x + (int64_t)values * b;
+        for (int j = 0; j < values; j++) {
+            uint32_t u = (uint32_t)src[j] << 16;
+            memcpy(block + j, &u, 4);
+        }
+        int64_t bytes = t <= 4 ? BYTES[t] : LEGACY_BYTES[t - 5];
+        overflowed += slimtune_kquant(t, block, out + bytes * b, 1);
+    }
+    return overflowed;
+}
+
 /* fp32 -> fp16 bits, n values (the tests compare it with ggml's). */
 void slimtune_fp16_bits(const float *x, uint16_t *out, int64_t n) {
     for (int64_t i = 0; i < n; i++) out[i] = fp16_bits(x[i]);

@@ -31,8 +31,9 @@ from pathlib import Path
 import torch
 
 from slimtune import native
+from slimtune.gguf.kquants import NonFiniteError
 
-__all__ = ["c_fp16_bits", "loop_status", "quantize_blocks", "runs"]
+__all__ = ["c_fp16_bits", "loop_status", "quantize_bf16_blocks", "quantize_blocks", "runs"]
 
 SOURCE = Path(__file__).with_name("kquant_kernel.c")
 FLAGS = ("-O2", "-ffp-contract=off", "-fno-math-errno")  # one rounding per float operation; sqrtf inline
@@ -50,6 +51,8 @@ def _load(flags: tuple[str, ...] = FLAGS) -> tuple[ctypes.CDLL | None, str]:
     pointer = ctypes.c_void_p
     lib.slimtune_kquant.restype = ctypes.c_int64
     lib.slimtune_kquant.argtypes = [ctypes.c_int, pointer, pointer, ctypes.c_int64]
+    lib.slimtune_kquant_bf16.restype = ctypes.c_int64
+    lib.slimtune_kquant_bf16.argtypes = [ctypes.c_int, pointer, pointer, ctypes.c_int64, ctypes.c_int]
     lib.slimtune_fp16_bits.restype = None
     lib.slimtune_fp16_bits.argtypes = [pointer, pointer, ctypes.c_int64]
     return lib, "C"
@@ -80,6 +83,25 @@ def quantize_blocks(x: torch.Tensor, type_name: str) -> torch.Tensor | None:
     x = x.detach().to(torch.float32).contiguous()
     out = torch.empty(x.shape[0], size, dtype=torch.uint8)
     if lib.slimtune_kquant(code, x.data_ptr(), out.data_ptr(), x.shape[0]):
+        raise FloatingPointError("float16 overflow")
+    return out
+
+
+def quantize_bf16_blocks(x: torch.Tensor, type_name: str, check: bool = False) -> torch.Tensor | None:
+    """``quantize_blocks`` of bf16 blocks ``x``, each widened to its float32 values inside the C loop (no
+    float32 copy of ``x``); with ``check``, a NaN or an infinity in ``x`` is ``NonFiniteError`` before
+    anything is quantized. None where the C loop does not run.
+    Example: ``quantize_bf16_blocks(torch.zeros(1, 256, dtype=torch.bfloat16), "Q4_K").shape == (1, 144)``"""
+    lib = _library()[0]
+    if lib is None or type_name not in TYPES or x.dtype != torch.bfloat16:
+        return None
+    code, size, _ = TYPES[type_name]
+    x = x.detach().contiguous()
+    out = torch.empty(x.shape[0], size, dtype=torch.uint8)
+    got = lib.slimtune_kquant_bf16(code, x.data_ptr(), out.data_ptr(), x.shape[0], int(check))
+    if got == -2:
+        raise NonFiniteError("NaN or infinite values")
+    if got:
         raise FloatingPointError("float16 overflow")
     return out
 

@@ -15,7 +15,6 @@ which the tests do not have: ``python -m bench gguf-vision`` (docs/gguf.md)."""
 
 from __future__ import annotations
 
-import ctypes
 import json
 import shutil
 
@@ -31,6 +30,7 @@ from bench.gguf_vision import make_trained_vlm
 from slimtune.cli import main as slimtune_main
 from slimtune.tiny import byte_tokenizer, make_tiny_vision_checkpoint
 from tests.conftest import llama_cpp_oracle
+from tests.vision_gguf_helpers import export_f16_pair, mtmd_answer, read_tensors
 
 llama_cpp = llama_cpp_oracle()
 mtmd = pytest.importorskip("llama_cpp.mtmd_cpp")
@@ -49,21 +49,14 @@ def vlm(tmp_path_factory):
     tokenizer.add_tokens(["\n\n"])
     tokenizer.save_pretrained(tokenizer_dir)
     ckpt = make_trained_vlm(root, tokenizer_dir, ("checkpoint.gguf=f16",))  # the run writes its GGUF pair too
-    out = root / "export" / "model-f16.gguf"
-    out.parent.mkdir()
-    assert slimtune_main(["export", str(ckpt), "--type", "f16", "--out", str(out)]) == 0
-    return dict(root=root, ckpt=ckpt, model=out, mmproj=out.with_name("model-mmproj-f16.gguf"))
-
-
-def _read(path) -> dict[str, gguf.ReaderTensor]:
-    return {t.name: t for t in gguf.GGUFReader(path).tensors}
+    return export_f16_pair(root, ckpt)
 
 
 def test_both_files_hold_the_checkpoint_tensors_under_llama_cpp_names(vlm):
     weights = load_file(str(vlm["ckpt"] / "model-00001-of-00001.safetensors"))
     vision = {k: v for k, v in weights.items() if k.startswith(("model.vision_model.", "model.connector."))}
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, 2)
-    mm = _read(vlm["mmproj"])
+    mm = read_tensors(vlm["mmproj"])
     assert sorted(mm) == sorted(names.get_name(k, try_suffixes=(".weight", ".bias")) for k in vision) and len(mm) == 38
     for key, value in vision.items():
         t = mm[names.get_name(key, try_suffixes=(".weight", ".bias"))]
@@ -71,7 +64,7 @@ def test_both_files_hold_the_checkpoint_tensors_under_llama_cpp_names(vlm):
         assert t.tensor_type == (gguf.GGMLQuantizationType.F32 if f32 else gguf.GGMLQuantizationType.F16), key
         want = value.float().numpy().astype(np.float32 if f32 else np.float16)
         assert np.array_equal(np.asarray(t.data).reshape(want.shape), want), key
-    text = _read(vlm["model"])
+    text = read_tensors(vlm["model"])
     assert len(text) == len(weights) - len(vision) and not any(n.startswith(("v.", "mm.")) for n in text)
     assert np.array_equal(np.asarray(text["token_embd.weight"].data), weights["model.text_model.embed_tokens.weight"].half().numpy())
     fields = gguf.GGUFReader(vlm["mmproj"]).fields
@@ -89,58 +82,12 @@ def test_both_files_hold_the_checkpoint_tensors_under_llama_cpp_names(vlm):
         assert (vlm["root"] / "run" / name).read_bytes() == (vlm["model"].parent / name).read_bytes(), name
 
 
-def _chunks(ctx, prompt: bytes, image: np.ndarray):
-    """mtmd's chunks of ``prompt`` (with its media marker) and the image: [(type, text tokens or image token count, chunk)]."""
-    bitmap = mtmd.mtmd_bitmap_init(image.shape[1], image.shape[0], (ctypes.c_uint8 * image.size).from_buffer_copy(image.tobytes()))
-    text = mtmd.mtmd_input_text()
-    text.text, text.text_len, text.add_special, text.parse_special = prompt, len(prompt), False, True
-    chunks = mtmd.mtmd_input_chunks_init()
-    assert mtmd.mtmd_tokenize(ctx, chunks, ctypes.byref(text), (mtmd.mtmd_bitmap_p_ctypes * 1)(bitmap), 1) == 0
-    out = []
-    for i in range(mtmd.mtmd_input_chunks_size(chunks)):
-        chunk = mtmd.mtmd_input_chunks_get(chunks, i)
-        kind, n = mtmd.mtmd_input_chunk_get_type(chunk), mtmd.mtmd_input_chunk_get_n_tokens(chunk)
-        if kind == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT:
-            count = ctypes.c_size_t()
-            ids = mtmd.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(count))
-            out.append((kind, [ids[j] for j in range(count.value)], chunk))
-        else:
-            out.append((kind, n, chunk))
-    return chunks, bitmap, out
-
-
-def _llama_cpp_answer(model_path, mmproj_path, prompt: bytes, image: np.ndarray, width: int = 128):
-    """mtmd (llama.cpp's multimodal library) on the pair: the prompt's chunks, each image chunk's embeddings
-    ([tokens, width]), the logits at the last position after every chunk is evaluated, and the positions used."""
-    llm = llama_cpp.Llama(model_path=str(model_path), n_ctx=128, n_batch=128, logits_all=True, verbose=False)
-    params = mtmd.mtmd_context_params_default()
-    params.use_gpu, params.n_threads, params.print_timings, params.warmup = False, 1, False, False
-    ctx = mtmd.mtmd_init_from_file(str(mmproj_path).encode(), llm.model, params)
-    assert ctx and mtmd.mtmd_support_vision(ctx)
-    try:
-        chunks, bitmap, parts = _chunks(ctx, prompt, image)
-        embeddings = []
-        for kind, n, chunk in parts:
-            if kind == mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE:
-                assert mtmd.mtmd_encode_chunk(ctx, chunk) == 0
-                embeddings.append(np.ctypeslib.as_array(mtmd.mtmd_get_output_embd(ctx), shape=(n * width,)).reshape(n, width).copy())
-        n_past = llama_cpp.llama_pos(0)
-        assert mtmd.mtmd_helper_eval_chunks(ctx, llm.ctx, chunks, 0, 0, 128, True, ctypes.byref(n_past)) == 0
-        last = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),)).copy()
-        mtmd.mtmd_input_chunks_free(chunks)
-        mtmd.mtmd_bitmap_free(bitmap)
-    finally:
-        mtmd.mtmd_free(ctx)
-        llm.close()
-    return parts, embeddings, last, int(n_past.value)
-
-
 def test_llama_cpp_encodes_the_image_and_answers_as_transformers(vlm):
     """mtmd (llama.cpp's multimodal library) loads the pair; its image embeddings are transformers' image
     features; its logits after an image + text prompt are transformers' on the same tokens."""
     image = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
     prompt = b"<|bos|><|user|>\n" + mtmd.mtmd_default_marker() + b"Color?<|eos|>\n<|assistant|>\n"
-    parts, theirs, cpp_last, n_past = _llama_cpp_answer(vlm["model"], vlm["mmproj"], prompt, image)
+    parts, theirs, cpp_last, n_past = mtmd_answer(vlm["model"], vlm["mmproj"], prompt, image)
     # llama.cpp splits an image into tiles plus an overview: here one tile, each the 64 x 64 image itself
     model = AutoModelForImageTextToText.from_pretrained(vlm["ckpt"], dtype=torch.float32).eval()
     pixels = AutoProcessor.from_pretrained(vlm["ckpt"]).image_processor(images=[[PIL.Image.fromarray(image)]], return_tensors="pt")
@@ -151,7 +98,7 @@ def test_llama_cpp_encodes_the_image_and_answers_as_transformers(vlm):
         assert len(theirs) == 2 and ours.shape == (8, 128)
         assert np.abs(ours - np.concatenate(theirs)).max() <= EMBED_BOUND * ours.std()
         image_id = model.config.image_token_id  # the image's place in transformers' input: its token, once per embedding
-        ids = [i for kind, x, _ in parts for i in (x if kind == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT else [image_id] * x)]
+        ids = [i for kind, x in parts for i in (x if kind == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT else [image_id] * x)]
         logits = model(input_ids=torch.tensor([ids]), **pixels).logits[0, -1].numpy()
     assert n_past == len(ids)
     assert np.abs(logits - cpp_last).max() <= LOGIT_BOUND * logits.std()
@@ -178,7 +125,7 @@ def test_gemma3_files_hold_the_checkpoint_tensors_under_llama_cpp_names(gemma3):
     weights = load_file(str(gemma3["ckpt"] / "model.safetensors"))
     vision = {k: v for k, v in weights.items() if k.startswith(("vision_tower.", "multi_modal_projector."))}
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, 2)
-    mm = _read(gemma3["mmproj"])
+    mm = read_tensors(gemma3["mmproj"])
     assert len(mm) == len(vision) == 39
     for key, value in vision.items():
         name = names.get_name(
@@ -188,7 +135,7 @@ def test_gemma3_files_hold_the_checkpoint_tensors_under_llama_cpp_names(gemma3):
         assert t.tensor_type == (gguf.GGMLQuantizationType.F32 if f32 else gguf.GGMLQuantizationType.F16), key
         want = (value.float() + (name == "mm.soft_emb_norm.weight")).numpy().astype(np.float32 if f32 else np.float16)
         assert np.array_equal(np.asarray(t.data).reshape(want.shape), want), key
-    text = _read(gemma3["model"])
+    text = read_tensors(gemma3["model"])
     assert len(text) == len(weights) - len(vision) and not any(n.startswith(("v.", "mm.")) for n in text)
     norm = weights["language_model.model.layers.0.input_layernorm.weight"].float() + 1
     assert np.array_equal(np.asarray(text["blk.0.attn_norm.weight"].data), norm.numpy())
@@ -220,11 +167,11 @@ def test_gemma3_llama_cpp_encodes_the_image_and_answers_as_transformers_with_the
     tokens see each other, as llama.cpp decodes an image batch non-causally), not the causal model's."""
     image = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
     prompt = b"<|bos|><|user|>\n" + mtmd.mtmd_default_marker() + b"Color?<|eos|>\n<|assistant|>\n"
-    parts, theirs, cpp_last, n_past = _llama_cpp_answer(gemma3["model"], gemma3["mmproj"], prompt, image)
+    parts, theirs, cpp_last, n_past = mtmd_answer(gemma3["model"], gemma3["mmproj"], prompt, image)
     model = AutoModelForImageTextToText.from_pretrained(gemma3["ckpt"], dtype=torch.float32).eval()
     pixels = AutoProcessor.from_pretrained(gemma3["ckpt"]).image_processor(images=[[PIL.Image.fromarray(image)]], return_tensors="pt")
     image_id = model.config.image_token_id
-    ids = torch.tensor([[i for kind, x, _ in parts for i in (x if kind == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT else [image_id] * x)]])
+    ids = torch.tensor([[i for kind, x in parts for i in (x if kind == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT else [image_id] * x)]])
     with torch.no_grad():
         ours = model.model.get_image_features(pixel_values=pixels["pixel_values"]).pooler_output.reshape(-1, 128).numpy()
         assert len(theirs) == 1 and ours.shape == (4, 128)

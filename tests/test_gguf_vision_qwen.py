@@ -17,7 +17,6 @@ The byte comparison with llama.cpp's own converter needs the converter: ``python
 
 from __future__ import annotations
 
-import ctypes
 import json
 import shutil
 
@@ -33,6 +32,7 @@ from bench.gguf_vision import make_trained_qwen_vl
 from slimtune.cli import main as slimtune_main
 from tests.conftest import llama_cpp_oracle
 from tests.test_gguf import LLAMA_QUANTIZE_ADDS, assert_same_gguf, llama_quantize
+from tests.vision_gguf_helpers import export_f16_pair, mtmd_answer, read_tensors
 
 llama_cpp = llama_cpp_oracle()
 mtmd = pytest.importorskip("llama_cpp.mtmd_cpp")
@@ -47,14 +47,7 @@ def qvl(tmp_path_factory):
     """The merged checkpoint after 2 steps, and its f16 GGUF + f16 mmproj written by ``slimtune export``."""
     root = tmp_path_factory.mktemp("gguf-qwen-vl")
     ckpt = make_trained_qwen_vl(root)
-    out = root / "export" / "model-f16.gguf"
-    out.parent.mkdir()
-    assert slimtune_main(["export", str(ckpt), "--type", "f16", "--out", str(out)]) == 0
-    return dict(root=root, ckpt=ckpt, model=out, mmproj=out.with_name("model-mmproj-f16.gguf"))
-
-
-def _read(path) -> dict[str, gguf.ReaderTensor]:
-    return {t.name: t for t in gguf.GGUFReader(path).tensors}
+    return export_f16_pair(root, ckpt)
 
 
 def _mmproj_expected(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -85,7 +78,7 @@ def _mmproj_expected(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 def test_both_files_hold_the_checkpoint_tensors_under_llama_cpp_names(qvl):
     weights = load_file(str(qvl["ckpt"] / "model-00001-of-00001.safetensors"))
     want = _mmproj_expected(weights)
-    mm = _read(qvl["mmproj"])
+    mm = read_tensors(qvl["mmproj"])
     assert sorted(mm) == sorted(want) and len(mm) == 2 * 16 + 7  # 16 a block (qkv as 6), 2 frames, the merger's norm and MLP
     for name, value in want.items():
         t = mm[name]
@@ -93,7 +86,7 @@ def test_both_files_hold_the_checkpoint_tensors_under_llama_cpp_names(qvl):
         assert t.tensor_type == (Q.F32 if f32 else Q.F16), name  # the patch embedding F16 in an f16 file, as the converter
         expected = value.float().numpy().astype(np.float32 if f32 else np.float16)
         assert np.array_equal(np.asarray(t.data).reshape(expected.shape), expected), name
-    text = _read(qvl["model"])
+    text = read_tensors(qvl["model"])
     assert len(text) == sum(not k.startswith("visual.") for k in weights) and not any(n.startswith(("v.", "mm.")) for n in text)
     assert np.array_equal(np.asarray(text["blk.1.attn_k.bias"].data), weights["model.layers.1.self_attn.k_proj.bias"].float().numpy())
     assert np.array_equal(np.asarray(text["output.weight"].data), weights["lm_head.weight"].half().numpy())
@@ -126,54 +119,8 @@ def test_kquant_language_model_is_llama_quantize(qvl, tmp_path):
     for out, kind in ((f32, "f32"), (ours, "q4_k_m")):  # the mmproj beside each: m-mmproj-f16.gguf
         assert slimtune_main(["export", str(qvl["ckpt"]), "--type", kind, "--out", str(out)]) == 0
     assert_same_gguf(ours, llama_quantize(f32, tmp_path / "llama-q4_k_m.gguf", "q4_k_m"), LLAMA_QUANTIZE_ADDS)
-    assert {t.name: t.tensor_type for t in _read(ours).values()}["blk.0.ffn_down.weight"] in (Q.Q4_K, Q.Q6_K)
+    assert {t.name: t.tensor_type for t in read_tensors(ours).values()}["blk.0.ffn_down.weight"] in (Q.Q4_K, Q.Q6_K)
     assert (tmp_path / "m-mmproj-f16.gguf").read_bytes() == qvl["mmproj"].read_bytes()
-
-
-def _chunks(ctx, prompt: bytes, image: np.ndarray):
-    """mtmd's chunks of ``prompt`` (with its media marker) and the image: [(type, text tokens or image token count, chunk)]."""
-    bitmap = mtmd.mtmd_bitmap_init(image.shape[1], image.shape[0], (ctypes.c_uint8 * image.size).from_buffer_copy(image.tobytes()))
-    text = mtmd.mtmd_input_text()
-    text.text, text.text_len, text.add_special, text.parse_special = prompt, len(prompt), False, True
-    chunks = mtmd.mtmd_input_chunks_init()
-    assert mtmd.mtmd_tokenize(ctx, chunks, ctypes.byref(text), (mtmd.mtmd_bitmap_p_ctypes * 1)(bitmap), 1) == 0
-    out = []
-    for i in range(mtmd.mtmd_input_chunks_size(chunks)):
-        chunk = mtmd.mtmd_input_chunks_get(chunks, i)
-        kind, n = mtmd.mtmd_input_chunk_get_type(chunk), mtmd.mtmd_input_chunk_get_n_tokens(chunk)
-        if kind == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT:
-            count = ctypes.c_size_t()
-            ids = mtmd.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(count))
-            out.append((kind, [ids[j] for j in range(count.value)], chunk))
-        else:
-            out.append((kind, n, chunk))
-    return chunks, bitmap, out
-
-
-def _llama_cpp_run(qvl, image: np.ndarray, prompt: bytes):
-    """mtmd on the pair: the image chunk's embeddings, the chunks, the last logits and the positions used."""
-    llm = llama_cpp.Llama(model_path=str(qvl["model"]), n_ctx=128, n_batch=128, logits_all=True, verbose=False)
-    params = mtmd.mtmd_context_params_default()
-    params.use_gpu, params.n_threads, params.print_timings, params.warmup = False, 1, False, False
-    ctx = mtmd.mtmd_init_from_file(str(qvl["mmproj"]).encode(), llm.model, params)
-    assert ctx and mtmd.mtmd_support_vision(ctx) and mtmd.mtmd_decode_use_mrope(ctx)
-    try:
-        chunks, bitmap, parts = _chunks(ctx, prompt, image)
-        embeddings = []
-        for kind, n, chunk in parts:
-            if kind == mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE:
-                assert mtmd.mtmd_encode_chunk(ctx, chunk) == 0
-                embeddings.append(np.ctypeslib.as_array(mtmd.mtmd_get_output_embd(ctx), shape=(n * 128,)).reshape(n, 128).copy())
-        n_past = llama_cpp.llama_pos(0)
-        assert mtmd.mtmd_helper_eval_chunks(ctx, llm.ctx, chunks, 0, 0, 128, True, ctypes.byref(n_past)) == 0
-        last = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),)).copy()
-        parts = [(kind, x) for kind, x, _ in parts]
-        mtmd.mtmd_input_chunks_free(chunks)
-        mtmd.mtmd_bitmap_free(bitmap)
-    finally:
-        mtmd.mtmd_free(ctx)
-        llm.close()
-    return embeddings, parts, last, int(n_past.value)
 
 
 def test_llama_cpp_encodes_the_image_and_answers_as_transformers(qvl):
@@ -186,9 +133,8 @@ def test_llama_cpp_encodes_the_image_and_answers_as_transformers(qvl):
     from transformers import Qwen2VLImageProcessorPil
 
     image = np.random.default_rng(0).integers(0, 256, (112, 224, 3), dtype=np.uint8)
-    theirs, parts, cpp_last, n_past = _llama_cpp_run(
-        qvl, image, b"<|bos|>Read the chart: " + mtmd.mtmd_default_marker() + b" The value is "
-    )
+    prompt = b"<|bos|>Read the chart: " + mtmd.mtmd_default_marker() + b" The value is "
+    parts, theirs, cpp_last, n_past = mtmd_answer(qvl["model"], qvl["mmproj"], prompt, image, mrope=True)
     model = AutoModelForImageTextToText.from_pretrained(qvl["ckpt"], dtype=torch.float32).eval()
     for norm in model.model.language_model.modules():  # as llama.cpp computes: its qwen2vl reads no rms epsilon (0.0)
         if hasattr(norm, "variance_epsilon"):

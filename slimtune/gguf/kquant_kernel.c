@@ -90,24 +90,29 @@ typedef int32_t hi __attribute__((vector_size(16)));
 #define WIDE
 #endif
 
-INLINE vf vsplat(float a) {
-    vf v = {a, a, a, a, a, a, a, a};
-    return v;
-}
-INLINE vi isplat(int a) {
-    vi v = {a, a, a, a, a, a, a, a};
-    return v;
-}
-INLINE vf vsel(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); } /* m ? a : b, lane by lane */
-INLINE vi isel(vi m, vi a, vi b) { return (a & m) | (b & ~m); }
-INLINE vf vabs(vf a) { return (vf)((vi)a & 0x7fffffff); }
-INLINE vf vfloat(vi a) { return __builtin_convertvector(a, vf); }
-INLINE vi vnearest(vf f) { return ((vi)(f + vsplat(12582912.f)) & 0x7fffff) - 0x400000; } /* nearest_int */
-INLINE int any(vi m) {
-    vi z = m;
-    for (int k = 1; k < LANES; k++) z[0] |= m[k];
-    return z[0] != 0;
-}
+/* The vector helpers, defined with the qualifier Q: here for the block code, and again in each lane pass
+ * for its target (their names renamed there by macros). m ? a : b lane by lane (vsel, isel); nearest_int
+ * (vnearest); any lane set (any). */
+#define VECTOR_HELPERS(Q)                                                                                          \
+    Q vf vsplat(float a) {                                                                                         \
+        vf v = {a, a, a, a, a, a, a, a};                                                                           \
+        return v;                                                                                                  \
+    }                                                                                                              \
+    Q vi isplat(int a) {                                                                                           \
+        vi v = {a, a, a, a, a, a, a, a};                                                                           \
+        return v;                                                                                                  \
+    }                                                                                                              \
+    Q vf vsel(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }                                      \
+    Q vi isel(vi m, vi a, vi b) { return (a & m) | (b & ~m); }                                                     \
+    Q vf vabs(vf a) { return (vf)((vi)a & 0x7fffffff); }                                                           \
+    Q vf vfloat(vi a) { return __builtin_convertvector(a, vf); }                                                   \
+    Q vi vnearest(vf f) { return ((vi)(f + vsplat(12582912.f)) & 0x7fffff) - 0x400000; }                          \
+    Q int any(vi m) {                                                                                              \
+        vi z = m;                                                                                                  \
+        for (int k = 1; k < LANES; k++) z[0] |= m[k];                                                              \
+        return z[0] != 0;                                                                                          \
+    }
+VECTOR_HELPERS(INLINE)
 
 /* LANES groups of n values (n <= 32): the values, their weights (w; wx = w * x for the symmetric
  * searches), the levels found, each group's scale and -min. */
@@ -618,24 +623,7 @@ void slimtune_fp16_bits(const float *x, uint16_t *out, int64_t n) {
 #define vfloat LN(vfloat)
 #define vnearest LN(vnearest)
 #define any LN(any)
-LANE_INLINE vf vsplat(float a) {
-    vf v = {a, a, a, a, a, a, a, a};
-    return v;
-}
-LANE_INLINE vi isplat(int a) {
-    vi v = {a, a, a, a, a, a, a, a};
-    return v;
-}
-LANE_INLINE vf vsel(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); } /* m ? a : b, lane by lane */
-LANE_INLINE vi isel(vi m, vi a, vi b) { return (a & m) | (b & ~m); }
-LANE_INLINE vf vabs(vf a) { return (vf)((vi)a & 0x7fffffff); }
-LANE_INLINE vf vfloat(vi a) { return __builtin_convertvector(a, vf); }
-LANE_INLINE vi vnearest(vf f) { return ((vi)(f + vsplat(12582912.f)) & 0x7fffff) - 0x400000; } /* nearest_int */
-LANE_INLINE int any(vi m) {
-    vi z = m;
-    for (int k = 1; k < LANES; k++) z[0] |= m[k];
-    return z[0] != 0;
-}
+VECTOR_HELPERS(LANE_INLINE)
 
 /* Comparisons (-1 where true). Without AVX2 GCC lowers a comparison of 8 lanes lane by lane in scalar
  * code: the baseline pass compares in pieces of 4 (SSE2's, NEON's) and joins them; GCC before 12 has no

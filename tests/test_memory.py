@@ -69,10 +69,16 @@ def test_quantizing_weights_one_after_another_keeps_only_their_nf4_bytes():
     # torchao's to_nf4 makes whole-weight temporaries; freed between the kept NF4 tensors they stayed as
     # holes in the heap (these 4 weights: RSS grew 80 MB for 33 MB kept; the 8B load: ~1.6 GB resident
     # over the model). quantize_nf4 works a piece at a time: RSS grows by the NF4 bytes (40 MB measured)
-    r = run_python(QUANTIZE_SCRIPT)
-    assert r.returncode == 0, r.stderr
-    m = json.loads(r.stdout.strip().splitlines()[-1])
-    assert m["grew_mb"] <= m["kept_mb"] + 24, m
+    # one process's RSS growth moves by tens of MB on a loaded machine (17-94 MB measured for the same
+    # 33 MB kept): the least of three processes is held, which the holes (+80 MB, every time) still fail
+    runs = []
+    for _ in range(3):
+        r = run_python(QUANTIZE_SCRIPT)
+        assert r.returncode == 0, r.stderr
+        runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
+        if runs[-1]["grew_mb"] <= runs[-1]["kept_mb"] + 24:
+            return
+    assert min(m["grew_mb"] for m in runs) <= runs[0]["kept_mb"] + 24, runs
 
 
 def test_offline_merge_peak_rss_is_bounded_for_a_gigabyte_base(tmp_path):

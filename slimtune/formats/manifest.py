@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import queue
 import re
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -178,9 +180,6 @@ class _FileTap:
     reused until it is hashed)."""
 
     def __init__(self, path: Path):
-        import queue
-        import threading
-
         self.path = path
         self.sha = hashlib.sha256()
         self.pos = 0  # bytes [0, pos) are hashed
@@ -194,8 +193,6 @@ class _FileTap:
         """Bytes [offset, offset + its size) of the file, as just read into ``data`` (a tensor, or its bytes),
         hashed on the tap's thread, which holds ``data`` until then: the reader must not write to it again,
         and a pooled buffer goes back to its pool once the tap lets it go (``BufferPool.take``)."""
-        import threading
-
         self._queue.put((offset, data))
         with self._lock:
             if self._worker is None:
@@ -203,8 +200,6 @@ class _FileTap:
                 self._worker.start()
 
     def _run(self) -> None:
-        import queue
-
         while True:
             try:
                 item = self._queue.get(timeout=_TAP_IDLE_S)
@@ -299,8 +294,6 @@ class ReadCheck:
     """
 
     def __init__(self, directory: Path, files: list[str], fold: bool = False):
-        import threading
-
         self.directory, self.files = directory, files
         self._problems: list[str] = []
         self._taps: dict[str, _FileTap] = {}

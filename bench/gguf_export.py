@@ -180,6 +180,7 @@ def bench_gguf(
         "ratio_direct": None if direct is None else round(write_mb_s / direct, 3),
         "floors": floor,  # bench/floors.py: the base's bf16 values quantized at the type's main block type
         "ratio_floor": ratio_floor(floor, stats["export_s"], verify),
+        "ratio_floor_both": ratio_floor(floor, stats["export_s"], verify, both=True),  # the read and the write at once
         "imports_mb": stats["imports_mb"],  # the libraries the export imports on first use, before the baseline
         "rss_before_mb": round(stats["rss_before_mb"], 1),
         "peak_rss_mb": round(stats["peak_rss_mb"], 1),

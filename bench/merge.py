@@ -55,6 +55,7 @@ def bench_merge(preset: str, out: Path, layers: int | None = None, device: str =
         "stages_s": stats["stages_s"],
         "floors": floor,
         "ratio_floor": ratio_floor(floor, stats["merge_s"], verify),
+        "ratio_floor_both": ratio_floor(floor, stats["merge_s"], verify, both=True),
     }
 
 
@@ -128,4 +129,6 @@ def bench_merge_cold(preset: str, out: Path, layers: int | None = None, rounds: 
         "floors": floor,
         "ratio_floor": ratio_floor(floor, med["merge"]),
         "ratio_floor_no_verify": ratio_floor(floor, med["merge_no_verify"], verify=False),
+        "ratio_floor_both": ratio_floor(floor, med["merge"], both=True),
+        "ratio_floor_both_no_verify": ratio_floor(floor, med["merge_no_verify"], verify=False, both=True),
     }

@@ -19,7 +19,8 @@ import errno
 import os
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -27,7 +28,7 @@ from tqdm.auto import tqdm
 
 from slimtune.errors import SlimtuneError
 from slimtune.memory import HeapTrim
-from slimtune.profiler import in_context
+from slimtune.profiler import in_context, stage
 from slimtune.tensors import tensor_bytes
 
 DEFAULT_CHUNK_BYTES = 8 * 1024 * 1024  # output bytes per chunk; fp32 temporaries make the peak ~8x this
@@ -117,13 +118,11 @@ class WriteBack:
     left to wait for (otherwise nothing is written before the kernel's dirty threshold, then writers are
     throttled). DONTNEED starts the writeback of dirty pages but drops only clean ones, so each range is
     advised again ``_DROP_LAG`` bytes later, once the disk has written it: then its pages go at once
-    instead of being found by the kernel's page reclaim; never bytes at or past ``kept_from()`` (those a
-    hash that trails the writer has still to read). Example: ``wb = WriteBack(fd); ...;
+    instead of being found by the kernel's page reclaim. Example: ``wb = WriteBack(fd); ...;
     wb.written(end_offset)`` after each write."""
 
-    def __init__(self, fd: int, kept_from: Callable[[], int] | None = None):
+    def __init__(self, fd: int):
         self.fd = fd
-        self.kept_from = kept_from  # bytes from this offset on are still to be read (by a hash): kept
         self.released = 0  # bytes [0, released) of the file were handed to writeback
         self.dropped = 0  # and [0, dropped) advised again, to be let go
 
@@ -136,8 +135,6 @@ class WriteBack:
             drop_cached(self.fd, self.released, upto - self.released)
             self.released = upto
         drop = self.released - _DROP_LAG
-        if self.kept_from is not None:
-            drop = min(drop, self.kept_from())
         if drop - self.dropped >= _WRITEBACK_BYTES:
             drop_cached(self.fd, self.dropped, drop - self.dropped)
             self.dropped = drop
@@ -178,27 +175,31 @@ class DirectAppend:
     """Appends bytes to the file ``path`` (open as ``fd``, holding bytes [0, ``start``) already) from
     ``start`` on, bypassing the page cache (O_DIRECT): the bytes are copied into a page-aligned buffer
     (the file's block holding ``start`` read back first, so its head is rewritten as it is) and written
-    a whole buffer at a time; the last partial block goes through ``fd`` at ``close()``. A buffered
-    write of the same bytes spends system CPU on the page cache, its reclaim and writeback; this way
-    almost none (the figures: docs/benchmarks.md). Where the platform or filesystem refuses O_DIRECT
-    (at open or at the first write), every byte goes through ``fd`` (``WriteBack``): the same bytes
-    either way. The caller fsyncs. Example: ``w = DirectAppend(path, fd, f.tell()); w.write(view); ...; end = w.close()``"""
+    a whole buffer at a time by a thread of its own, while the caller fills the other of two buffers (so
+    the disk never waits for the copy); the last partial block goes through ``fd`` at ``close()``. A
+    buffered write of the same bytes spends system CPU on the page cache, its reclaim and writeback; this
+    way almost none (the figures: docs/benchmarks.md). Where the platform or filesystem refuses O_DIRECT
+    (at open or at a write), every byte from there on goes through ``fd`` (``WriteBack``): the same bytes
+    either way. Profiler stages: ``copy`` (into the buffers, waiting for a free one) and ``write`` (the
+    disk's). The caller fsyncs. Example: ``w = DirectAppend(path, fd, f.tell()); w.write(view); ...; end = w.close()``"""
 
     def __init__(self, path: Path, fd: int, start: int, buffer_bytes: int = _DIRECT_BUFFER):
         self.fd, self.pos = fd, start
         self._dfd = _open_direct(path)
         self.direct = self._dfd is not None
+        self._refused = False  # a direct write was refused (EINVAL): the writes from there on go through fd
         self._writeback = None if self.direct else WriteBack(fd)
-        self._base = start // _DIRECT_ALIGN * _DIRECT_ALIGN  # the file offset of the buffer's first byte
+        self._base = start // _DIRECT_ALIGN * _DIRECT_ALIGN  # the file offset of the current buffer's first byte
         size = max(_DIRECT_ALIGN, buffer_bytes // _DIRECT_ALIGN * _DIRECT_ALIGN)
-        raw = torch.empty(size + _DIRECT_ALIGN, dtype=torch.uint8)
-        skip = -raw.data_ptr() % _DIRECT_ALIGN
-        self._buf = raw[skip : skip + size]
-        self._view = memoryview(self._buf.numpy())
-        self._fill = start - self._base
-        if self.direct and self._fill:
+        self._bufs = [_aligned(size) for _ in range(2 if self.direct else 0)]
+        self._views = [memoryview(b.numpy()) for b in self._bufs]
+        self._pending: list[Future | None] = [None] * len(self._bufs)  # each buffer's write in flight
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="slimtune-direct-write") if self.direct else None
+        self._cur = 0
+        self._fill = start - self._base if self.direct else 0  # bytes in the current buffer
+        if self._fill:
             try:
-                self._view[: self._fill] = _read_exactly(path, self._base, self._fill)
+                self._views[0][: self._fill] = _read_exactly(path, self._base, self._fill)
             except BaseException:
                 self.abandon()
                 raise
@@ -208,11 +209,13 @@ class DirectAppend:
         flat = data.reshape(-1).view(torch.uint8)
         done, n = 0, flat.numel()
         while done < n and self.direct:
-            take = min(n - done, self._buf.numel() - self._fill)
-            self._buf[self._fill : self._fill + take].copy_(flat[done : done + take])  # torch's copy: no GIL held
+            buf = self._bufs[self._cur]
+            take = min(n - done, buf.numel() - self._fill)
+            with stage("copy", device_work=False):
+                buf[self._fill : self._fill + take].copy_(flat[done : done + take])  # torch's copy: no GIL held
             self._fill += take
             done += take
-            if self._fill == self._buf.numel():
+            if self._fill == buf.numel():
                 self._flush(self._fill)
         if done < n:  # no O_DIRECT (from the start, or since the flush above: the buffer is empty)
             pwrite_all(self.fd, tensor_bytes(flat[done:]), self.pos + done)
@@ -220,26 +223,43 @@ class DirectAppend:
         self.pos += n
 
     def _flush(self, nbytes: int) -> None:
-        """Buffer bytes [0, nbytes) (whole blocks) to the file at ``_base``; the rest moves to the front."""
-        view = self._view[:nbytes]
-        if self.direct:
-            try:
-                _pwrite_direct(self._dfd, view, self._base)
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-                self._stop_direct()  # a filesystem that took the flag at open and refuses the write
-        if not self.direct:
-            pwrite_all(self.fd, view, self._base)
-        rest = self._fill - nbytes
-        if rest:
-            self._view[:rest] = self._view[nbytes : self._fill]
+        """Current buffer bytes [0, nbytes) (whole blocks) to the file at ``_base``, by the writing thread;
+        the rest moves to the front of the other buffer, which becomes the current one once its own
+        write has finished."""
+        cur, other = self._cur, 1 - self._cur
+        self._pending[cur] = self._io.submit(in_context(self._write_block), self._views[cur][:nbytes], self._base)
+        with stage("copy", device_work=False):
+            self._wait(other)
+            rest = self._fill - nbytes
+            if rest:
+                self._views[other][:rest] = self._views[cur][nbytes : self._fill]
         self._base += nbytes
-        self._fill = rest
+        self._fill, self._cur = rest, other
+        if self._refused:
+            self._stop_direct()
+
+    def _write_block(self, view: memoryview, offset: int) -> None:
+        with stage("write", device_work=False):
+            if not self._refused:
+                try:
+                    _pwrite_direct(self._dfd, view, offset)
+                    return
+                except OSError as e:
+                    if e.errno != errno.EINVAL:
+                        raise
+                    self._refused = True  # a filesystem that took the flag at open and refuses the write
+            pwrite_all(self.fd, view, offset)
+
+    def _wait(self, i: int) -> None:
+        job, self._pending[i] = self._pending[i], None
+        if job is not None:
+            job.result()
 
     def _stop_direct(self) -> None:
-        os.close(self._dfd)
-        self._dfd, self.direct = None, False
+        for i in range(len(self._pending)):
+            self._wait(i)
+        self._close_direct()
+        self.direct = False
         self._writeback = WriteBack(self.fd)
 
     def close(self) -> int:
@@ -249,19 +269,41 @@ class DirectAppend:
                 whole = self._fill // _DIRECT_ALIGN * _DIRECT_ALIGN
                 if whole:
                     self._flush(whole)
-                if self._fill:
-                    pwrite_all(self.fd, self._view[: self._fill], self._base)
-                    self._base, self._fill = self._base + self._fill, 0
+            for i in range(len(self._pending)):
+                self._wait(i)
+            if self._fill:
+                pwrite_all(self.fd, self._views[self._cur][: self._fill], self._base)
+                self._base, self._fill = self._base + self._fill, 0
         finally:
             self.abandon()
         return self.pos
 
     def abandon(self) -> None:
-        """Let go of the O_DIRECT descriptor and the buffer, writing nothing more (the file is being discarded)."""
+        """Let go of the O_DIRECT descriptor and the buffers once no write is in flight, writing nothing
+        more (the file is being discarded)."""
+        for i, job in enumerate(self._pending):
+            if job is not None:
+                self._pending[i] = None
+                job.exception()  # waited for; an error of a file being discarded is moot
+        self._close_direct()
+        for view in self._views:
+            view.release()
+        self._views, self._bufs = [], []
+
+    def _close_direct(self) -> None:
+        if self._io is not None:
+            self._io.shutdown(wait=True)
+            self._io = None
         if self._dfd is not None:
             os.close(self._dfd)
             self._dfd = None
-        self._view.release()
+
+
+def _aligned(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of uninitialised memory at a page-aligned address (as O_DIRECT needs)."""
+    raw = torch.empty(nbytes + _DIRECT_ALIGN, dtype=torch.uint8)
+    skip = -raw.data_ptr() % _DIRECT_ALIGN
+    return raw[skip : skip + nbytes]
 
 
 def pwrite_all(fd: int, data: memoryview, offset: int) -> None:

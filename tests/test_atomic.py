@@ -206,13 +206,13 @@ def test_a_folded_read_check_holds_each_pooled_buffer_until_it_is_hashed(tmp_pat
     import torch
 
     from slimtune.checkpoint.staging import BufferPool
-    from slimtune.formats.manifest import _FileTap, read_check, sha256_file
+    from slimtune.formats.manifest import FileTap, read_check, sha256_file
 
     data = random.Random(1).randbytes(70_000)
     (tmp_path / "w.bin").write_bytes(data)
     write_manifest(tmp_path, [FileRecord("w.bin", len(data), sha256_file(tmp_path / "w.bin"))])
-    update = _FileTap._update
-    monkeypatch.setattr(_FileTap, "_update", lambda self, offset, view: time.sleep(0.02) or update(self, offset, view))
+    update = FileTap._update
+    monkeypatch.setattr(FileTap, "_update", lambda self, offset, view: time.sleep(0.02) or update(self, offset, view))
     pool = BufferPool(7000, 1)
     check = read_check(tmp_path, fold=True)
     tap = check.tap(tmp_path / "w.bin")

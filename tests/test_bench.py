@@ -22,7 +22,9 @@ def test_synthetic_presets_name_their_architecture_and_take_a_larger_vocabulary(
 
 def test_the_floors_of_a_job_are_the_largest_of_read_write_and_cpu(tmp_path):
     """bench/floors.py on a small base: every floor is there, the CPU floor with the hash check covers the
-    one without, and each floor is the largest of the disk's and the CPU's seconds."""
+    one without, and each floor is the largest of the disk's and the CPU's seconds; the read and the write
+    at once take at least as long as the longer of the two alone would allow (within the probes' noise:
+    they are separate runs), and the floor of both at once is the largest of that and the CPU."""
     from bench.floors import floors, ratio_floor
 
     base = tmp_path / "base.safetensors"
@@ -38,12 +40,17 @@ def test_the_floors_of_a_job_are_the_largest_of_read_write_and_cpu(tmp_path):
         "cpu_no_verify_s",
         "floor_s",
         "floor_no_verify_s",
-    }
+    } | ({"read_and_write_s", "floor_both_s", "floor_both_no_verify_s"} if f["read_s"] is not None else set())
     assert f["quantize_core_s"] > 0 and f["hash_core_s"] > 0 and f["cores"] >= 1
     assert f["cpu_s"] > f["cpu_no_verify_s"] > 0
     disk = [s for s in (f["read_s"], f["write_s"]) if s is not None]
     assert f["floor_s"] == max([f["cpu_s"], *disk]) and f["floor_no_verify_s"] == max([f["cpu_no_verify_s"], *disk])
     assert ratio_floor(f, 2 * f["floor_s"]) == 0.5 and sorted(p.name for p in tmp_path.iterdir()) == ["base.safetensors"]
+    if f["read_s"] is not None:
+        assert f["floor_both_s"] == max(f["cpu_s"], f["read_and_write_s"]) and f["read_and_write_s"] > 0
+        assert f["floor_both_no_verify_s"] == max(f["cpu_no_verify_s"], f["read_and_write_s"])
+        assert ratio_floor(f, 4 * f["floor_both_s"], both=True) == 0.25
+    assert ratio_floor({"floor_s": 1.0}, 2.0, both=True) is None  # not measured: none, not a guess
 
 
 def test_the_save_bench_prints_its_floors(tmp_path, capsys):

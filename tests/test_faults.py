@@ -228,17 +228,22 @@ def killed(tiny_base, source, tmp_path_factory) -> dict:
         str(tmp / "tiny" / "base"),
     )
     finetune = ["finetune", "--config", "tiny", *RUN_SETTINGS]
-    merge_job = f"from slimtune.cli import main; main(['merge', '--base', {base!r}, '--adapter', {str(source)!r}, '--out', {merge_out!r}])"
+    merge_job = (
+        f"from slimtune.cli import main; main(['merge', '--base', {base!r}, '--adapter', {str(source)!r}, '--out', {merge_out!r}, "
+        "'--max-shard-size', '200KB'])"
+    )
     overwrite_job = (
         "from slimtune.lora import LoRAConfig; from slimtune.model import load_qlora_model; "
         "from slimtune.checkpoint.save import save_checkpoint; from slimtune.checkpoint.writer import WriteOptions; "
         "from tests.conftest import perturb_adapters; "
         f"m = load_qlora_model({base!r}, LoRAConfig(rank=8, alpha=16), seed=0, progress=False); perturb_adapters(m, seed=5); "
-        f"save_checkpoint(m, {over!r}, WriteOptions(overwrite=True, progress=False))"
+        f"save_checkpoint(m, {over!r}, WriteOptions(max_shard_size='200KB', overwrite=True, progress=False))"
     )
     tiny_job = f"from slimtune.tiny import make_tiny_checkpoint; make_tiny_checkpoint({tiny!r})"
     run_args = [*finetune, f"output_dir={run}", "training.stop_after_steps=2"]
     efbig_args = [*finetune, f"output_dir={efbig}"]
+    # small shards: each is written by two pwrites (its whole blocks past the page cache, then its tail),
+    # so the 5th pwrite into a shard stops the merge and the overwrite inside the third of several
     jobs = {
         "merge": spawn(tmp, "merge", "chunk", r"model-0000", 5, merge_job),
         "overwrite": spawn(tmp, "overwrite", "chunk", r"model-0000", 5, overwrite_job),

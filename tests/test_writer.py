@@ -1,14 +1,17 @@
-"""checkpoint/writer.py: the files of a save are hashed several at once, each a plain sha256 of its bytes."""
+"""checkpoint/writer.py: the files of a save are hashed several at once, each a plain sha256 of its bytes, from the
+chunks handed to the writer (nothing read back), a file written whole going past the page cache."""
 
 import hashlib
 import threading
 
+import pytest
 import torch
 
 import slimtune.checkpoint.writer as writer
 import slimtune.formats.manifest as manifest
 from slimtune.checkpoint.plan import plan_files
 from slimtune.distributed import SINGLE
+from slimtune.memory import bytes_read_by_process
 from slimtune.tensors import StreamTensor
 
 
@@ -58,11 +61,12 @@ class _Overlap:
 def test_shards_are_hashed_at_once_each_a_plain_sha256(tmp_path, monkeypatch):
     monkeypatch.setattr(manifest, "usable_cores", lambda: 4)
     overlap = _Overlap()
-    monkeypatch.setattr(writer, "hashlib", overlap)
-    files = [(f"model-{i:05d}.safetensors", [_tensor(f"w{i}.{k}", 10 * i + k) for k in range(3)]) for i in range(3)]
+    monkeypatch.setattr(manifest, "hashlib", overlap)
+    # one chunk per file: a held-up hash (the header's update waits) leaves its writer free to go on
+    files = [(f"model-{i:05d}.safetensors", [_tensor(f"w{i}", 10 * i)]) for i in range(3)]
     plan = plan_files(files)
     writer.create_files(tmp_path, plan)
-    records = writer.write_planned(tmp_path, plan, SINGLE, writer.WriteOptions(progress=False, chunk_bytes=32 * 1024))
+    records = writer.write_planned(tmp_path, plan, SINGLE, writer.WriteOptions(progress=False, chunk_bytes=256 * 1024))
     assert not overlap.waited_out and overlap.other.is_set()  # a second file's hash ran while the first's did
     assert len(overlap.started) == 3
     for record in records:
@@ -84,10 +88,46 @@ def test_one_lane_hashes_the_files_one_after_another(tmp_path, monkeypatch):
         rec.update = lambda chunk: (order.append(ident), update(chunk))
         return rec
 
-    monkeypatch.setattr(writer, "hashlib", type("H", (), {"sha256": staticmethod(recording)}))
+    monkeypatch.setattr(manifest, "hashlib", type("H", (), {"sha256": staticmethod(recording)}))
     plan = plan_files([(f"f{i}.safetensors", [_tensor(f"w{i}", i, rows=256)]) for i in range(3)])
     writer.create_files(tmp_path, plan)
     records = writer.write_planned(tmp_path, plan, SINGLE, writer.WriteOptions(progress=False, chunk_bytes=32 * 1024))
     assert order == sorted(order) and len(set(order)) == 3
     for record in records:
         assert record.sha256 == hashlib.sha256((tmp_path / record.path).read_bytes()).hexdigest()
+
+
+def test_a_file_written_whole_goes_past_the_page_cache_and_is_hashed_from_its_chunks(tmp_path, monkeypatch):
+    """One rank writing a file whole: every whole block after the header's goes through O_DIRECT
+    (``DirectAppend``), and the sha256 comes from the chunks handed to the writer, with no read of the
+    file: the process reads less than a tenth of the file's bytes (the header's block, read back once
+    to be rewritten as it is), and maps nothing."""
+    import mmap
+    import os
+
+    import slimtune.diskio as diskio
+
+    if not getattr(os, "O_DIRECT", 0):
+        pytest.skip("no O_DIRECT on this platform")
+    direct = []
+    real_direct = diskio._pwrite_direct
+
+    def record(fd, view, offset):
+        direct.append((offset, len(view)))
+        real_direct(fd, view, offset)
+
+    monkeypatch.setattr(diskio, "_pwrite_direct", record)
+    plan = plan_files([("model.safetensors", [_tensor(f"w{k}", k, rows=512) for k in range(3)])])  # 3 MB
+    writer.create_files(tmp_path, plan)
+    maps = []
+    monkeypatch.setattr(mmap, "mmap", lambda *a, **k: maps.append(a))
+    read_before = bytes_read_by_process()
+    [record] = writer.write_planned(tmp_path, plan, SINGLE, writer.WriteOptions(progress=False, chunk_bytes=256 * 1024))
+    read = bytes_read_by_process() - read_before
+    monkeypatch.undo()
+    data = (tmp_path / "model.safetensors").read_bytes()
+    assert record.size == len(data) and record.sha256 == hashlib.sha256(data).hexdigest()
+    if not direct:
+        pytest.skip(f"{tmp_path}'s filesystem refuses O_DIRECT: only the fallback ran")
+    assert direct[0][0] == 0 and sum(n for _, n in direct) == len(data) // 4096 * 4096  # all but the last partial block
+    assert maps == [] and read < len(data) / 10, read

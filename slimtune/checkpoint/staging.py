@@ -11,6 +11,7 @@ import weakref
 
 import torch
 
+from slimtune.formats.manifest import TAP_HOLDS
 from slimtune.profiler import stage
 
 
@@ -68,5 +69,6 @@ class BufferPool:
 
 
 def pool_for(chunk_bytes: int, inflight_bytes: int, pin_memory: bool = False) -> BufferPool:
-    """Enough buffers for every chunk the writer may hold, the one it writes and the one being made."""
-    return BufferPool(chunk_bytes, inflight_bytes // chunk_bytes + 3, pin_memory)
+    """Enough buffers for every chunk the writer may hold, the one it writes, the one being made and
+    those its file's hash still holds (``TAP_HOLDS``: the writer hashes the chunks it writes)."""
+    return BufferPool(chunk_bytes, inflight_bytes // chunk_bytes + 3 + TAP_HOLDS, pin_memory)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import mmap
 import os
 import socket
 import struct
@@ -21,10 +20,10 @@ import torch
 from tqdm.auto import tqdm
 
 from slimtune.checkpoint.plan import SavePlan, TensorSlot, plan_files
-from slimtune.diskio import DEFAULT_CHUNK_BYTES, DEFAULT_INFLIGHT_BYTES, WriteBack, can_advise, drop_cached, pipelined_write, pwrite_all
+from slimtune.diskio import DEFAULT_CHUNK_BYTES, DEFAULT_INFLIGHT_BYTES, DirectAppend, pipelined_write, pwrite_all
 from slimtune.distributed import SINGLE, Ranks
 from slimtune.errors import SlimtuneError
-from slimtune.formats.manifest import FileRecord, hash_lanes, sha256_bytes, sha256_file
+from slimtune.formats.manifest import FileRecord, FileTap, hash_lanes, sha256_bytes, sha256_file
 from slimtune.memory import DEFAULT_SHARD_SIZE, parse_size
 from slimtune.profiler import in_context, stage
 from slimtune.tensors import DTYPES, StreamTensor, row_chunks, tensor_bytes
@@ -72,96 +71,18 @@ class WriteOptions:
         return self.dtype
 
 
-class _FileHash:
-    """The sha256 of one file that one rank writes whole, front to back, computed on a thread of its own
-    that trails the writer and never holds it up: the writer reports how far the file is written
-    (``written``), the thread hashes those bytes from the page cache (``WriteBack`` keeps what is not
-    hashed yet, ``pos``), 8 MB windows mapped one at a time (``_hash_window``). So the writer goes on to the next file
-    while this one's hash finishes, and the files of a save are hashed several at once (``hash_lanes``),
-    each a plain sha256 of the bytes in the file, in bounded memory (one buffer per thread)."""
-
-    BLOCK = 8 * 1024 * 1024
-
-    def __init__(self, path: Path, header: bytes):
-        self.path = path
-        self.sha = hashlib.sha256(header)
-        self.pos = self.end = len(header)  # bytes [0, pos) hashed, [0, end) written
-        self.closed = self.stopped = False
-        self.error: BaseException | None = None
-        self._fd = os.open(path, os.O_RDONLY)
-        self._cond = threading.Condition()
-        self._thread = threading.Thread(target=in_context(self._run), name="slimtune-hash", daemon=True)
-        self._thread.start()
-
-    def written(self, end: int) -> None:
-        """Bytes [0, end) of the file are written."""
-        with self._cond:
-            self.end = end
-            if end - self.pos >= self.BLOCK:
-                self._cond.notify()
-
-    def close(self) -> None:
-        """The writer is done: the file ends at the last ``written`` end."""
-        with self._cond:
-            self.closed = True
-            self._cond.notify()
-
-    def stop(self) -> None:
-        """The save failed: end the thread, hashing nothing more."""
-        with self._cond:
-            self.stopped = True
-            self._cond.notify()
-        self._thread.join()
-
-    def hexdigest(self) -> str:
-        """Wait for the hash of the whole file; its error (a short read) is raised here."""
-        self._thread.join()
-        if self.error is not None:
-            raise self.error
-        return self.sha.hexdigest()
-
-    def _run(self) -> None:
-        try:
-            while True:
-                with self._cond:
-                    self._cond.wait_for(lambda: self.stopped or self.closed or self.end - self.pos >= self.BLOCK)
-                    end, last = self.end, self.closed
-                if self.stopped:
-                    return
-                while self.pos < end:
-                    self._hash_window(min(end, self.pos + self.BLOCK))
-                if last:
-                    if can_advise():  # the pages read here go once they are written (those still dirty stay)
-                        drop_cached(self._fd, 0, self.pos)
-                    return
-        except BaseException as e:  # noqa: BLE001 - raised by hexdigest
-            self.error = e
-        finally:
-            os.close(self._fd)
-
-    def _hash_window(self, end: int) -> None:
-        """Hash bytes [pos, end) straight from the page cache: the window mapped read-only (its pages
-        faulted in at once where the platform can), hashed, unmapped (no copy, no read() call)."""
-        start = self.pos // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        with mmap.mmap(self._fd, end - start, flags=flags, prot=mmap.PROT_READ, offset=start) as window:
-            with memoryview(window) as view, stage("hash", device_work=False):
-                self.sha.update(view[self.pos - start :])
-        self.pos = end
-
-
 class _RowSink:
-    """Takes one rank's chunks of one file in plan order and writes each at its offset with pwrite
-    (reporting them to the file's ``_FileHash`` when this rank writes the whole file and hashes it).
+    """Takes one rank's chunks of one file in plan order and writes each at its offset with pwrite.
     Each finished tensor is reported to ``done(global_slot)`` (the progress other ranks' hashers follow).
-    A file this rank hashes goes to the kernel's writeback as the save works (``WriteBack``), behind
-    its hash."""
+    A file this rank writes whole and hashes (``tap``) is written front to back past the page cache
+    (``DirectAppend``: nothing reads it back) and hashed from the chunks themselves, on the tap's
+    thread, while the writer goes on."""
 
-    def __init__(self, fd: int, path: Path, slots: list[tuple[int, TensorSlot, int, int]], file_hash: _FileHash | None = None, done=None):
-        self.fd, self.path, self.file_hash, self.done_fn = fd, path, file_hash, done
+    def __init__(self, fd: int, path: Path, slots: list[tuple[int, TensorSlot, int, int]], tap: FileTap | None = None, done=None):
+        self.fd, self.path, self.tap, self.done_fn = fd, path, tap, done
         self.pieces = [(g, s, s.offset + a * s.row_bytes, (b - a) * s.row_bytes) for g, s, a, b in slots if b > a]
         self.index, self.done = 0, 0
-        self.writeback = None if file_hash is None else WriteBack(fd, kept_from=lambda: file_hash.pos)
+        self.direct = None if tap is None or not self.pieces else DirectAppend(path, fd, self.pieces[0][2])
 
     def write(self, chunk: torch.Tensor) -> None:
         if self.index >= len(self.pieces):
@@ -170,23 +91,36 @@ class _RowSink:
         if chunk.dtype != slot.dtype:
             raise SlimtuneError(f"{self.path}: tensor {slot.name}: got {chunk.dtype}, the header says {slot.dtype}")
         data = tensor_bytes(chunk)
+        at = offset + self.done
         if self.done + len(data) > nbytes:
             raise SlimtuneError(f"{self.path}: tensor {slot.name}: more bytes than its rows {list(slot.shape)}")
-        with stage("write", device_work=False):
-            pwrite_all(self.fd, data, offset + self.done)
-            if self.writeback is not None:
-                self.writeback.written(offset + self.done + len(data))
-        if self.file_hash is not None:
-            self.file_hash.written(offset + self.done + len(data))
+        if self.direct is not None and at != self.direct.pos:
+            raise SlimtuneError(f"{self.path}: tensor {slot.name}: bytes at {at}, the file is written up to {self.direct.pos}")
+        if self.direct is not None:
+            self.direct.write(chunk)  # timed by it: "copy" here, "write" on its thread
+        else:
+            with stage("write", device_work=False):
+                pwrite_all(self.fd, data, at)
+        if self.tap is not None:
+            self.tap.seen(at, chunk)  # the tap holds the chunk (a pooled buffer) until it is hashed
         self.done += len(data)
         if self.done == nbytes:
             self.index, self.done = self.index + 1, 0
             if self.done_fn is not None:
                 self.done_fn(g)
 
-    def check_complete(self) -> None:
+    def close(self) -> None:
+        """Every piece written: the direct writer's tail goes through ``fd``."""
         if self.index < len(self.pieces):
             raise SlimtuneError(f"{self.path}: tensor {self.pieces[self.index][1].name}: the stream ended before its rows were written")
+        if self.direct is not None:
+            self.direct.close()
+            self.direct = None
+
+    def abandon(self) -> None:
+        if self.direct is not None:
+            self.direct.abandon()
+            self.direct = None
 
 
 class _Progress:
@@ -264,8 +198,8 @@ def create_files(directory: Path, plan: SavePlan) -> None:
 def write_planned(directory: Path, plan: SavePlan, ranks: Ranks, options: WriteOptions, bar: tqdm | None = None) -> list[FileRecord]:
     """Every rank's part: its rows of every tensor, file by file, straight at their offsets; fsync; then
     one status exchange per file (a failed rank stops every rank there). A file written whole by one
-    rank is hashed as it is written, by a thread that trails the writer (``_FileHash``) while the writer
-    goes on with the next file. Any other file is read back once by its planned hasher rank, in a
+    rank is hashed from the chunks as they are written, by a thread that trails the writer (``FileTap``)
+    while the writer goes on with the next file. Any other file is read back once by its planned hasher rank, in a
     thread: on one host it trails the writers tensor by tensor (``_Progress``: the bytes are still in
     the page cache); across hosts it starts after every rank's fsync of the file. Either way the files
     are hashed ``hash_lanes`` at a time, each a plain sha256. Returns every file's record, on every rank."""
@@ -278,13 +212,14 @@ def write_planned(directory: Path, plan: SavePlan, ranks: Ranks, options: WriteO
     trailing = ranks.world_size > 1 and len(set(ranks.gather(socket.gethostname(), "planning the hashes"))) == 1
     lanes = hash_lanes(len(mine))
     pool = ThreadPoolExecutor(lanes, thread_name_prefix="slimtune-hash")
-    pending: dict[str, object] = {}  # path -> the Future or _FileHash of its sha256
-    live: list[tuple[str, _FileHash]] = []  # files hashed as written, not finished yet
+    pending: dict[str, object] = {}  # path -> the Future of its sha256
+    live: list[tuple[str, FileTap]] = []  # files hashed as written, not finished yet
     progress = None
+    sizes = {f.path: f.size for f in plan.files}
 
     def settle(path: str, job) -> None:
         try:
-            hashes[path] = job.hexdigest() if isinstance(job, _FileHash) else job.result()
+            hashes[path] = job.hexdigest(sizes[path]) if isinstance(job, FileTap) else job.result()
         except BaseException as e:  # noqa: BLE001 - reported at the next status exchange
             errors.append(e)
 
@@ -309,18 +244,16 @@ def write_planned(directory: Path, plan: SavePlan, ranks: Ranks, options: WriteO
             while hash_now and len(live) >= lanes:  # at most ``lanes`` hash threads at once
                 settle(*live.pop(0))
             try:
-                file_hash = _write_file_part(directory, plan, i, rank, hash_now, options, bar, progress)
-                if file_hash is not None:
-                    live.append((f.path, file_hash))
+                tap = _write_file_part(directory, plan, i, rank, hash_now, options, bar, progress)
+                if tap is not None:
+                    live.append((f.path, tap))
             except Exception as e:  # noqa: BLE001 - every rank learns of it at the exchange below
                 error = e
             ranks.agree(error, f"writing {f.path}")
             if not trailing and i in read_back:
                 pending[f.path] = pool.submit(in_context(read_whole), f.path)
     except BaseException:
-        stop.set()
-        for _, file_hash in live:
-            file_hash.stop()
+        stop.set()  # a live tap's thread ends by itself once idle
         raise
     finally:
         pool.shutdown(wait=True)
@@ -346,9 +279,9 @@ def _write_file_part(
     options: WriteOptions,
     bar: tqdm | None,
     progress: _Progress | None,
-) -> _FileHash | None:
+) -> FileTap | None:
     """This rank's rows of file ``index``, fsynced; with ``hash_now`` (this rank writes it whole), the
-    ``_FileHash`` that hashes it, still running (None otherwise)."""
+    ``FileTap`` that hashes it, maybe still hashing its last chunks (None otherwise)."""
     f = plan.files[index]
     first = sum(len(p.slots) for p in plan.files[:index])  # global index of the file's first tensor
     mine = [(first + k, s, *s.ranges[rank]) for k, s in enumerate(f.slots)]
@@ -356,24 +289,24 @@ def _write_file_part(
         return None
     path = directory / f.path
     fd = os.open(path, os.O_WRONLY)
-    file_hash = None
+    tap = FileTap(path, "hash") if hash_now else None
+    sink = None
     try:
-        file_hash = _FileHash(path, f.header) if hash_now else None
-        sink = _RowSink(fd, path, mine, file_hash, progress.finished if progress else None)
+        if tap is not None:
+            tap.seen(0, memoryview(f.header))
+        sink = _RowSink(fd, path, mine, tap, progress.finished if progress else None)
         chunks = (c for _, s, a, b in mine for c in row_chunks(s.source, options.chunk_bytes, a, b))
         pipelined_write(sink, chunks, options.inflight_bytes, bar)
-        sink.check_complete()
-        if file_hash is not None:
-            file_hash.close()
+        sink.close()
         with stage("fsync", device_work=False):
             os.fsync(fd)
     except BaseException:
-        if file_hash is not None:
-            file_hash.stop()
+        if sink is not None:
+            sink.abandon()
         raise
     finally:
         os.close(fd)
-    return file_hash
+    return tap
 
 
 def write_safetensors(path: Path, tensors: list[StreamTensor], options: WriteOptions = WriteOptions()) -> FileRecord:

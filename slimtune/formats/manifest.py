@@ -168,19 +168,21 @@ def _file_problems(path: Path, entry: dict | None) -> list[str]:
     return []
 
 
-class _FileTap:
-    """The sha256 of one file fed with the bytes its reader reads (``seen``), in file order: bytes behind
-    the hashed prefix are skipped (hashed already), a read past it first has the gap read from the file
-    and hashed. Reads in file order, as a merge of a checkpoint makes them, are hashed from the reader's
-    own buffers and nothing is read twice; any order is still exact, reading each byte at most twice.
+class FileTap:
+    """The sha256 of one file fed with the bytes its reader reads or its writer writes (``seen``), in file
+    order: bytes behind the hashed prefix are skipped (hashed already), a read past it first has the gap
+    read from the file and hashed. Reads in file order, as a merge of a checkpoint makes them, are hashed
+    from the reader's own buffers and nothing is read twice; any order is still exact, reading each byte
+    at most twice. A writer's bytes are hashed from its own chunks (``hexdigest``), with nothing read back.
 
     The hashing runs on a thread of its own that trails the reader (``_TAP_QUEUE`` reads behind at most;
     it ends when idle and starts again with the next read): the reader goes on to its next read and its
     work on these bytes while they are hashed. Each queued read holds its buffer (a pooled one is not
-    reused until it is hashed)."""
+    reused until it is hashed). ``stage_name``: the profiler stage its hashing is timed under.
+    Example: ``tap = FileTap(path, "hash"); tap.seen(0, header); tap.seen(len(header), chunk); tap.hexdigest(size)``"""
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, path: Path, stage_name: str = "verify"):
+        self.path, self.stage_name = path, stage_name
         self.sha = hashlib.sha256()
         self.pos = 0  # bytes [0, pos) are hashed
         self.extra = 0  # bytes this tap read itself (gaps and the tail)
@@ -215,7 +217,7 @@ class _FileTap:
             del item
             try:
                 if self.error is None:
-                    with stage("verify", device_work=False):
+                    with stage(self.stage_name, device_work=False):
                         self._update(offset, data if isinstance(data, memoryview) else tensor_bytes(data))
             except BaseException as e:  # noqa: BLE001 - reported by problems()
                 self.error = e
@@ -251,6 +253,17 @@ class _FileTap:
                 self.sha.update(view[:n])
                 self.pos += n
                 self.extra += n
+
+    def hexdigest(self, size: int) -> str:
+        """The sha256 of the file's first ``size`` bytes, once every byte handed to ``seen`` is hashed
+        (bytes never handed to it read from the file); an error of the hashing thread is raised here."""
+        self._drain()
+        if self.error is not None:
+            raise self.error
+        self._fill(size)
+        if self.pos != size:
+            raise SlimtuneError(f"{self.path}: {self.pos} bytes hashed, expected {size}")
+        return self.sha.hexdigest()
 
     def problems(self, entry: dict) -> list[str]:
         self._drain()
@@ -296,7 +309,7 @@ class ReadCheck:
     def __init__(self, directory: Path, files: list[str], fold: bool = False):
         self.directory, self.files = directory, files
         self._problems: list[str] = []
-        self._taps: dict[str, _FileTap] = {}
+        self._taps: dict[str, FileTap] = {}
         self._thread = None if fold else threading.Thread(target=self._run, name=f"sha256 {directory.name}", daemon=True)
         if self._thread is not None:
             self._thread.start()
@@ -307,7 +320,7 @@ class ReadCheck:
         except BaseException as e:  # noqa: BLE001 - handed to the caller by done()
             self._problems = [f"{self.directory}: cannot check the manifest's sha256: {e}"]
 
-    def tap(self, path: str | Path) -> _FileTap | None:
+    def tap(self, path: str | Path) -> FileTap | None:
         """With ``fold``: the tap of ``path`` when it is one of the checked files (None otherwise), to be
         given every byte read from it (``seen``) from now on."""
         if self._thread is not None:
@@ -315,7 +328,7 @@ class ReadCheck:
         target = Path(path).resolve()
         for rel in self.files:
             if (self.directory / rel).resolve() == target:
-                return self._taps.setdefault(rel, _FileTap(self.directory / rel))
+                return self._taps.setdefault(rel, FileTap(self.directory / rel))
         return None
 
     @property

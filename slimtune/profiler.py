@@ -27,16 +27,34 @@ import torch
 
 
 class StageProfile:
-    """Seconds per stage name, added to from any thread (locked)."""
+    """Seconds per stage name, added to from any thread (locked): ``seconds`` sums every thread's time in
+    the stage; ``wall()`` is the wall time during which at least one thread was in it (two threads hashing
+    at once for 1 s: 2 s summed, 1 s of wall), the share of the run the stage can have set the pace of."""
 
     def __init__(self, cuda_sync: bool):
         self.cuda_sync = cuda_sync
         self.seconds: dict[str, float] = {}
+        self._spans: dict[str, list[tuple[float, float]]] = {}
         self._lock = threading.Lock()
 
-    def add(self, name: str, seconds: float) -> None:
+    def add(self, name: str, start: float, end: float) -> None:
+        """Stage ``name`` ran from ``start`` to ``end`` (``time.perf_counter()`` seconds) on one thread."""
         with self._lock:
-            self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+            self.seconds[name] = self.seconds.get(name, 0.0) + end - start
+            self._spans.setdefault(name, []).append((start, end))
+
+    def wall(self) -> dict[str, float]:
+        """Per stage, the length of the union of its threads' spans."""
+        covered = {}
+        with self._lock:
+            spans = {name: sorted(s) for name, s in self._spans.items()}
+        for name, ordered in spans.items():
+            total, reach = 0.0, float("-inf")
+            for start, end in ordered:
+                total += max(0.0, end - max(start, reach))
+                reach = max(reach, end)
+            covered[name] = total
+        return covered
 
 
 _current: contextvars.ContextVar[StageProfile | None] = contextvars.ContextVar("slimtune_stage_profile", default=None)
@@ -61,7 +79,7 @@ def stage(name: str, device_work: bool = True) -> Iterator[None]:
     finally:
         if sync:
             torch.cuda.synchronize()
-        profile.add(name, time.perf_counter() - start)
+        profile.add(name, start, time.perf_counter())
 
 
 @contextmanager

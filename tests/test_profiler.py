@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from slimtune import save_checkpoint
 from slimtune.checkpoint.writer import WriteOptions
 from slimtune.profiler import stage, timing_stages
@@ -37,3 +39,15 @@ def test_stages_outside_the_block_or_in_another_thread_are_not_counted():
     with stage("d", device_work=False):
         pass
     assert set(inner.seconds) == {"a"} and set(outer.seconds) == {"b"} and seen == [True]
+
+
+def test_a_stage_run_by_two_threads_at_once_sums_both_and_covers_its_wall_time_once():
+    """``seconds`` adds every thread's time; ``wall()`` counts overlapping spans once and gaps not at all."""
+    from slimtune.profiler import StageProfile
+
+    profile = StageProfile(cuda_sync=False)
+    for start, end in [(0.0, 1.0), (0.5, 1.5), (3.0, 4.0), (3.2, 3.4)]:
+        profile.add("hash", start, end)
+    profile.add("write", 10.0, 12.0)
+    assert profile.seconds == pytest.approx({"hash": 3.2, "write": 2.0})
+    assert profile.wall() == pytest.approx({"hash": 2.5, "write": 2.0})

@@ -190,7 +190,7 @@ def test_failure_mid_save_leaves_earlier_checkpoint_intact(qlora_model, tmp_path
             m.lora_b.weight.add_(1.0)  # the new save would differ
     with pytest.raises(SlimtuneError, match=r"cannot write .*ckpt: no space left on device \(needs [0-9,]+ bytes, [0-9,]+ are free\)"):
         save_checkpoint(qlora_model, ckpt, WriteOptions(overwrite=True, progress=False))
-    assert calls["n"] == 20
+    assert calls["n"] >= 20  # the other file lane may write the chunks it had in hand before it stops
     assert tree_digest(ckpt) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # temporary sibling removed
 

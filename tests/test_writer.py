@@ -131,3 +131,63 @@ def test_a_file_written_whole_goes_past_the_page_cache_and_is_hashed_from_its_ch
         pytest.skip(f"{tmp_path}'s filesystem refuses O_DIRECT: only the fallback ran")
     assert direct[0][0] == 0 and sum(n for _, n in direct) == len(data) // 4096 * 4096  # all but the last partial block
     assert maps == [] and read < len(data) / 10, read
+
+
+def test_file_lanes_write_two_files_at_once_with_the_same_bytes_and_records(tmp_path, monkeypatch):
+    """``file_lanes=2`` (a model in memory: any file's rows from any thread): two files are in the writer
+    at the same time, and every file and record equals the one-lane writer's."""
+    monkeypatch.setattr(manifest, "usable_cores", lambda: 2)
+    files = [(f"model-{i:05d}.safetensors", [_tensor(f"w{i}.{k}", 10 * i + k, rows=256) for k in range(2)]) for i in range(4)]
+    plan = plan_files(files)
+    inside, most = set(), [0]
+    lock = threading.Lock()
+    real_write = writer._RowSink.write
+
+    def write(self, chunk):
+        with lock:
+            inside.add(self.path.name)
+            most[0] = max(most[0], len(inside))
+        try:
+            real_write(self, chunk)
+            threading.Event().wait(0.002)  # long enough for the other lane to be inside too
+        finally:
+            with lock:
+                inside.discard(self.path.name)
+
+    records = {}
+    for lanes in (1, 2):
+        out = tmp_path / f"lanes{lanes}"
+        out.mkdir()
+        writer.create_files(out, plan)
+        monkeypatch.setattr(writer._RowSink, "write", write)
+        records[lanes] = writer.write_planned(out, plan, SINGLE, writer.WriteOptions(progress=False, chunk_bytes=64 * 1024), None, lanes)
+        monkeypatch.setattr(writer._RowSink, "write", real_write)
+        assert most[0] == lanes, (lanes, most[0])
+        most[0] = 0
+    assert records[1] == records[2]
+    for record in records[2]:
+        data = (tmp_path / "lanes2" / record.path).read_bytes()
+        assert data == (tmp_path / "lanes1" / record.path).read_bytes() and record.sha256 == hashlib.sha256(data).hexdigest()
+
+
+def test_a_failing_file_lane_stops_the_other_and_its_error_is_raised(tmp_path, monkeypatch):
+    """One lane's failure stops the other lane at its next chunk; the failure itself is raised."""
+    monkeypatch.setattr(manifest, "usable_cores", lambda: 2)
+    plan = plan_files([(f"f{i}.safetensors", [_tensor(f"w{i}", i, rows=2048)]) for i in range(2)])  # 4 MB each
+    writer.create_files(tmp_path, plan)
+    written: dict[str, int] = {}
+    real_write = writer._RowSink.write
+
+    def write(self, chunk):
+        written[self.path.name] = written.get(self.path.name, 0) + 1
+        if self.path.name == "f0.safetensors" and written[self.path.name] == 3:
+            raise OSError(28, "No space left on device (injected)")
+        if self.path.name == "f1.safetensors":
+            threading.Event().wait(0.01)  # the other lane is slow: without the stop it would write on for ~1 s
+        real_write(self, chunk)
+
+    monkeypatch.setattr(writer._RowSink, "write", write)
+    with pytest.raises(OSError, match="injected"):
+        options = writer.WriteOptions(progress=False, chunk_bytes=64 * 1024, inflight_bytes=64 * 1024)  # a chunk or two queued
+        writer.write_planned(tmp_path, plan, SINGLE, options, None, 2)
+    assert written["f0.safetensors"] == 3 and written.get("f1.safetensors", 0) < 64  # of its 128 chunks: it stopped early

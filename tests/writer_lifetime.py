@@ -86,8 +86,8 @@ def _line(pipe, timeout: float) -> str:
 
 
 def _cpu_seconds(pid: int) -> float:
-    """The CPU time of ``pid``'s main thread."""
-    fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    """The CPU time of process ``pid``, all its threads (the long call may run on a file lane's thread)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 

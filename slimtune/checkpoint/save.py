@@ -20,7 +20,7 @@ from slimtune.checkpoint.atomic import atomic_directory
 from slimtune.checkpoint.plan import plan_save
 from slimtune.checkpoint.staging import pool_for
 from slimtune.checkpoint.stream import adapter_tensor_stream, merged_tensor_stream
-from slimtune.checkpoint.writer import WriteOptions, create_files, write_json, write_planned
+from slimtune.checkpoint.writer import FILE_LANES, WriteOptions, create_files, write_json, write_planned
 from slimtune.distributed import SINGLE, Ranks
 from slimtune.errors import SlimtuneError
 from slimtune.facts import facts_of
@@ -66,7 +66,9 @@ class CheckpointParts:
     and tokenizer files, the PEFT adapter's stream and config, extra files, the manifest's extra fields;
     ``whole_below``: tensors smaller than this many bytes are written whole by one rank (every rank can
     make any rows of them); ``shared_write(tmp)``: files every rank writes together (the training state,
-    through DCP), returning their paths relative to ``tmp``."""
+    through DCP), returning their paths relative to ``tmp``; ``any_order``: the streams make any tensor's
+    rows at any time, from any thread (a model in memory; not a stream reading a base in file order), so
+    one process may write several files at once (``write_planned``'s ``file_lanes``)."""
 
     merged: list[StreamTensor]
     config: dict | None = None
@@ -77,6 +79,7 @@ class CheckpointParts:
     manifest_extra: dict | None = None
     whole_below: int = 0
     shared_write: Callable[[Path], list[str]] | None = None
+    any_order: bool = False
 
 
 @dataclass(frozen=True)
@@ -144,7 +147,7 @@ def write_checkpoint(
                 pending = None
                 ranks.agree(None, "creating the files")
                 ranks.broadcast(str(tmp), "creating the files")
-                written = write_planned(tmp, plan, ranks, options, bar)
+                written = write_planned(tmp, plan, ranks, options, bar, FILE_LANES if parts.any_order else 1)
                 pending = "finishing the checkpoint"
                 records: list[FileRecord] = []
                 if adapter is not None:
@@ -209,6 +212,7 @@ def save_checkpoint(
         extra_files=options.extra_files,
         manifest_extra={"kind": "adapter" if write.adapter_only else "adapter+merged"},
         shared_write=shared_write,
+        any_order=True,
     )
     return write_checkpoint(out_dir, parts, write, ranks)
 

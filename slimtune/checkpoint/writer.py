@@ -11,8 +11,9 @@ import os
 import socket
 import struct
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -195,14 +196,28 @@ def create_files(directory: Path, plan: SavePlan) -> None:
             fh.truncate(f.size)
 
 
-def write_planned(directory: Path, plan: SavePlan, ranks: Ranks, options: WriteOptions, bar: tqdm | None = None) -> list[FileRecord]:
+FILE_LANES = 2
+"""Files one process writes at once from streams that allow it (``write_planned``'s ``file_lanes``): one
+sha256 per file runs on one core, so a save whose disk writes faster than a core hashes is paced by
+the hash unless two files are hashed at once. Each lane gets 1/``FILE_LANES`` of the chunk and in-flight
+bytes, so the lanes' producers together hold what one would."""
+
+
+def write_planned(
+    directory: Path, plan: SavePlan, ranks: Ranks, options: WriteOptions, bar: tqdm | None = None, file_lanes: int = 1
+) -> list[FileRecord]:
     """Every rank's part: its rows of every tensor, file by file, straight at their offsets; fsync; then
     one status exchange per file (a failed rank stops every rank there). A file written whole by one
     rank is hashed from the chunks as they are written, by a thread that trails the writer (``FileTap``)
     while the writer goes on with the next file. Any other file is read back once by its planned hasher rank, in a
     thread: on one host it trails the writers tensor by tensor (``_Progress``: the bytes are still in
     the page cache); across hosts it starts after every rank's fsync of the file. Either way the files
-    are hashed ``hash_lanes`` at a time, each a plain sha256. Returns every file's record, on every rank."""
+    are hashed ``hash_lanes`` at a time, each a plain sha256. One process with ``file_lanes`` > 1 (streams
+    that make any file's rows from any thread) writes that many files at once (``_write_in_lanes``).
+    Returns every file's record, on every rank."""
+    lanes = min(file_lanes, hash_lanes(len(plan.files)))
+    if ranks.world_size == 1 and lanes > 1:
+        return _write_in_lanes(directory, plan, options, bar, lanes)
     rank = ranks.rank
     hashes: dict[str, str] = {}
     errors: list[BaseException] = []
@@ -270,6 +285,42 @@ def write_planned(directory: Path, plan: SavePlan, ranks: Ranks, options: WriteO
     return [FileRecord(f.path, f.size, hashes[f.path]) for f in plan.files]
 
 
+def _write_in_lanes(directory: Path, plan: SavePlan, options: WriteOptions, bar: tqdm | None, lanes: int) -> list[FileRecord]:
+    """One process's files, ``lanes`` at a time, each written and hashed by a lane of its own with
+    1/``lanes`` of the chunk and in-flight bytes. The first failure stops the other lanes at their next
+    chunk and is raised once every lane has stopped."""
+    lane_options = replace(options, chunk_bytes=max(1, options.chunk_bytes // lanes), inflight_bytes=options.inflight_bytes // lanes)
+    stop = threading.Event()
+
+    def one(i: int) -> str:
+        if stop.is_set():
+            raise _Stopped
+        try:
+            tap = _write_file_part(directory, plan, i, 0, True, lane_options, bar, None, stop)
+            return tap.hexdigest(plan.files[i].size)
+        except BaseException:
+            stop.set()
+            raise
+
+    with ThreadPoolExecutor(lanes, thread_name_prefix="slimtune-file") as pool:
+        jobs = [pool.submit(in_context(one), i) for i in range(len(plan.files))]
+        errors = [e for e in (job.exception() for job in jobs) if e is not None and not isinstance(e, _Stopped)]
+    if errors:
+        raise errors[0]
+    return [FileRecord(f.path, f.size, job.result()) for f, job in zip(plan.files, jobs, strict=True)]
+
+
+class _Stopped(Exception):
+    """A lane stopped because another lane's file failed (that failure is the one raised)."""
+
+
+def _stoppable(chunks: Iterator[torch.Tensor], stop: threading.Event | None) -> Iterator[torch.Tensor]:
+    for chunk in chunks:
+        if stop is not None and stop.is_set():
+            raise _Stopped
+        yield chunk
+
+
 def _write_file_part(
     directory: Path,
     plan: SavePlan,
@@ -279,6 +330,7 @@ def _write_file_part(
     options: WriteOptions,
     bar: tqdm | None,
     progress: _Progress | None,
+    stop: threading.Event | None = None,
 ) -> FileTap | None:
     """This rank's rows of file ``index``, fsynced; with ``hash_now`` (this rank writes it whole), the
     ``FileTap`` that hashes it, maybe still hashing its last chunks (None otherwise)."""
@@ -296,7 +348,7 @@ def _write_file_part(
             tap.seen(0, memoryview(f.header))
         sink = _RowSink(fd, path, mine, tap, progress.finished if progress else None)
         chunks = (c for _, s, a, b in mine for c in row_chunks(s.source, options.chunk_bytes, a, b))
-        pipelined_write(sink, chunks, options.inflight_bytes, bar)
+        pipelined_write(sink, _stoppable(chunks, stop), options.inflight_bytes, bar)
         sink.close()
         with stage("fsync", device_work=False):
             os.fsync(fd)

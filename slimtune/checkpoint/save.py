@@ -66,9 +66,9 @@ class CheckpointParts:
     and tokenizer files, the PEFT adapter's stream and config, extra files, the manifest's extra fields;
     ``whole_below``: tensors smaller than this many bytes are written whole by one rank (every rank can
     make any rows of them); ``shared_write(tmp)``: files every rank writes together (the training state,
-    through DCP), returning their paths relative to ``tmp``; ``any_order``: the streams make any tensor's
-    rows at any time, from any thread (a model in memory; not a stream reading a base in file order), so
-    one process may write several files at once (``write_planned``'s ``file_lanes``)."""
+    through DCP), returning their paths relative to ``tmp``; ``file_lanes``: how many files one process
+    may write at once (``write_planned``), more than 1 only for streams that make any tensor's rows at any
+    time, from any thread (a model in memory; not a stream reading a base in file order)."""
 
     merged: list[StreamTensor]
     config: dict | None = None
@@ -79,20 +79,23 @@ class CheckpointParts:
     manifest_extra: dict | None = None
     whole_below: int = 0
     shared_write: Callable[[Path], list[str]] | None = None
-    any_order: bool = False
+    file_lanes: int = 1
 
 
 @dataclass(frozen=True)
 class SaveOptions:
     """A live model's save: how it is written (``write``) and the files it carries beside the weights:
     ``extra_files`` (relative name -> file, or an ``ExtraFile`` made in place: recipe state, model card)
-    and ``tokenizer_dir``, the merged model's tokenizer files (default: the base's).
+    and ``tokenizer_dir``, the merged model's tokenizer files (default: the base's); ``file_lanes``, the
+    files written at once (``FILE_LANES``; a background writer, which shares the cores with training,
+    writes one at a time).
 
     Example: ``SaveOptions(WriteOptions(adapter_only=True, progress=False))``"""
 
     write: WriteOptions = WriteOptions()
     extra_files: dict[str, Path | ExtraFile] | None = None
     tokenizer_dir: Path | None = None
+    file_lanes: int = FILE_LANES
 
 
 def write_checkpoint(
@@ -147,7 +150,7 @@ def write_checkpoint(
                 pending = None
                 ranks.agree(None, "creating the files")
                 ranks.broadcast(str(tmp), "creating the files")
-                written = write_planned(tmp, plan, ranks, options, bar, FILE_LANES if parts.any_order else 1)
+                written = write_planned(tmp, plan, ranks, options, bar, parts.file_lanes)
                 pending = "finishing the checkpoint"
                 records: list[FileRecord] = []
                 if adapter is not None:
@@ -212,7 +215,7 @@ def save_checkpoint(
         extra_files=options.extra_files,
         manifest_extra={"kind": "adapter" if write.adapter_only else "adapter+merged"},
         shared_write=shared_write,
-        any_order=True,
+        file_lanes=options.file_lanes,
     )
     return write_checkpoint(out_dir, parts, write, ranks)
 

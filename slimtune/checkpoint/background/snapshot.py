@@ -94,7 +94,7 @@ def write_request(
                 target.copy_(value.local if isinstance(value, Shard) else value)
         train_state = rebuild(request.train_state, ranks)
         extra = {name: ExtraFile(len(data), partial(_write_bytes, data)) for name, data in request.extra.items()}
-        options = dataclasses.replace(request.options, extra_files=extra)
+        options = dataclasses.replace(request.options, extra_files=extra, file_lanes=1)  # the cores are training's
         result = manager.save(model, request.step, request.state, options, train_state, ranks)
     except SlimtuneError as e:
         return Failed(str(e), own=not isinstance(e, PeerFailure))

@@ -255,9 +255,12 @@ class DirectAppend:
         if job is not None:
             job.result()
 
-    def _stop_direct(self) -> None:
+    def _wait_all(self) -> None:
         for i in range(len(self._pending)):
             self._wait(i)
+
+    def _stop_direct(self) -> None:
+        self._wait_all()
         self._close_direct()
         self.direct = False
         self._writeback = WriteBack(self.fd)
@@ -269,8 +272,7 @@ class DirectAppend:
                 whole = self._fill // _DIRECT_ALIGN * _DIRECT_ALIGN
                 if whole:
                     self._flush(whole)
-            for i in range(len(self._pending)):
-                self._wait(i)
+            self._wait_all()
             if self._fill:
                 pwrite_all(self.fd, self._views[self._cur][: self._fill], self._base)
                 self._base, self._fill = self._base + self._fill, 0

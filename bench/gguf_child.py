@@ -1,13 +1,14 @@
 """The child of ``python -m bench gguf``: ``python -m bench.gguf_child BASE ADAPTER OUT TYPE VERIFY`` exports the
 GGUF file and prints one JSON line: seconds, bytes written, the export's own report, RSS before (after
 imports, those the export makes on first use included: ``imports_mb``) and at peak (reset with clear_refs
-first), and the quantizer's worker processes' private memory (sampled 4 times a second, summed over the
-workers alive at each sample; its peak)."""
+first), its CPU seconds (user + system, every thread of this process), and the quantizer's worker
+processes' private memory (sampled 4 times a second, summed over the workers alive at each sample; its peak)."""
 
 from __future__ import annotations
 
 import json
 import os
+import resource
 import sys
 import threading
 import time
@@ -57,6 +58,11 @@ def _warm_imports(base: Path) -> tuple[float, float]:
     return rss_mb() - start, time.perf_counter() - t0
 
 
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def main(argv: list[str]) -> None:
     base, adapter, out, qtype, verify = argv
     imports, imports_s = _warm_imports(Path(base))
@@ -64,9 +70,10 @@ def main(argv: list[str]) -> None:
     reset = reset_peak_rss()
     workers = _WorkerMemory()
     workers.start()
-    w0, t0 = bytes_written_by_process(), time.perf_counter()
+    w0, t0, cpu0 = bytes_written_by_process(), time.perf_counter(), _cpu_s()
     result = export_gguf(Path(out), GGUFOptions(qtype, overwrite=True), MergeSource(Path(base), Path(adapter), verify=verify == "True"))
     figures = {"export_s": imports_s + time.perf_counter() - t0, "bytes_written": bytes_written_by_process() - w0}
+    figures["cpu_s"] = _cpu_s() - cpu0  # user + system seconds of every thread of this process during the export
     workers.stop.set()
     workers.join()
     figures["workers_private_peak_mb"] = workers.peak_mb

@@ -173,6 +173,7 @@ def bench_gguf(
         "written_vs_file": round(stats["bytes_written"] / size, 5),
         "tensors": stats["tensors"],
         "export_s": round(stats["export_s"], 2),
+        "export_cpu_s": round(stats["cpu_s"], 2),  # user + system seconds of the export's threads
         "write_mb_s": round(write_mb_s, 1),
         "disk_mb_s": round(disk, 1),
         "ratio": round(write_mb_s / disk, 3),

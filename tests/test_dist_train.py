@@ -226,10 +226,11 @@ def test_background_saves_under_torchrun_equal_the_synchronous_ones(runs):
     rows = metrics(two)
     saves = {r["step"]: r for r in rows if "checkpoint" in r}
     assert sorted(saves) == [3, 4, 6]
-    assert all(r["checkpoint_stall_s"] >= 0 and r["checkpoint_snapshot_bytes"] > 0 for r in saves.values())
-    # each save is reported once every rank's writer finished it, the last one at the run's end
+    assert all(saves[s]["checkpoint_stall_s"] >= 0 and saves[s]["checkpoint_snapshot_bytes"] > 0 for s in (3, 4))  # handed over
+    # each save is reported once every rank's writer finished it; the last step's save is the trainers' own
     finished = [a for r in rows for a in [*r.get("checkpoint_also_saved", []), r] if "checkpoint_saved" in a]
-    assert [a["checkpoint_saved"] for a in finished] == ["step-000003", "step-000004", "step-000006"]
+    assert [a["checkpoint_saved"] for a in finished] == ["step-000003", "step-000004"]
+    assert saves[6]["checkpoint_stall_s"] == saves[6]["checkpoint_save_s"] > 0
     for a in finished:
         sizes = sum(f["size"] for f in read_manifest(two / a["checkpoint_saved"])["files"])
         assert a["checkpoint_save_s"] > 0 and a["checkpoint_bytes"] == sizes and a["checkpoint_peak_rss_mb"] > 0

@@ -387,3 +387,26 @@ def test_c_fp16_rounding_is_ggmls(path):
     ref = np.zeros(x.size, dtype=np.uint16)
     _ggml().ggml_fp32_to_fp16_row(x.ctypes.data, ref.ctypes.data, x.size)
     assert np.array_equal(kquant_kernel.c_fp16_bits(torch.from_numpy(x)).numpy().astype(np.uint16), ref)
+
+
+@pytest.mark.parametrize("path", ["C"], indirect=True)
+@pytest.mark.parametrize("build", ["native", "baseline"])
+def test_c_q8_0_of_bf16_bits_is_ggmls(path, build):
+    """Q8_0 of bf16 blocks (widened in registers by the C loop, the export's path for a stored tensor)
+    equals ggml's quantization of their float32 values, over every bf16 bit pattern: subnormals, huge
+    values whose scale overflows float16, zeros of either sign, NaN and infinities (without the check);
+    with the AVX2 lane code where the CPU has it, and built without it."""
+    g = np.random.default_rng(3)
+    bits = np.concatenate([g.permutation(np.arange(1 << 16, dtype=np.uint32)) for _ in range(2)])
+    scales = g.integers(0x3000, 0x4000, bits.size // 32, dtype=np.uint32)  # blocks of one magnitude too
+    same = (scales[:, None] + g.integers(-64, 64, (scales.size, 32))).astype(np.uint32) | (g.integers(0, 2, (scales.size, 32)) << 15)
+    bits = np.concatenate([bits, same.reshape(-1)]).astype(np.uint16)
+    x = torch.from_numpy(bits.view(np.int16).copy()).view(torch.bfloat16).reshape(-1, 32)
+    flags = kquant_kernel.FLAGS + (("-DSLIMTUNE_BASELINE_ONLY",) if build == "baseline" else ())
+    lib = kquant_kernel._load(flags)[0]
+    ours = torch.empty(x.shape[0], 34, dtype=torch.uint8)
+    lib.slimtune_kquant_bf16(9, x.data_ptr(), ours.data_ptr(), x.shape[0], 0)
+    with np.errstate(all="ignore"):
+        ref = ggml_quantize(x.float().numpy(), "Q8_0")
+    bad = np.nonzero((ours.numpy() != ref).any(axis=1))[0]
+    assert len(bad) == 0, f"{len(bad)} of {len(ref)} blocks differ from ggml's, first {bad[:8].tolist()}"

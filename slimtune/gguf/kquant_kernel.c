@@ -82,6 +82,7 @@ typedef float vf __attribute__((vector_size(4 * LANES)));
 typedef int32_t vi __attribute__((vector_size(4 * LANES)));
 typedef float hf __attribute__((vector_size(16))); /* half of one: 4 lanes */
 typedef int32_t hi __attribute__((vector_size(16)));
+typedef uint16_t vh __attribute__((vector_size(2 * LANES))); /* LANES bf16 values' bits */
 #define INLINE static inline __attribute__((always_inline))
 #pragma GCC diagnostic ignored "-Wpsabi" /* vectors pass only between inlined functions */
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && !defined(SLIMTUNE_BASELINE_ONLY)
@@ -164,6 +165,7 @@ struct lane_ops {
     lanes_fn search[5];
     levels_fn levels[5];
     int (*q8_0)(const float *, uint8_t *);
+    int64_t (*q8_0_bf16)(const uint16_t *, uint8_t *, int64_t);
 };
 
 /* 2-bit levels L[256] (0..3) -> 64 bytes: byte 32h + l holds L[128h + l + 32k] at bits 2k. */
@@ -531,14 +533,14 @@ static float abs_max(const float *x) {
 #undef KQ_PASS
 static const struct lane_ops AVX2_OPS = {{search_q2_avx2, search_q3_16_avx2, search_q4_avx2, search_q5_avx2, search_q6_16_avx2},
                                          {levels_q2_avx2, levels_q3_avx2, levels_q4_avx2, levels_q5_avx2, levels_q6_avx2},
-                                         q8_0_avx2};
+                                         q8_0_avx2, q8_0_bf16_avx2};
 #endif
 #define KQ_PASS 2
 #include "kquant_kernel.c" /* this file again: its lane code at the end, for this pass */
 #undef KQ_PASS
 static const struct lane_ops BASE_OPS = {{search_q2_base, search_q3_16_base, search_q4_base, search_q5_base, search_q6_16_base},
                                          {levels_q2_base, levels_q3_base, levels_q4_base, levels_q5_base, levels_q6_base},
-                                         q8_0_base};
+                                         q8_0_base, q8_0_bf16_base};
 
 /* AVX2's lane code where the CPU has it, else the baseline's. */
 static const struct lane_ops *lane_ops(void) {
@@ -583,6 +585,7 @@ int64_t slimtune_kquant_bf16(int t, const uint16_t *x, uint8_t *out, int64_t n, 
         for (int64_t i = 0; i < n * values; i++) bad |= (uint16_t)((x[i] & 0x7f80u) == 0x7f80u);
         if (bad) return -2;
     }
+    if (t == 9) return lane_ops()->q8_0_bf16(x, out, n); /* widened in registers */
     float block[QK_K];
     int64_t overflowed = 0;
     for (int64_t b = 0; b < n; b++) {
@@ -880,6 +883,49 @@ LANE_FN int LN(q8_0)(const float *x, uint8_t *y) {
     }
     for (int j = 0; j < 32; j++) y[2 + j] = (uint8_t)q[j]; /* the low byte (a loop that vectorizes) */
     return overflows(h);
+}
+
+/* Q8_0 of n blocks of bf16 bits x: each block widened in registers to its exact float32 values (bits << 16)
+ * and quantized with q8_0's operations on them; a block holding a NaN goes through q8_0 itself (the fold's
+ * answer). Returns the blocks whose fp16 scale overflowed. */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("O3")))
+#endif
+LANE_FN int64_t LN(q8_0_bf16)(const uint16_t *x, uint8_t *y, int64_t n) {
+    int64_t bad = 0;
+    for (int64_t b = 0; b < n; b++, x += 32, y += 34) {
+        vf v[32 / LANES];
+        vi top = isplat(0);
+        for (int k = 0; k < 32 / LANES; k++) {
+            vh bits;
+            memcpy(&bits, x + LANES * k, sizeof bits);
+            vi u = __builtin_convertvector(bits, vi) << 16; /* zero-extended: the float32 bits */
+            v[k] = (vf)u;
+            u &= 0x7fffffff;
+            top = isel(LN(ilt)(top, u), u, top);
+        }
+        int32_t t = top[0];
+        for (int k = 1; k < LANES; k++) t = top[k] > t ? top[k] : t;
+        if (t > 0x7f800000) {
+            float block[32];
+            memcpy(block, v, sizeof block);
+            bad += LN(q8_0)(block, y);
+            continue;
+        }
+        float amax;
+        memcpy(&amax, &t, 4);
+        float d = amax / 127, id = d ? 1.0f / d : 0.0f;
+        uint16_t h = fp16_bits(d);
+        put16(y, h);
+        int32_t q[32];
+        for (int k = 0; k < 32 / LANES; k++) {
+            vi l = LN(round_int)(v[k] * vsplat(id));
+            memcpy(q + LANES * k, &l, sizeof l);
+        }
+        for (int j = 0; j < 32; j++) y[2 + j] = (uint8_t)q[j];
+        bad += overflows(h);
+    }
+    return bad;
 }
 
 #undef CMP

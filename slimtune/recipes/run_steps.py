@@ -360,7 +360,9 @@ def save_step(run: Run) -> SaveResult | None:
     tokenizer, model card, recipe state and training state; then pruning (keep_last_n). With
     checkpoint.async the background writers write it (one per rank, the same cooperative save): this
     step blocks only for the snapshot (``checkpoint_stall_s``) and returns None; ``log_step`` reports the
-    save when every rank's writer has finished it.
+    save when every rank's writer has finished it. The run's last save point waits for the save in
+    flight (``checkpoint_final_wait_s``) and writes its own save here, synchronously: no training is left
+    for a background save to overlap, and the trainer's threads write it faster than a forked writer's one.
 
     Example: ``if save_now: save_step(run)``"""
     cfg, ranks, record, step = run.cfg, run.where.ranks, run.record, run.at.global_step
@@ -380,7 +382,9 @@ def save_step(run: Run) -> SaveResult | None:
     options = SaveOptions(write, extra_files=extra, tokenizer_dir=run.docs.tokenizer_dir)
     training = training_state(run.model, run.optim, run.at.position, ranks)
     kind = "adapter" if only_adapter else "adapter + merged"
-    if run.saver is not None and run.saver.available(step):  # blocks for the snapshot (and a save still in flight)
+    if run.saver is not None and step >= run.span.stop_at:  # the run's last save: nothing left to overlap
+        record["checkpoint_final_wait_s"] = run.saver.wait()  # the save in flight first; this one synchronously
+    elif run.saver is not None and run.saver.available(step):  # blocks for the snapshot (and a save still in flight)
         stall = run.saver.submit(step, state, options, training)
         record.update(checkpoint=ckpt.name, checkpoint_stall_s=stall)
         log.info(f"saving {ckpt.name} ({kind}) in the background; training blocked {stall:.2f} s")

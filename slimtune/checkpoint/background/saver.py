@@ -3,7 +3,9 @@
 
 The policy: at most one save in flight (a save point reached while the previous save runs waits for
 it, and the wait is stall; a writer that yields the CPU then runs the next saves less nice, 19 -> 10 ->
-0); the run's end waits for the last save; ``keep_last_n`` prunes after a save is complete; and under a
+0); the run's last save point waits for the save in flight, then the trainer writes that last save
+itself, synchronously (no training is left to overlap: all its threads are the save's, where a
+forked writer runs one); ``keep_last_n`` prunes after a save is complete; and under a
 process group the ranks agree: whether the writers can take saves at all, and when a save is over or
 failed. While one is in flight each step exchanges every rank's writer's answer (one small gather), so
 every rank finishes it, or raises the same line, at the same step; a trainer waiting for its writer
@@ -164,8 +166,9 @@ class BackgroundSaver:
         writer's), ``checkpoint_snapshot_bytes`` (on the save point's step), ``tokens_per_s_during_save`` and
         ``tokens_per_s_outside_save`` (mean throughput of the steps that ran during it, and of the steps
         so far that ran during no save). ``last``: the run ends here; wait for the save in flight
-        (``checkpoint_final_wait_s``); where two saves finish in one step, the earlier one's figures go
-        to ``checkpoint_also_saved``. Raises the writer's failure as one line (any rank's writer's, on
+        (``checkpoint_final_wait_s``); where two saves finish in one step (or a background save finishes
+        on a step that wrote its own save synchronously), the earlier one's figures go to
+        ``checkpoint_also_saved``. Raises the writer's failure as one line (any rank's writer's, on
         every rank at the same step)."""
         busy = self.busy  # the save in flight when this step began
         if record.get("tokens_per_s") is not None:
@@ -184,11 +187,22 @@ class BackgroundSaver:
                 figures["tokens_per_s_during_save"] = sum(flight.step_rates) / len(flight.step_rates)
             if self.outside_rates:
                 figures["tokens_per_s_outside_save"] = sum(self.outside_rates) / len(self.outside_rates)
+            if "checkpoint_save_s" in record and "checkpoint_saved" not in record:  # the step's own save, written after it
+                record.setdefault("checkpoint_also_saved", []).append(figures)
+                continue
             if "checkpoint_saved" in record:  # two finished in one step (the last one waited for the one before)
                 record.setdefault("checkpoint_also_saved", []).append({k: record[k] for k in figures if k in record})
             record.update(figures)
         self.finished = []
         self.busy = self.in_flight
+
+    def wait(self) -> float:
+        """Wait for the save in flight (if any; its figures go to the next ``annotate``); the seconds waited.
+        The run's last save point calls it before writing that save itself (``save_step``)."""
+        started = time.perf_counter()
+        if self.in_flight is not None:
+            self._settle(block=True)
+        return time.perf_counter() - started
 
     def close(self) -> None:
         """Wait for the save in flight, then stop the writer."""

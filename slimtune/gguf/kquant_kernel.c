@@ -165,7 +165,7 @@ struct lane_ops {
     lanes_fn search[5];
     levels_fn levels[5];
     int (*q8_0)(const float *, uint8_t *);
-    int64_t (*q8_0_bf16)(const uint16_t *, uint8_t *, int64_t);
+    int64_t (*q8_0_bf16)(const uint16_t *, uint8_t *, int64_t, int);
 };
 
 /* 2-bit levels L[256] (0..3) -> 64 bytes: byte 32h + l holds L[128h + l + 32k] at bits 2k. */
@@ -575,17 +575,17 @@ int64_t slimtune_kquant(int t, const float *x, uint8_t *out, int64_t n) {
 
 /* slimtune_kquant of bf16 blocks x (their bits), each widened to its exact float32 values in a buffer of
  * one block first (the bytes are those of the float32 values, with no pass of its own over them). With
- * check, a NaN or an infinity anywhere (exponent bits all ones) stops it before anything is quantized:
- * returns -2. */
+ * check, a NaN or an infinity anywhere (exponent bits all ones) stops it: returns -2 (before anything is
+ * quantized; Q8_0, whose blocks are widened in registers, at the first such block). */
 int64_t slimtune_kquant_bf16(int t, const uint16_t *x, uint8_t *out, int64_t n, int check) {
     int values = t >= 0 && t <= 4 ? QK_K : 32;
     if (t < 0 || t > 9) return -1;
+    if (t == 9) return lane_ops()->q8_0_bf16(x, out, n, check); /* widened in registers, checked from its max */
     if (check) {
         uint16_t bad = 0;
         for (int64_t i = 0; i < n * values; i++) bad |= (uint16_t)((x[i] & 0x7f80u) == 0x7f80u);
         if (bad) return -2;
     }
-    if (t == 9) return lane_ops()->q8_0_bf16(x, out, n); /* widened in registers */
     float block[QK_K];
     int64_t overflowed = 0;
     for (int64_t b = 0; b < n; b++) {
@@ -887,11 +887,13 @@ LANE_FN int LN(q8_0)(const float *x, uint8_t *y) {
 
 /* Q8_0 of n blocks of bf16 bits x: each block widened in registers to its exact float32 values (bits << 16)
  * and quantized with q8_0's operations on them; a block holding a NaN goes through q8_0 itself (the fold's
- * answer). Returns the blocks whose fp16 scale overflowed. */
+ * answer). Returns the blocks whose fp16 scale overflowed; with check, -2 at the first block holding a
+ * NaN or an infinity (its largest |bits| is the exponent's all ones: no pass of its own), the output
+ * written so far to be discarded. */
 #if defined(__GNUC__) && !defined(__clang__)
 __attribute__((optimize("O3")))
 #endif
-LANE_FN int64_t LN(q8_0_bf16)(const uint16_t *x, uint8_t *y, int64_t n) {
+LANE_FN int64_t LN(q8_0_bf16)(const uint16_t *x, uint8_t *y, int64_t n, int check) {
     int64_t bad = 0;
     for (int64_t b = 0; b < n; b++, x += 32, y += 34) {
         vf v[32 / LANES];
@@ -906,6 +908,7 @@ LANE_FN int64_t LN(q8_0_bf16)(const uint16_t *x, uint8_t *y, int64_t n) {
         }
         int32_t t = top[0];
         for (int k = 1; k < LANES; k++) t = top[k] > t ? top[k] : t;
+        if (check && t >= 0x7f800000) return -2;
         if (t > 0x7f800000) {
             float block[32];
             memcpy(block, v, sizeof block);

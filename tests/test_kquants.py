@@ -391,11 +391,13 @@ def test_c_fp16_rounding_is_ggmls(path):
 
 @pytest.mark.parametrize("path", ["C"], indirect=True)
 @pytest.mark.parametrize("build", ["native", "baseline"])
-def test_c_q8_0_of_bf16_bits_is_ggmls(path, build):
-    """Q8_0 of bf16 blocks (widened in registers by the C loop, the export's path for a stored tensor)
-    equals ggml's quantization of their float32 values, over every bf16 bit pattern: subnormals, huge
-    values whose scale overflows float16, zeros of either sign, NaN and infinities (without the check);
-    with the AVX2 lane code where the CPU has it, and built without it."""
+@pytest.mark.parametrize("type_name", LEGACY)
+def test_c_legacy_blocks_of_every_bf16_bit_pattern_are_ggmls(path, build, type_name):
+    """The 32-value types of bf16 blocks (widened by the C loop; Q8_0 in registers, the export's path for a
+    stored tensor) equal ggml's quantization of their float32 values, over every bf16 bit pattern:
+    subnormals, huge values whose scale overflows float16, zeros of either sign, NaN and infinities
+    (without the check), and blocks of one magnitude; with the AVX2 lane code where the CPU has it, and
+    built without it."""
     g = np.random.default_rng(3)
     bits = np.concatenate([g.permutation(np.arange(1 << 16, dtype=np.uint32)) for _ in range(2)])
     scales = g.integers(0x3000, 0x4000, bits.size // 32, dtype=np.uint32)  # blocks of one magnitude too
@@ -404,9 +406,10 @@ def test_c_q8_0_of_bf16_bits_is_ggmls(path, build):
     x = torch.from_numpy(bits.view(np.int16).copy()).view(torch.bfloat16).reshape(-1, 32)
     flags = kquant_kernel.FLAGS + (("-DSLIMTUNE_BASELINE_ONLY",) if build == "baseline" else ())
     lib = kquant_kernel._load(flags)[0]
-    ours = torch.empty(x.shape[0], 34, dtype=torch.uint8)
-    lib.slimtune_kquant_bf16(9, x.data_ptr(), ours.data_ptr(), x.shape[0], 0)
+    code, size, _ = kquant_kernel.TYPES[type_name]
+    ours = torch.empty(x.shape[0], size, dtype=torch.uint8)
+    lib.slimtune_kquant_bf16(code, x.data_ptr(), ours.data_ptr(), x.shape[0], 0)
     with np.errstate(all="ignore"):
-        ref = ggml_quantize(x.float().numpy(), "Q8_0")
+        ref = ggml_quantize(x.float().numpy(), type_name)
     bad = np.nonzero((ours.numpy() != ref).any(axis=1))[0]
-    assert len(bad) == 0, f"{len(bad)} of {len(ref)} blocks differ from ggml's, first {bad[:8].tolist()}"
+    assert len(bad) == 0, f"{type_name}: {len(bad)} of {len(ref)} blocks differ from ggml's, first {bad[:8].tolist()}"

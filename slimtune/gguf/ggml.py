@@ -189,10 +189,10 @@ QUANTIZERS = {name: _native(name, fn) for name, fn in _KQUANTS}
 _TYPES: dict[str, tuple[Callable[[torch.Tensor, bool], torch.Tensor], int, int]] = {
     # type: (quantizer of blocks (N, block values), check -> (N, block bytes), values per block, blocks per piece)
     "Q8_0": (_native("Q8_0", _q8_0), 32, 16384),
-    "Q4_0": (_native("Q4_0", _q4_0), 32, 4096),
-    "Q4_1": (_native("Q4_1", _q4_1), 32, 4096),
-    "Q5_0": (_native("Q5_0", _q5_0), 32, 4096),
-    "Q5_1": (_native("Q5_1", _q5_1), 32, 4096),
+    "Q4_0": (_native("Q4_0", _q4_0), 32, 16384),
+    "Q4_1": (_native("Q4_1", _q4_1), 32, 16384),
+    "Q5_0": (_native("Q5_0", _q5_0), 32, 16384),
+    "Q5_1": (_native("Q5_1", _q5_1), 32, 16384),
     "Q2_K": (QUANTIZERS["Q2_K"], kquants.QK_K, 1024),
     "Q3_K": (QUANTIZERS["Q3_K"], kquants.QK_K, 1024),
     "Q4_K": (QUANTIZERS["Q4_K"], kquants.QK_K, 1024),

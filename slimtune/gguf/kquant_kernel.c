@@ -166,6 +166,7 @@ struct lane_ops {
     levels_fn levels[5];
     int (*q8_0)(const float *, uint8_t *);
     int64_t (*q8_0_bf16)(const uint16_t *, uint8_t *, int64_t, int);
+    int (*legacy[4])(const float *, uint8_t *); /* Q4_0, Q4_1, Q5_0, Q5_1 */
 };
 
 /* 2-bit levels L[256] (0..3) -> 64 bytes: byte 32h + l holds L[128h + l + 32k] at bits 2k. */
@@ -382,124 +383,15 @@ static void q6_k(const struct lane_ops *ops, const float *x, uint8_t *y) {
     put16(y + 208, d);
 }
 
-#if defined(__GNUC__) && !defined(__clang__)
-/* The legacy types' 16-value loops vectorize at -O3 (Q4_0, Q4_1 a quarter faster); only these functions
- * get it (the K-quants' lane code is written in vectors). */
-#pragma GCC push_options
-#pragma GCC optimize("O3")
-#endif
-
-/* The legacy 32-value blocks. (int8_t)v of a float level: C's truncation toward zero; an infinite or NaN v
- * (a block whose scale is subnormal: 1.0f/d overflows) converts as x86-64's cvttss2si does, to 0x80000000,
- * whose low byte is 0. Each returns whether a stored fp16 scale is inf or NaN (an overflow the caller refuses). */
-static inline int8_t to_int8(float v) {
-    float in_range = fabsf(v) < 2147483648.f ? v : 0.f; /* a select, not a branch: the loop vectorizes */
-    return (int8_t)(int32_t)in_range;
-}
-
+/* The legacy 32-value blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) run in the lane code too, 8 values at a time. Each
+ * returns whether a stored fp16 scale is inf or NaN (an overflow the caller refuses). */
 static inline int overflows(uint16_t h) { return (h & 0x7c00u) == 0x7c00u; }
-
-/* max: the first value of largest magnitude (0 where all are 0; NaN never is); d = max / -levels/2. The
- * magnitude first (a maximum: exact, so any order), then the first value of it: loops that vectorize. */
-static void signed_scale(const float *x, int half, float *d, float *id) {
-    float amax = 0.0f, mx = 0.0f;
-    for (int j = 0; j < 32; j++) amax = fabsf(x[j]) > amax ? fabsf(x[j]) : amax;
-    if (amax > 0.0f)
-        for (int j = 0; j < 32; j++)
-            if (fabsf(x[j]) == amax) {
-                mx = x[j];
-                break;
-            }
-    *d = mx / -half;
-    *id = *d ? 1.0f / *d : 0.0f;
-}
-
-/* Q4_0 block: d, qs[16] (level j low nibble, level j + 16 high). */
-WIDE static int q4_0(const float *x, uint8_t *y) {
-    float d, id;
-    signed_scale(x, 8, &d, &id);
-    uint16_t h = fp16_bits(d);
-    put16(y, h);
-    for (int j = 0; j < 16; j++) {
-        int a = to_int8(x[j] * id + 8.5f), b = to_int8(x[16 + j] * id + 8.5f);
-        y[2 + j] = (uint8_t)((a < 15 ? a : 15) | ((b < 15 ? b : 15) << 4));
-    }
-    return overflows(h);
-}
-
-/* Q5_0 block: d, qh (bit j: level j's bit 4, little-endian uint32), qs[16]. */
-WIDE static int q5_0(const float *x, uint8_t *y) {
-    float d, id;
-    signed_scale(x, 16, &d, &id);
-    uint16_t h = fp16_bits(d);
-    put16(y, h);
-    uint32_t qh = 0;
-    for (int j = 0; j < 16; j++) {
-        int a = to_int8(x[j] * id + 16.5f), b = to_int8(x[16 + j] * id + 16.5f);
-        a = a < 31 ? a : 31;
-        b = b < 31 ? b : 31;
-        y[6 + j] = (uint8_t)((a & 0xF) | ((b & 0xF) << 4));
-        qh |= (((uint32_t)a & 0x10u) >> 4) << j;
-        qh |= (((uint32_t)b & 0x10u) >> 4) << (j + 16);
-    }
-    for (int k = 0; k < 4; k++) y[2 + k] = (uint8_t)(qh >> (8 * k));
-    return overflows(h);
-}
 
 /* The first value equal to v (v == 0: which zero, +0 or -0, comes first). */
 static float first_equal(const float *x, float v) {
     for (int j = 0; j < 32; j++)
         if (x[j] == v) return x[j];
     return v;
-}
-
-/* min and max: the first of each (NaN never is; both as the maxima and minima are, exact in any order but
- * for the sign of a zero, which is the first zero's); d = (max - min) / (levels - 1). */
-static void min_scale(const float *x, int levels, float *d, float *id, float *mn) {
-    float lo = 3.40282347e38f, hi = -3.40282347e38f;
-    for (int j = 0; j < 32; j++) {
-        lo = x[j] < lo ? x[j] : lo;
-        hi = x[j] > hi ? x[j] : hi;
-    }
-    if (lo == 0.0f) lo = first_equal(x, lo);
-    if (hi == 0.0f) hi = first_equal(x, hi);
-    *d = (hi - lo) / (levels - 1);
-    *id = *d ? 1.0f / *d : 0.0f;
-    *mn = lo;
-}
-
-/* Q4_1 block: d, m, qs[16]. */
-WIDE static int q4_1(const float *x, uint8_t *y) {
-    float d, id, mn;
-    min_scale(x, 16, &d, &id, &mn);
-    uint16_t h = fp16_bits(d), m = fp16_bits(mn);
-    put16(y, h);
-    put16(y + 2, m);
-    for (int j = 0; j < 16; j++) {
-        int a = to_int8((x[j] - mn) * id + 0.5f), b = to_int8((x[16 + j] - mn) * id + 0.5f);
-        y[4 + j] = (uint8_t)((a < 15 ? a : 15) | ((b < 15 ? b : 15) << 4));
-    }
-    return overflows(h) | overflows(m);
-}
-
-/* Q5_1 block: d, m, qh, qs[16]. */
-WIDE static int q5_1(const float *x, uint8_t *y) {
-    float d, id, mn;
-    min_scale(x, 32, &d, &id, &mn);
-    uint16_t h = fp16_bits(d), m = fp16_bits(mn);
-    put16(y, h);
-    put16(y + 2, m);
-    uint32_t qh = 0;
-    for (int j = 0; j < 16; j++) {
-        int a = to_int8((x[j] - mn) * id + 0.5f), b = to_int8((x[16 + j] - mn) * id + 0.5f);
-        a = a < 31 ? a : 31;
-        b = b < 31 ? b : 31;
-        y[8 + j] = (uint8_t)((a & 0xF) | ((b & 0xF) << 4));
-        qh |= (((uint32_t)a & 0x10u) >> 4) << j;
-        qh |= (((uint32_t)b & 0x10u) >> 4) << (j + 16);
-    }
-    for (int k = 0; k < 4; k++) y[4 + k] = (uint8_t)(qh >> (8 * k));
-    return overflows(h) | overflows(m);
 }
 
 /* The largest |x| of a block as ggml's fold amax = amax > |x| ? amax : |x| (from 0) finds it: without a
@@ -522,10 +414,6 @@ static float abs_max(const float *x) {
     return amax;
 }
 
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC pop_options
-#endif
-
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(SLIMTUNE_BASELINE_ONLY)
 #define KQ_AVX2 1
 #define KQ_PASS 1
@@ -533,14 +421,14 @@ static float abs_max(const float *x) {
 #undef KQ_PASS
 static const struct lane_ops AVX2_OPS = {{search_q2_avx2, search_q3_16_avx2, search_q4_avx2, search_q5_avx2, search_q6_16_avx2},
                                          {levels_q2_avx2, levels_q3_avx2, levels_q4_avx2, levels_q5_avx2, levels_q6_avx2},
-                                         q8_0_avx2, q8_0_bf16_avx2};
+                                         q8_0_avx2, q8_0_bf16_avx2, {q4_0_avx2, q4_1_avx2, q5_0_avx2, q5_1_avx2}};
 #endif
 #define KQ_PASS 2
 #include "kquant_kernel.c" /* this file again: its lane code at the end, for this pass */
 #undef KQ_PASS
 static const struct lane_ops BASE_OPS = {{search_q2_base, search_q3_16_base, search_q4_base, search_q5_base, search_q6_16_base},
                                          {levels_q2_base, levels_q3_base, levels_q4_base, levels_q5_base, levels_q6_base},
-                                         q8_0_base, q8_0_bf16_base};
+                                         q8_0_base, q8_0_bf16_base, {q4_0_base, q4_1_base, q5_0_base, q5_1_base}};
 
 /* AVX2's lane code where the CPU has it, else the baseline's. */
 static const struct lane_ops *lane_ops(void) {
@@ -554,7 +442,6 @@ typedef void (*block_fn)(const struct lane_ops *, const float *, uint8_t *);
 static const block_fn BLOCKS[5] = {q2_k, q3_k, q4_k, q5_k, q6_k};
 static const int BYTES[5] = {84, 110, 144, 176, 210};
 typedef int (*legacy_fn)(const float *, uint8_t *);
-static const legacy_fn LEGACY[4] = {q4_0, q4_1, q5_0, q5_1};
 static const int LEGACY_BYTES[5] = {18, 20, 22, 24, 34};
 
 /* Blocks [0, n) of x of type t into out (n * its block bytes): t 0..4 Q2_K .. Q6_K (256 values a block),
@@ -568,7 +455,7 @@ int64_t slimtune_kquant(int t, const float *x, uint8_t *out, int64_t n) {
     }
     if (t < 5 || t > 9) return -1;
     int64_t bad = 0;
-    legacy_fn quantize = t == 9 ? lane_ops()->q8_0 : LEGACY[t - 5];
+    legacy_fn quantize = t == 9 ? lane_ops()->q8_0 : lane_ops()->legacy[t - 5];
     for (int64_t b = 0; b < n; b++) bad += quantize(x + 32 * b, out + (int64_t)LEGACY_BYTES[t - 5] * b);
     return bad;
 }
@@ -929,6 +816,133 @@ LANE_FN int64_t LN(q8_0_bf16)(const uint16_t *x, uint8_t *y, int64_t n, int chec
         bad += overflows(h);
     }
     return bad;
+}
+
+/* The legacy types' levels: MIN(top, (int8_t)(x * id + add)) of 8 values (ggml's, with x - min first
+ * where with_min). (int8_t) of a float: C's truncation toward zero, then the low byte; an infinite or NaN
+ * level (a block whose scale is subnormal: 1.0f/d overflows) or |v| >= 2^31 converts as x86-64's
+ * cvttss2si does, to 0x80000000, whose low byte is 0. */
+LANE_INLINE vi LN(legacy_levels)(const float *x, float id, float mn, float add, int top, int with_min) {
+    vf v;
+    memcpy(&v, x, sizeof v);
+    if (with_min) v = v - vsplat(mn);
+    v = v * vsplat(id) + vsplat(add); /* two roundings: the file has no contraction */
+    v = vsel(LN(flt)(vabs(v), vsplat(2147483648.f)), v, vsplat(0));
+    vi l = (__builtin_convertvector(v, vi) << 24) >> 24; /* the low byte, signed: (int8_t) */
+    return isel(LN(ilt)(isplat(top), l), isplat(top), l);
+}
+
+/* Q4_0 / Q5_0's scale: the first value of largest magnitude (0 where all are 0; NaN never is), from the
+ * largest bits of |x| over the lanes (NaN lanes out); d = max / -half. */
+LANE_INLINE void LN(signed_scale)(const float *x, float half, float *d, float *id) {
+    vi top = isplat(0);
+    for (int j = 0; j < 32; j += LANES) {
+        vi u;
+        memcpy(&u, x + j, sizeof u);
+        u &= 0x7fffffff;
+        u = isel(LN(ilt)(isplat(0x7f800000), u), isplat(0), u);
+        top = isel(LN(ilt)(top, u), u, top);
+    }
+    int32_t t = top[0];
+    for (int k = 1; k < LANES; k++) t = top[k] > t ? top[k] : t;
+    float mx = 0.0f;
+    if (t)
+        for (int j = 0; j < 32; j++) {
+            uint32_t u;
+            memcpy(&u, x + j, 4);
+            if ((int32_t)(u & 0x7fffffffu) == t) {
+                mx = x[j];
+                break;
+            }
+        }
+    *d = mx / -half;
+    *id = *d ? 1.0f / *d : 0.0f;
+}
+
+/* Q4_1 / Q5_1's scale: the min and max folded lane by lane (NaN never is), then over the lanes (a zero's
+ * sign is the first zero's: first_equal); d = (max - min) / (levels - 1). */
+LANE_INLINE void LN(min_scale)(const float *x, float levels, float *d, float *id, float *mn) {
+    vf lo = vsplat(3.40282347e38f), hi = vsplat(-3.40282347e38f);
+    for (int j = 0; j < 32; j += LANES) {
+        vf v;
+        memcpy(&v, x + j, sizeof v);
+        lo = vsel(LN(flt)(v, lo), v, lo);
+        hi = vsel(LN(flt)(hi, v), v, hi);
+    }
+    float l = lo[0], h = hi[0];
+    for (int k = 1; k < LANES; k++) {
+        l = lo[k] < l ? lo[k] : l;
+        h = hi[k] > h ? hi[k] : h;
+    }
+    if (l == 0.0f) l = first_equal(x, l);
+    if (h == 0.0f) h = first_equal(x, h);
+    *d = (h - l) / (levels - 1);
+    *id = *d ? 1.0f / *d : 0.0f;
+    *mn = l;
+}
+
+/* Levels j and 16 + j of a block, 8 j at a time: byte j of qs holds level j's low nibble and level
+ * 16 + j's above it (4-bit: the level as it is, ggml's OR); with qh, bit 4 of level j goes to bit j of
+ * qh and that of level 16 + j to bit 16 + j (5-bit). */
+LANE_INLINE uint32_t LN(legacy_pack)(const float *x, float id, float mn, float add, int top, int with_min, int five, uint8_t *qs) {
+    static const vi shift = {0, 1, 2, 3, 4, 5, 6, 7};
+    uint32_t qh = 0;
+    for (int j = 0; j < 16; j += LANES) {
+        vi a = LN(legacy_levels)(x + j, id, mn, add, top, with_min), b = LN(legacy_levels)(x + 16 + j, id, mn, add, top, with_min);
+        vi q = five ? (a & 0xF) | ((b & 0xF) << 4) : a | (b << 4);
+        int32_t lanes[LANES];
+        memcpy(lanes, &q, sizeof q);
+        for (int k = 0; k < LANES; k++) qs[j + k] = (uint8_t)lanes[k];
+        if (five) {
+            vi bits = (((a & 0x10) >> 4) << (shift + j)) | (((b & 0x10) >> 4) << (shift + (16 + j)));
+            for (int k = 0; k < LANES; k++) qh |= (uint32_t)bits[k];
+        }
+    }
+    return qh;
+}
+
+/* Q4_0 block: d, qs[16]. */
+LANE_FN int LN(q4_0)(const float *x, uint8_t *y) {
+    float d, id;
+    LN(signed_scale)(x, 8, &d, &id);
+    uint16_t h = fp16_bits(d);
+    put16(y, h);
+    LN(legacy_pack)(x, id, 0, 8.5f, 15, 0, 0, y + 2);
+    return overflows(h);
+}
+
+/* Q5_0 block: d, qh (little-endian uint32), qs[16]. */
+LANE_FN int LN(q5_0)(const float *x, uint8_t *y) {
+    float d, id;
+    LN(signed_scale)(x, 16, &d, &id);
+    uint16_t h = fp16_bits(d);
+    put16(y, h);
+    uint32_t qh = LN(legacy_pack)(x, id, 0, 16.5f, 31, 0, 1, y + 6);
+    for (int k = 0; k < 4; k++) y[2 + k] = (uint8_t)(qh >> (8 * k));
+    return overflows(h);
+}
+
+/* Q4_1 block: d, m, qs[16]. */
+LANE_FN int LN(q4_1)(const float *x, uint8_t *y) {
+    float d, id, mn;
+    LN(min_scale)(x, 16, &d, &id, &mn);
+    uint16_t h = fp16_bits(d), m = fp16_bits(mn);
+    put16(y, h);
+    put16(y + 2, m);
+    LN(legacy_pack)(x, id, mn, 0.5f, 15, 1, 0, y + 4);
+    return overflows(h) | overflows(m);
+}
+
+/* Q5_1 block: d, m, qh, qs[16]. */
+LANE_FN int LN(q5_1)(const float *x, uint8_t *y) {
+    float d, id, mn;
+    LN(min_scale)(x, 32, &d, &id, &mn);
+    uint16_t h = fp16_bits(d), m = fp16_bits(mn);
+    put16(y, h);
+    put16(y + 2, m);
+    uint32_t qh = LN(legacy_pack)(x, id, mn, 0.5f, 31, 1, 1, y + 8);
+    for (int k = 0; k < 4; k++) y[4 + k] = (uint8_t)(qh >> (8 * k));
+    return overflows(h) | overflows(m);
 }
 
 #undef CMP

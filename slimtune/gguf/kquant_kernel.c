@@ -387,6 +387,16 @@ static void q6_k(const struct lane_ops *ops, const float *x, uint8_t *y) {
  * returns whether a stored fp16 scale is inf or NaN (an overflow the caller refuses). */
 static inline int overflows(uint16_t h) { return (h & 0x7c00u) == 0x7c00u; }
 
+/* A legacy type: its scale's divisor (d = max / -scale; with a min, (max - min) / (scale - 1)), the level's
+ * addend and top (MIN(top, (int8_t)(x * id + add))), whether it stores a min, whether 5-bit (qh). Static,
+ * so that they fold into the lane code. */
+struct legacy_type {
+    float scale, add;
+    int top, with_min, five;
+};
+static const struct legacy_type Q4_0_TYPE = {8, 8.5f, 15, 0, 0}, Q5_0_TYPE = {16, 16.5f, 31, 0, 1};
+static const struct legacy_type Q4_1_TYPE = {16, 0.5f, 15, 1, 0}, Q5_1_TYPE = {32, 0.5f, 31, 1, 1};
+
 /* The first value equal to v (v == 0: which zero, +0 or -0, comes first). */
 static float first_equal(const float *x, float v) {
     for (int j = 0; j < 32; j++)
@@ -901,49 +911,32 @@ LANE_INLINE uint32_t LN(legacy_pack)(const float *x, float id, float mn, float a
     return qh;
 }
 
-/* Q4_0 block: d, qs[16]. */
-LANE_FN int LN(q4_0)(const float *x, uint8_t *y) {
-    float d, id;
-    LN(signed_scale)(x, 8, &d, &id);
+/* One legacy block: d (and m, with_min), qh (five: 5-bit levels), qs[16]. */
+LANE_INLINE int LN(legacy_block)(const struct legacy_type *t, const float *x, uint8_t *y) {
+    float d, id, mn = 0.0f;
+    if (t->with_min)
+        LN(min_scale)(x, t->scale, &d, &id, &mn);
+    else
+        LN(signed_scale)(x, t->scale, &d, &id);
     uint16_t h = fp16_bits(d);
     put16(y, h);
-    LN(legacy_pack)(x, id, 0, 8.5f, 15, 0, 0, y + 2);
-    return overflows(h);
+    int bad = overflows(h), at = 2;
+    if (t->with_min) {
+        uint16_t m = fp16_bits(mn);
+        put16(y + 2, m);
+        bad |= overflows(m);
+        at = 4;
+    }
+    uint32_t qh = LN(legacy_pack)(x, id, mn, t->add, t->top, t->with_min, t->five, y + at + (t->five ? 4 : 0));
+    if (t->five)
+        for (int k = 0; k < 4; k++) y[at + k] = (uint8_t)(qh >> (8 * k));
+    return bad;
 }
 
-/* Q5_0 block: d, qh (little-endian uint32), qs[16]. */
-LANE_FN int LN(q5_0)(const float *x, uint8_t *y) {
-    float d, id;
-    LN(signed_scale)(x, 16, &d, &id);
-    uint16_t h = fp16_bits(d);
-    put16(y, h);
-    uint32_t qh = LN(legacy_pack)(x, id, 0, 16.5f, 31, 0, 1, y + 6);
-    for (int k = 0; k < 4; k++) y[2 + k] = (uint8_t)(qh >> (8 * k));
-    return overflows(h);
-}
-
-/* Q4_1 block: d, m, qs[16]. */
-LANE_FN int LN(q4_1)(const float *x, uint8_t *y) {
-    float d, id, mn;
-    LN(min_scale)(x, 16, &d, &id, &mn);
-    uint16_t h = fp16_bits(d), m = fp16_bits(mn);
-    put16(y, h);
-    put16(y + 2, m);
-    LN(legacy_pack)(x, id, mn, 0.5f, 15, 1, 0, y + 4);
-    return overflows(h) | overflows(m);
-}
-
-/* Q5_1 block: d, m, qh, qs[16]. */
-LANE_FN int LN(q5_1)(const float *x, uint8_t *y) {
-    float d, id, mn;
-    LN(min_scale)(x, 32, &d, &id, &mn);
-    uint16_t h = fp16_bits(d), m = fp16_bits(mn);
-    put16(y, h);
-    put16(y + 2, m);
-    uint32_t qh = LN(legacy_pack)(x, id, mn, 0.5f, 31, 1, 1, y + 8);
-    for (int k = 0; k < 4; k++) y[4 + k] = (uint8_t)(qh >> (8 * k));
-    return overflows(h) | overflows(m);
-}
+LANE_FN int LN(q4_0)(const float *x, uint8_t *y) { return LN(legacy_block)(&Q4_0_TYPE, x, y); }
+LANE_FN int LN(q4_1)(const float *x, uint8_t *y) { return LN(legacy_block)(&Q4_1_TYPE, x, y); }
+LANE_FN int LN(q5_0)(const float *x, uint8_t *y) { return LN(legacy_block)(&Q5_0_TYPE, x, y); }
+LANE_FN int LN(q5_1)(const float *x, uint8_t *y) { return LN(legacy_block)(&Q5_1_TYPE, x, y); }
 
 #undef CMP
 #undef vsplat

@@ -13,7 +13,9 @@ one rounding per operation, as ggml's reference quantizers are built), so its by
 (tests/test_kquants.py runs every byte-identity test on both paths). The K-quants' scale searches run
 on 8 groups (sub-blocks) at once, one per lane of a vector (AVX2 code where the CPU has it, chosen at
 run time; baseline code elsewhere): each lane does the scalar search's operations in its order, a
-branch is a select, so the bytes stay ggml's at several times ggml's speed per core. ctypes releases the GIL for the call.
+branch is a select, so the bytes stay ggml's at several times ggml's speed per core; the legacy
+types' 32 values run 8 at a time in the same lanes (Q8_0 of bf16 widened in registers). ctypes releases
+the GIL for the call.
 
 ``SLIMTUNE_NATIVE=0``, no compiler or a failed build: torch's code runs; ``loop_status()`` says which
 (``slimtune --version`` prints it).
